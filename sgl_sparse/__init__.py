@@ -1,0 +1,22 @@
+"""sgl_sparse: sparse-first KV-cache serving as a plug-in for stock SGLang 0.5.17.
+
+The core (config, contract, registry, methods, kernels) imports only torch/triton; everything that
+touches ``sglang.srt`` lives in :mod:`sgl_sparse.integration` and :mod:`sgl_sparse.radix`.
+"""
+
+from sgl_sparse.config import MethodConfig
+from sgl_sparse.contract import Family, SparseMethod
+from sgl_sparse.errors import SparseConfigError
+from sgl_sparse.registry import create_method, get_method_class, register_method, registered_methods
+
+__version__ = "0.1.0"
+__all__ = [
+    "Family",
+    "MethodConfig",
+    "SparseConfigError",
+    "SparseMethod",
+    "create_method",
+    "get_method_class",
+    "register_method",
+    "registered_methods",
+]

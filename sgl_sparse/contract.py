@@ -1,0 +1,242 @@
+"""The lifecycle contract between the serving runtime and a sparse-KV method.
+
+One contract serves four families:
+
+* eviction (StreamingLLM, SnapKV, H2O, ...): score in the layer hooks, return a smaller keep-set
+  from :meth:`SparseMethod.on_step_end`; the runtime frees the dropped physical slots.
+* dynamic selection (Quest, OmniKV, RetroInfer): keep every slot, return a per-layer
+  :class:`Selection` from :meth:`SparseMethod.before_attention` so attention reads only part of it.
+* compression / quantization (Palu, DeltaKV, KIVI, FP8, ...): a :class:`KVCodec` changes how K/V is
+  stored and read back; selection and eviction hooks stay no-ops.
+* dense: every hook is a no-op, and the runtime must then behave exactly like vanilla SGLang.
+
+Positions are always *logical* (index of the token in the request's sequence, the RoPE position).
+Which physical pool slot holds a logical position is the runtime's business, never the method's:
+see docs/architecture.md for the map. Hooks receive plain torch tensors and import nothing from
+SGLang, so a method is testable with :mod:`sgl_sparse.reference` alone.
+
+Hook order for one request (the runtime guarantees it; ``tests/test_contract.py`` checks it)::
+
+    new_state | restore_state                  once, at admission (restore: Chain Cache hit)
+    for each prefill chunk:
+        on_prefill_chunk                       before the chunk's forward
+        for each layer: before_attention, after_attention
+        on_prefill_end                         final chunk only, after the last layer
+        on_step_end                            after the forward step (may shrink the keep-set)
+    for each decode step:
+        for each layer: before_attention, after_attention
+        on_step_end
+    on_finish                                  once: what the prefix tree stores for later turns
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from sgl_sparse.config import MethodConfig
+
+
+class Family(str, enum.Enum):
+    DENSE = "dense"
+    EVICTION = "eviction"
+    SELECTION = "selection"
+    COMPRESSION = "compression"
+    QUANTIZATION = "quantization"
+
+
+class PrefixReuse(str, enum.Enum):
+    """How a method's KV may be reused by later requests through the prefix tree."""
+
+    RADIX = "radix"  # full KV per logical token: any request with the same fingerprint may share it
+    CHAIN = "chain"  # compacted KV: a continuation resumes from the retained set (Chain Cache)
+    NONE = "none"  # KV is not reusable (e.g. request-specific reconstruction state)
+
+
+@dataclass
+class RequestState:
+    """Per-request state a method owns. Created by :meth:`SparseMethod.new_state`.
+
+    ``logical_len`` is the number of tokens whose K/V exist (prompt processed so far + decoded).
+    ``kept`` is the sorted int64 tensor of logical positions whose K/V is physically retained; ``None``
+    means "all of ``[0, logical_len)``" (the dense case, no tensor kept). Methods put their own
+    statistics (accumulated scores, page summaries) in ``extra``.
+    """
+
+    rid: str
+    logical_len: int = 0
+    kept: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def num_kept(self) -> int:
+        return self.logical_len if self.kept is None else int(self.kept.numel())
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One chunk of a (possibly chunked) prefill: logical positions ``[start, end)`` of ``total``."""
+
+    start: int
+    end: int
+    total: int
+
+    @property
+    def is_final(self) -> bool:
+        return self.end == self.total
+
+
+@dataclass(frozen=True)
+class LayerInput:
+    """What a layer hook sees for one request.
+
+    ``q``: post-RoPE queries of this step's tokens, ``[n_q, n_heads, head_dim]``, at logical positions
+    ``q_pos`` (``[n_q]``). ``k``/``v``: the request's *visible* K/V for this layer (retained prefix plus
+    this step's tokens), ``[n_kv, n_kv_heads, head_dim]``, at logical positions ``kv_pos`` (sorted).
+    Tensors are views of runtime buffers: read them, never write them.
+    """
+
+    layer_id: int
+    q: torch.Tensor
+    q_pos: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_pos: torch.Tensor
+    is_decode: bool
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Logical positions one layer attends to for one request (a subset of ``LayerInput.kv_pos``).
+
+    Causality still applies on top (a query never sees a later position). Per-layer and per-head
+    budgets are expressed here, not by freeing slots: one slot holds every layer's K/V.
+    ``heads`` (optional, ``[n_kv_heads, n_sel]``) gives a per-KV-head selection instead.
+    """
+
+    positions: torch.Tensor | None = None
+    heads: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """End of a forward step for one request. ``new_tokens`` logical positions were appended."""
+
+    is_prefill: bool
+    new_tokens: int
+    decoded_tokens: int  # output tokens so far (for decode-interval triggers)
+
+
+@dataclass(frozen=True)
+class KeepPlan:
+    """Physical eviction: the sorted logical positions to keep (layer- and head-uniform).
+
+    The runtime frees every other retained slot the request owns and hides tree-owned ones from the
+    request's view. Must be a subset of the current ``RequestState.kept``.
+    """
+
+    keep: torch.Tensor
+
+
+@dataclass
+class TreePayload:
+    """What a finished request leaves in the prefix tree beside its (possibly compacted) KV, e.g.
+    accumulated scores aligned with ``RequestState.kept``, for the next turn's :meth:`restore_state`."""
+
+    data: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class KVCodec(ABC):
+    """Compression / quantization families: how K/V of one layer is stored and read back.
+
+    ``encode`` runs when the runtime writes new K/V to the pool; ``decode`` when attention reads it.
+    Round-trip error is the method's quality cost; the codec owns its own scales/bases as metadata
+    kept per physical slot so that prefixes shared through the tree stay decodable.
+    """
+
+    def encode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def decode(self, layer_id: int, k_stored: Any, v_stored: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+C = TypeVar("C", bound=MethodConfig)
+
+
+class SparseMethod(ABC, Generic[C]):
+    """A sparse-KV method: a config plus the hooks it needs. Subclass, set the class attributes,
+    override only the hooks the method uses (every default is the dense behaviour).
+
+    Class attributes tell the runtime what to wire: ``needs_layer_hooks`` (call
+    ``before/after_attention``; costs a per-layer gather), ``evicts`` (may return a :class:`KeepPlan`),
+    ``prefix_reuse`` and ``codec``.
+    """
+
+    name: ClassVar[str]
+    family: ClassVar[Family]
+    config_cls: ClassVar[type[MethodConfig]]
+    needs_layer_hooks: ClassVar[bool] = False
+    evicts: ClassVar[bool] = False
+    prefix_reuse: ClassVar[PrefixReuse] = PrefixReuse.RADIX
+
+    def __init__(self, config: C) -> None:
+        if not isinstance(config, self.config_cls):
+            raise TypeError(f"{self.name} expects {self.config_cls.__name__}, got {type(config).__name__}")
+        self.config: C = config
+
+    @property
+    def codec(self) -> KVCodec | None:
+        """The K/V codec of compression/quantization methods; ``None`` stores K/V as the model dtype."""
+        return None
+
+    # -- admission ---------------------------------------------------------------------------------
+    def new_state(self, rid: str) -> RequestState:
+        """A request starts with no matched prefix. Runs once, on the scheduler, before any forward."""
+        return RequestState(rid=rid)
+
+    def restore_state(self, rid: str, logical_len: int, kept: torch.Tensor | None,
+                      payload: TreePayload | None) -> RequestState:
+        """A request matched ``logical_len`` tokens in the tree, of which ``kept`` are retained
+        (``None``: all). ``payload`` is what :meth:`on_finish` stored. Default: keep the retained set,
+        drop method statistics (dense and eviction methods without decode re-selection need none)."""
+        return RequestState(rid=rid, logical_len=logical_len, kept=kept)
+
+    # -- prefill -----------------------------------------------------------------------------------
+    def on_prefill_chunk(self, state: RequestState, chunk: PrefillChunk) -> None:
+        """Before the forward of a prefill chunk. May set up per-chunk workspaces in ``state.extra``.
+        Must not change ``state.kept``."""
+
+    def on_prefill_end(self, state: RequestState, window_q: dict[int, torch.Tensor]) -> None:
+        """After the last layer of the final prefill chunk, before :meth:`on_step_end`.
+
+        ``window_q`` maps layer id to the post-RoPE queries of the last observation-window tokens
+        (``[w, n_heads, head_dim]``), for methods that score the prompt with them (SnapKV).
+        Only called for methods with ``needs_layer_hooks``."""
+
+    # -- every layer -------------------------------------------------------------------------------
+    def before_attention(self, state: RequestState, layer: LayerInput) -> Selection | None:
+        """Before attention of one layer. Return a :class:`Selection` to attend to part of the
+        visible K/V (dynamic sparsity), or ``None`` for all of it. Must not change ``state.kept``."""
+        return None
+
+    def after_attention(self, state: RequestState, layer: LayerInput, out: torch.Tensor) -> None:
+        """After attention of one layer; ``out`` is ``[n_q, n_heads, head_dim]``. Accumulate scores
+        into ``state.extra`` here (H2O-style). Must not change ``state.kept``."""
+
+    # -- end of forward step ---------------------------------------------------------------------
+    def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
+        """After the whole forward step (all layers), on the scheduler side. ``state.logical_len``
+        already includes this step's tokens. Return a :class:`KeepPlan` to evict physically
+        (``evicts`` methods only), else ``None``. The runtime applies the plan and updates
+        ``state.kept``; the method must not assign ``state.kept`` itself."""
+        return None
+
+    # -- finish ------------------------------------------------------------------------------------
+    def on_finish(self, state: RequestState) -> TreePayload | None:
+        """The request finished (or was aborted). Return what the prefix tree stores beside the
+        retained KV for :meth:`restore_state` of a later turn; ``None`` stores nothing extra."""
+        return None

@@ -1,0 +1,93 @@
+"""Entry point of group ``sglang.srt.plugins`` (see pyproject.toml).
+
+SGLang calls :func:`register` through ``load_plugins()`` in the launcher and first thing in every
+scheduler process (spawned, so nothing set up in the parent survives). It must be idempotent, cheap
+and must not change vanilla behaviour: it only *adds* backends named ``sgl_sparse``, a field in
+``/server_info`` of servers that use them, and, on hosts without CUDA, the CPU fallbacks of
+:mod:`.cpu_support` (without which SGLang 0.5.17 cannot build a model on CPU at all).
+
+SGLang logs plug-in exceptions instead of raising them, so :func:`check_registered` lets the launcher
+fail loudly if registration did not happen.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_sparse.integration import BACKEND_NAME, handoff
+
+logger = logging.getLogger(__name__)
+_registered = False
+
+
+def _is_cpu_server() -> bool:
+    device = handoff.read().device
+    if device is not None:
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildContext
+    from sgl_sparse.integration.runtime import get_runtime
+    from sgl_sparse.radix.tree import SparseRadixCache
+
+    unsupported = {
+        "hybrid SWA models": ctx.is_hybrid_swa,
+        "hybrid SSM/Mamba models": ctx.is_hybrid_ssm,
+        "--enable-hierarchical-cache (HiCache)": ctx.enable_hierarchical_cache,
+        "--enable-session-radix-cache": ctx.server_args.enable_session_radix_cache,
+    }
+    bad = [name for name, on in unsupported.items() if on]
+    if bad:
+        raise ValueError(f"sgl_sparse: not supported yet: {', '.join(bad)}")
+    rt = get_runtime()
+    return SparseRadixCache(ctx.params, rt.method, rt.fingerprint)
+
+
+def _attention_factory(runner):
+    from sgl_sparse.integration.attention import create_backend
+
+    return create_backend(runner)
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, _tree_factory)
+    ATTENTION_BACKENDS[BACKEND_NAME] = _attention_factory
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+
+    from sgl_sparse.integration.server_info import after_get_internal_state
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state", after_get_internal_state, HookType.AFTER
+    )
+    if _is_cpu_server():
+        from sgl_sparse.integration.cpu_support import register_cpu_support
+
+        register_cpu_support()
+    _registered = True
+
+
+def check_registered() -> None:
+    """Raise if :func:`register` did not run or did not take effect in this process."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+
+    if not _registered or BACKEND_NAME not in ATTENTION_BACKENDS or BACKEND_NAME not in (
+        registered_radix_cache_backends()
+    ):
+        raise RuntimeError(
+            "sgl_sparse: the SGLang plug-in did not register (is the package installed, so that its "
+            "'sglang.srt.plugins' entry point exists, and SGLANG_PLUGINS not excluding 'sgl_sparse'?)"
+        )

@@ -1,0 +1,37 @@
+"""The ``sgl_sparse`` block in ``/server_info`` -> ``internal_states[i]``.
+
+An AFTER hook on ``Scheduler.get_internal_state`` (managers/scheduler.py L4165) adds what the
+scheduler process actually built, so a client can check which tree and attention backend serve it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sgl_sparse.integration.runtime import get_runtime
+
+
+def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
+    rt = get_runtime()
+    tree = scheduler.tree_cache
+    runner = scheduler.tp_worker.model_runner
+    total = int(scheduler.max_total_num_tokens)
+    available = int(scheduler.token_to_kv_pool_allocator.available_size())
+    state: dict[str, Any] = {
+        "method": rt.method.name,
+        "family": rt.method.family.value,
+        "config": rt.method.config.to_dict(),
+        "fingerprint": rt.fingerprint,
+        "tree_class": type(tree).__name__,
+        "attention_backend_class": type(runner.attn_backend).__name__,
+        "kv_slots_total": total,
+        "kv_slots_used": total - available,
+    }
+    if hasattr(tree, "stats"):
+        state.update(tree.stats())
+    return state
+
+
+def after_get_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    result.internal_state["sgl_sparse"] = scheduler_sparse_state(scheduler)
+    return result

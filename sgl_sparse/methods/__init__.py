@@ -1,0 +1,3 @@
+"""Built-in methods, one module per method, grouped by family. Importing this registers them."""
+
+from sgl_sparse.methods import dense  # noqa: F401

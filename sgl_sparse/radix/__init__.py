@@ -1,0 +1,1 @@
+"""The sparse-aware prefix tree (an SGLang ``RadixCache`` subclass)."""

@@ -1,0 +1,48 @@
+"""Method registry: name -> method class. Adding a method = one file + one ``register_method`` line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sgl_sparse.config import build_config, load_config_source
+from sgl_sparse.contract import SparseMethod
+from sgl_sparse.errors import SparseConfigError
+
+_METHODS: dict[str, type[SparseMethod[Any]]] = {}
+
+
+def register_method(cls: type[SparseMethod[Any]]) -> type[SparseMethod[Any]]:
+    """Class decorator. Idempotent for the same class; a different class under a taken name is a bug."""
+    existing = _METHODS.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"sparse method {cls.name!r} is already registered by {existing.__qualname__}")
+    if cls.config_cls.method_name != cls.name:
+        raise ValueError(f"{cls.__qualname__}: config_cls.method_name must be {cls.name!r}")
+    _METHODS[cls.name] = cls
+    return cls
+
+
+def registered_methods() -> list[str]:
+    _load_builtin()
+    return sorted(_METHODS)
+
+
+def get_method_class(name: str) -> type[SparseMethod[Any]]:
+    _load_builtin()
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise SparseConfigError(
+            f"unknown sparse method {name!r}; registered methods: {', '.join(sorted(_METHODS))}"
+        ) from None
+
+
+def create_method(name: str, config: str | dict[str, Any] | None = None) -> SparseMethod[Any]:
+    """Build a ready method from a name and a config (dict, JSON text, JSON file path or None)."""
+    cls = get_method_class(name)
+    fields = config if isinstance(config, dict) else load_config_source(config)
+    return cls(build_config(cls.config_cls, fields))
+
+
+def _load_builtin() -> None:
+    import sgl_sparse.methods  # noqa: F401  (registers the built-in methods on import)
