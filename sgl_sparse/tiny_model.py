@@ -19,6 +19,7 @@ import inspect
 import json
 import os
 import pydoc
+import warnings
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
@@ -56,13 +57,20 @@ CORPUS_MODULES = [
 
 def _corpus() -> list[str]:
     texts: list[str] = []
-    for name in CORPUS_MODULES:
-        module = __import__(name)
-        texts.append(pydoc.getdoc(module))
-        for _, obj in sorted(inspect.getmembers(module), key=lambda kv: kv[0]):
-            doc = inspect.getdoc(obj) if (inspect.isfunction(obj) or inspect.isclass(obj)) else None
-            if doc:
-                texts.append(doc)
+    with warnings.catch_warnings():  # inspect touches deprecated aliases such as typing.io
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in CORPUS_MODULES:
+            texts.extend(_module_docs(name))
+    return texts
+
+
+def _module_docs(name: str) -> list[str]:
+    module = __import__(name)
+    texts = [pydoc.getdoc(module)]
+    for _, obj in sorted(inspect.getmembers(module), key=lambda kv: kv[0]):
+        doc = inspect.getdoc(obj) if (inspect.isfunction(obj) or inspect.isclass(obj)) else None
+        if doc:
+            texts.append(doc)
     return texts
 
 

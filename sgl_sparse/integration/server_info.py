@@ -33,5 +33,9 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
 
 
 def after_get_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    result.internal_state["sgl_sparse"] = scheduler_sparse_state(scheduler)
+    from sgl_sparse.radix.tree import SparseRadixCache
+
+    # The plug-in is loaded by every SGLang server on the host; report only where our tree serves.
+    if isinstance(scheduler.tree_cache, SparseRadixCache):
+        result.internal_state["sgl_sparse"] = scheduler_sparse_state(scheduler)
     return result

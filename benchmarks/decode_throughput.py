@@ -1,0 +1,124 @@
+"""Decode throughput: vanilla SGLang vs sgl_sparse, same GPU, same flags, one run.
+
+    python benchmarks/decode_throughput.py --model-path .device-site/models/llama3-8b-shape \
+        --input-len 32768 --batch 16 --output-len 256 [--sparse-method dense --sparse-config '{}']
+
+Starts ``python -m sglang.launch_server`` (vanilla), sends ``--batch`` concurrent requests of
+``--input-len`` random tokens (distinct prompts, no prefix sharing) with ``--output-len`` forced
+output tokens, stops it, then does the same through ``python -m sgl_sparse.launch_server``. Decode
+throughput is what the server logs (``Decode batch ... gen throughput (token/s)``, prefill excluded),
+median over the steps where the whole batch decodes. Prints a table with the bandwidth floor: the
+tok/s at which one decode step reads every KV token in use plus all weights at ``--hbm-tbps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sgl_sparse.server_process import ServerProcess  # noqa: E402
+
+DECODE_RE = re.compile(
+    r"Decode batch.*?#running-req: (\d+), #token: (\d+), token usage: ([\d.]+).*?"
+    r"gen throughput \(token/s\): ([\d.]+)"
+)
+GPU_FLAGS = [
+    "--mem-fraction-static", "0.80", "--context-length", "131072", "--sampling-backend", "pytorch",
+    "--disable-piecewise-cuda-graph", "--chunked-prefill-size", "16384", "--load-format", "dummy",
+]
+
+
+@dataclass
+class Result:
+    server: str
+    batch: int
+    decode_tok_s: float
+    decode_steps_at_full_batch: int
+    kv_tokens_in_use: int
+    kv_token_capacity: int
+    wall_s: float
+    floor_tok_s: float
+
+
+def model_bytes(cfg: dict, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) of a Llama-shaped config."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    per_layer = h * heads * hd * 2 + h * kv_heads * hd * 2 + 3 * h * inter + 2 * h
+    params = layers * per_layer + 2 * cfg["vocab_size"] * h + h
+    return params * dtype_bytes, layers * kv_heads * hd * 2 * dtype_bytes
+
+
+def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str]) -> Result:
+    cfg = json.loads((Path(args.model_path) / "config.json").read_text())
+    weight_b, kv_b = model_bytes(cfg)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(1000, cfg["vocab_size"] - 1000) for _ in range(args.input_len)]
+               for _ in range(args.batch)]
+    flags = [*GPU_FLAGS, "--cuda-graph-max-bs", str(max(32, args.batch)),
+             "--max-running-requests", str(max(args.batch, 8)), *extra]
+    log = Path(args.log_dir) / f"{name}.log"
+    with ServerProcess(args.model_path, flags, module=module, startup_timeout=600, log_path=str(log)) as srv:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(args.batch) as pool:
+            outs = list(pool.map(lambda ids: srv.generate(input_ids=ids, max_new_tokens=args.output_len,
+                                                          ignore_eos=True), prompts))
+        wall = time.monotonic() - t0
+        capacity = int(srv.server_info()["max_total_num_tokens"])
+    assert all(len(o["output_ids"]) == args.output_len for o in outs)
+    steps = [m for m in DECODE_RE.finditer(log.read_text()) if int(m.group(1)) == args.batch]
+    if not steps:
+        raise RuntimeError(f"{name}: no decode step ran the whole batch of {args.batch}; see {log}")
+    tput = statistics.median(float(m.group(4)) for m in steps)
+    kv_in_use = max(int(m.group(2)) for m in steps)
+    step_bytes = weight_b + kv_in_use * kv_b
+    floor = args.batch / (step_bytes / (args.hbm_tbps * 1e12))
+    return Result(name, args.batch, tput, len(steps), kv_in_use, capacity, wall, floor)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--input-len", type=int, default=32768)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--sparse-method", default="dense")
+    p.add_argument("--sparse-config", default="{}")
+    p.add_argument("--hbm-tbps", type=float, default=4.3, help="measured device-to-device copy rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=".")
+    p.add_argument("--json", default=None, help="write results here too")
+    p.add_argument("--only", choices=["vanilla", "sgl_sparse"], default=None)
+    args = p.parse_args()
+
+    results = []
+    if args.only in (None, "vanilla"):
+        results.append(run_one("vanilla", "sglang.launch_server", args, ["--attention-backend", "triton"]))
+    if args.only in (None, "sgl_sparse"):
+        extra = ["--sparse-method", args.sparse_method, "--sparse-config", args.sparse_config]
+        results.append(run_one(f"sgl_sparse:{args.sparse_method}", "sgl_sparse.launch_server", args, extra))
+
+    print(f"\ninput {args.input_len} x batch {args.batch}, output {args.output_len}, model {args.model_path}")
+    print("| server | batch | decode tok/s | ratio vs vanilla | KV tokens in use | floor tok/s | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    base = results[0].decode_tok_s
+    for r in results:
+        print(f"| {r.server} | {r.batch} | {r.decode_tok_s:.1f} | {r.decode_tok_s / base:.3f} | "
+              f"{r.kv_tokens_in_use} of {r.kv_token_capacity} | {r.floor_tok_s:.0f} | {r.wall_s:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Start and stop a real SGLang server process (ours or vanilla) for tests, the demo and benchmarks.
+
+Only subprocess + HTTP: no SGLang imports, so it works from any client environment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import requests
+
+# Measured for SGLang 0.5.17 on a CPU-only host (docs/cpu.md says why each is needed).
+CPU_SERVER_FLAGS = [
+    "--device", "cpu",
+    "--sampling-backend", "pytorch",
+    "--max-total-tokens", "16384",
+    "--sleep-on-idle",
+    "--grammar-backend", "llguidance",
+    "--page-size", "1",
+    "--dtype", "float32",
+]
+# The stock launcher needs these to match what ours selects on CPU.
+VANILLA_CPU_FLAGS = ["--attention-backend", "torch_native", "--disable-cuda-graph"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A server started as ``python -m <module> --model-path M --port P <args>``.
+
+    ``module`` is ``sgl_sparse.launch_server`` (ours) or ``sglang.launch_server`` (vanilla). Output
+    goes to a log file whose tail is shown if the server fails to come up. Use as a context manager.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        args: Sequence[str] = (),
+        module: str = "sgl_sparse.launch_server",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 300.0,
+        log_path: str | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", module, "--model-path", model_path,
+                    "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path or tempfile.mkstemp(prefix="sglang-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self._log = log
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            # The whole process group: SGLang's scheduler and detokenizer are children.
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- small client helpers ------------------------------------------------------------------
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None, **sampling: Any) -> dict:
+        body: dict[str, Any] = {"sampling_params": {"temperature": 0.0, **sampling}}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        else:
+            body["text"] = text
+        r = requests.post(f"{self.base_url}/generate", json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()
+
+    def server_info(self) -> dict:
+        r = requests.get(f"{self.base_url}/server_info", timeout=30)
+        r.raise_for_status()
+        return r.json()

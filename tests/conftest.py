@@ -1,0 +1,45 @@
+"""Shared fixtures: the tiny model, and real SGLang servers (ours and vanilla) on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, VANILLA_CPU_FLAGS, ServerProcess
+from sgl_sparse.tiny_model import write_tiny_model
+
+# Small chunks so that multi-chunk prefill is exercised with short prompts.
+COMMON_FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    """Our launcher (dense) and stock ``sglang.launch_server``, same model and flags, started together."""
+    ours = ServerProcess(tiny_model, COMMON_FLAGS, module="sgl_sparse.launch_server")
+    vanilla = ServerProcess(tiny_model, [*COMMON_FLAGS, *VANILLA_CPU_FLAGS], module="sglang.launch_server")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(s.start) for s in (ours, vanilla)]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            ours.stop()
+            vanilla.stop()
+            raise
+    try:
+        yield {"ours": ours, "vanilla": vanilla}
+    finally:
+        ours.stop()
+        vanilla.stop()
+
+
+@pytest.fixture(scope="session")
+def server(servers: dict[str, ServerProcess]) -> ServerProcess:
+    return servers["ours"]
