@@ -35,6 +35,7 @@ DECODE_RE = re.compile(
 GPU_FLAGS = [
     "--mem-fraction-static", "0.80", "--context-length", "131072", "--sampling-backend", "pytorch",
     "--disable-piecewise-cuda-graph", "--chunked-prefill-size", "16384", "--load-format", "dummy",
+    "--decode-log-interval", "10",
 ]
 
 
@@ -60,14 +61,23 @@ def model_bytes(cfg: dict, dtype_bytes: int = 2) -> tuple[int, int]:
     return params * dtype_bytes, layers * kv_heads * hd * 2 * dtype_bytes
 
 
+def prompt_vocab(model_dir: Path, model_vocab: int) -> int:
+    """Random prompt ids stay inside the tokenizer's vocabulary (the shape-only models ship a small one)."""
+    tok = model_dir / "tokenizer.json"
+    if tok.exists():
+        return min(model_vocab, len(json.loads(tok.read_text())["model"]["vocab"]))
+    return model_vocab
+
+
 def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str]) -> Result:
     cfg = json.loads((Path(args.model_path) / "config.json").read_text())
     weight_b, kv_b = model_bytes(cfg)
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(1000, cfg["vocab_size"] - 1000) for _ in range(args.input_len)]
-               for _ in range(args.batch)]
-    flags = [*GPU_FLAGS, "--cuda-graph-max-bs", str(max(32, args.batch)),
-             "--max-running-requests", str(max(args.batch, 8)), *extra]
+    vocab = prompt_vocab(Path(args.model_path), cfg["vocab_size"])
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
+    # SGLang's default --max-running-requests (sized from memory) must not cap the batch; an explicit
+    # value equal to the batch admits one request fewer (one req-pool row is padding).
+    flags = [*GPU_FLAGS, "--cuda-graph-max-bs", str(max(32, args.batch)), *extra]
     log = Path(args.log_dir) / f"{name}.log"
     with ServerProcess(args.model_path, flags, module=module, startup_timeout=600, log_path=str(log)) as srv:
         t0 = time.monotonic()
@@ -91,7 +101,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", required=True)
     p.add_argument("--input-len", type=int, default=32768)
-    p.add_argument("--output-len", type=int, default=256)
+    # Long enough that every request decodes together for a while: prefills are staggered.
+    p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--sparse-method", default="dense")
     p.add_argument("--sparse-config", default="{}")
