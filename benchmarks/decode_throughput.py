@@ -42,6 +42,7 @@ GPU_FLAGS = [
 @dataclass
 class Result:
     server: str
+    attention_backend: str  # as the server reports it (ours: the class that served)
     batch: int
     decode_tok_s: float
     decode_steps_at_full_batch: int
@@ -78,14 +79,17 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str]) 
     # SGLang's default --max-running-requests (sized from memory) must not cap the batch; an explicit
     # value equal to the batch admits one request fewer (one req-pool row is padding).
     flags = [*GPU_FLAGS, "--cuda-graph-max-bs", str(max(32, args.batch)), *extra]
-    log = Path(args.log_dir) / f"{name}.log"
+    log = Path(args.log_dir) / f"{name.replace(':', '-')}.log"
     with ServerProcess(args.model_path, flags, module=module, startup_timeout=600, log_path=str(log)) as srv:
         t0 = time.monotonic()
         with ThreadPoolExecutor(args.batch) as pool:
             outs = list(pool.map(lambda ids: srv.generate(input_ids=ids, max_new_tokens=args.output_len,
                                                           ignore_eos=True), prompts))
         wall = time.monotonic() - t0
-        capacity = int(srv.server_info()["max_total_num_tokens"])
+        info = srv.server_info()
+        capacity = int(info["max_total_num_tokens"])
+        ours = info["internal_states"][0].get("sgl_sparse")
+        backend = ours["attention_backend_class"] if ours else info["attention_backend"]
     assert all(len(o["output_ids"]) == args.output_len for o in outs)
     steps = [m for m in DECODE_RE.finditer(log.read_text()) if int(m.group(1)) == args.batch]
     if not steps:
@@ -94,7 +98,7 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str]) 
     kv_in_use = max(int(m.group(2)) for m in steps)
     step_bytes = weight_b + kv_in_use * kv_b
     floor = args.batch / (step_bytes / (args.hbm_tbps * 1e12))
-    return Result(name, args.batch, tput, len(steps), kv_in_use, capacity, wall, floor)
+    return Result(name, backend, args.batch, tput, len(steps), kv_in_use, capacity, wall, floor)
 
 
 def main() -> None:
@@ -121,12 +125,14 @@ def main() -> None:
         results.append(run_one(f"sgl_sparse:{args.sparse_method}", "sgl_sparse.launch_server", args, extra))
 
     print(f"\ninput {args.input_len} x batch {args.batch}, output {args.output_len}, model {args.model_path}")
-    print("| server | batch | decode tok/s | ratio vs vanilla | KV tokens in use | floor tok/s | wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| server | attention backend | batch | decode tok/s | ratio vs vanilla | KV tokens in use "
+          "| floor tok/s | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = results[0].decode_tok_s
     for r in results:
-        print(f"| {r.server} | {r.batch} | {r.decode_tok_s:.1f} | {r.decode_tok_s / base:.3f} | "
-              f"{r.kv_tokens_in_use} of {r.kv_token_capacity} | {r.floor_tok_s:.0f} | {r.wall_s:.1f} |")
+        print(f"| {r.server} | {r.attention_backend} | {r.batch} | {r.decode_tok_s:.1f} | "
+              f"{r.decode_tok_s / base:.3f} | {r.kv_tokens_in_use} of {r.kv_token_capacity} | "
+              f"{r.floor_tok_s:.0f} | {r.wall_s:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
 

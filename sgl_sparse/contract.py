@@ -32,7 +32,7 @@ Hook order for one request (the runtime guarantees it; ``tests/test_contract.py`
 from __future__ import annotations
 
 import enum
-from abc import ABC
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -157,11 +157,11 @@ class KVCodec(ABC):
     kept per physical slot so that prefixes shared through the tree stay decodable.
     """
 
-    def encode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]: ...
 
-    def decode(self, layer_id: int, k_stored: Any, v_stored: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, layer_id: int, k_stored: Any, v_stored: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 C = TypeVar("C", bound=MethodConfig)

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import requests
-
 import sglang as sgl
+
 from sgl_sparse.server_process import ServerProcess
 
 pytestmark = pytest.mark.server

@@ -27,9 +27,8 @@ def support_triton_cpu(backend: str) -> bool:
 
 
 def register_cpu_support() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     import sglang.srt.layers.rotary_embedding.base as rope_base
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     rope_base._is_cpu = True
     HookRegistry.register("sglang.srt.utils.common.support_triton", support_triton_cpu, HookType.REPLACE)
