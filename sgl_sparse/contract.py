@@ -17,14 +17,15 @@ SGLang, so a method is testable with :mod:`sgl_sparse.reference` alone.
 
 Hook order for one request (the runtime guarantees it; ``tests/test_contract.py`` checks it)::
 
-    new_state | restore_state                  once, at admission (restore: Chain Cache hit)
+    new_state (+ restore_state on a prefix hit) once, at admission
     for each prefill chunk:
         on_prefill_chunk                       before the chunk's forward
         for each layer: before_attention, after_attention
-        on_prefill_end                         final chunk only, after the last layer
+        on_observation                         if wants_observation (default: final chunk)
         on_step_end                            after the forward step (may shrink the keep-set)
     for each decode step:
         for each layer: before_attention, after_attention
+        on_observation                         if wants_observation
         on_step_end
     on_finish                                  once: what the prefix tree stores for later turns
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -61,19 +63,36 @@ class PrefixReuse(str, enum.Enum):
 class RequestState:
     """Per-request state a method owns. Created by :meth:`SparseMethod.new_state`.
 
-    ``logical_len`` is the number of tokens whose K/V exist (prompt processed so far + decoded).
-    ``kept`` is the sorted int64 tensor of logical positions whose K/V is physically retained; ``None``
-    means "all of ``[0, logical_len)``" (the dense case, no tensor kept). Methods put their own
-    statistics (accumulated scores, page summaries) in ``extra``.
+    ``logical_len``: tokens whose K/V exist (prompt processed so far + decoded). ``num_kept``: how
+    many of them are physically retained (kept up to date by the runtime every step, no device
+    sync). ``kept``: the sorted int64 CPU tensor of retained logical positions, materialised on
+    demand (it costs a device->host copy in the server, so read it only when about to evict).
+    Methods put their own statistics (scores, page summaries) in ``extra``.
     """
 
     rid: str
     logical_len: int = 0
-    kept: torch.Tensor | None = None
+    num_kept: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    kept_loader: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    _kept: torch.Tensor | None = field(default=None, repr=False)
 
-    def num_kept(self) -> int:
-        return self.logical_len if self.kept is None else int(self.kept.numel())
+    @property
+    def kept(self) -> torch.Tensor:
+        if self._kept is None:
+            self._kept = self.kept_loader() if self.kept_loader else torch.arange(self.logical_len)
+        return self._kept
+
+    def advance(self, new_tokens: int) -> None:
+        """Runtime: ``new_tokens`` were appended and are retained."""
+        self.logical_len += new_tokens
+        self.num_kept += new_tokens
+        self._kept = None
+
+    def set_kept(self, kept: torch.Tensor) -> None:
+        """Runtime: a :class:`KeepPlan` was applied."""
+        self._kept = kept
+        self.num_kept = int(kept.numel())
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,22 @@ class LayerInput:
 
 
 @dataclass(frozen=True)
+class ObservationWindow:
+    """The end of a prompt, for methods that score the prompt with its last queries (SnapKV).
+
+    ``queries[layer]``: post-RoPE queries of the last ``w`` prompt tokens, ``[w, n_heads, head_dim]``,
+    at logical positions ``q_pos``. ``keys(layer)`` returns that layer's retained keys
+    ``[n, n_kv_heads, head_dim]`` and their sorted logical positions ``[n]`` (the window included).
+    """
+
+    queries: dict[int, torch.Tensor]
+    q_pos: torch.Tensor
+    keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    num_layers: int
+    scale: float  # the attention softmax scale (1/sqrt(head_dim) for Llama)
+
+
+@dataclass(frozen=True)
 class Selection:
     """Logical positions one layer attends to for one request (a subset of ``LayerInput.kv_pos``).
 
@@ -128,6 +163,7 @@ class StepInfo:
     is_prefill: bool
     new_tokens: int
     decoded_tokens: int  # output tokens so far (for decode-interval triggers)
+    final_prefill: bool = False  # this step completed the prompt
 
 
 @dataclass(frozen=True)
@@ -198,24 +234,30 @@ class SparseMethod(ABC, Generic[C]):
         """A request starts with no matched prefix. Runs once, on the scheduler, before any forward."""
         return RequestState(rid=rid)
 
-    def restore_state(self, rid: str, logical_len: int, kept: torch.Tensor | None,
-                      payload: TreePayload | None) -> RequestState:
-        """A request matched ``logical_len`` tokens in the tree, of which ``kept`` are retained
-        (``None``: all). ``payload`` is what :meth:`on_finish` stored. Default: keep the retained set,
-        drop method statistics (dense and eviction methods without decode re-selection need none)."""
-        return RequestState(rid=rid, logical_len=logical_len, kept=kept)
+    def restore_state(self, state: RequestState, payload: TreePayload | None) -> None:
+        """The request matched a prefix in the tree (``state.logical_len`` tokens, ``state.num_kept``
+        of them retained: a Chain Cache hit when fewer). ``payload`` is what :meth:`on_finish` of
+        the turn that stored it returned. Default: nothing to restore (the retained set itself
+        comes from the tree)."""
 
     # -- prefill -----------------------------------------------------------------------------------
     def on_prefill_chunk(self, state: RequestState, chunk: PrefillChunk) -> None:
         """Before the forward of a prefill chunk. May set up per-chunk workspaces in ``state.extra``.
         Must not change ``state.kept``."""
 
-    def on_prefill_end(self, state: RequestState, window_q: dict[int, torch.Tensor]) -> None:
-        """After the last layer of the final prefill chunk, before :meth:`on_step_end`.
+    def observation_window(self) -> int:
+        """How many trailing queries per layer :meth:`on_observation` needs (0: never called).
+        The runtime keeps the last ``w`` queries of each request (prompt, and decode if
+        :meth:`wants_observation` can be true in decode)."""
+        return 0
 
-        ``window_q`` maps layer id to the post-RoPE queries of the last observation-window tokens
-        (``[w, n_heads, head_dim]``), for methods that score the prompt with them (SnapKV).
-        Only called for methods with ``needs_layer_hooks``."""
+    def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
+        """Whether :meth:`on_observation` runs at the end of this step. Default: final prefill chunk."""
+        return step.final_prefill
+
+    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
+        """At the end of a step (all layers done), before :meth:`on_step_end`, when
+        :meth:`wants_observation` said so. Score the retained K/V here (into ``state.extra``)."""
 
     # -- every layer -------------------------------------------------------------------------------
     def before_attention(self, state: RequestState, layer: LayerInput) -> Selection | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import LayerInput, PrefillChunk, SparseMethod, StepInfo
+from sgl_sparse.contract import LayerInput, ObservationWindow, PrefillChunk, SparseMethod, StepInfo
 
 
 class ToyAttentionStack:
@@ -59,18 +59,22 @@ class RequestTrace:
 
 
 def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: list[int], prompt_len: int,
-                chunk_size: int, window: int = 8) -> RequestTrace:
+                chunk_size: int) -> RequestTrace:
     """Prefill ``tokens[:prompt_len]`` in chunks, then decode the rest one token at a time (teacher
     forcing: the sequence is given, so dense and sparse runs are compared position by position)."""
     h_all = model.embed[torch.tensor(tokens)]
     n_total = len(tokens)
     keys = [torch.zeros(n_total, model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
     vals = [torch.zeros_like(keys[0]) for _ in range(model.n_layers)]
+    retained = torch.zeros(n_total, dtype=torch.bool)  # the "row": which positions still have K/V
     state = method.new_state("ref")
+    state.kept_loader = lambda: retained.nonzero().flatten()
+    w = method.observation_window()
+    window_q: dict[int, torch.Tensor] = {}
     outs: list[torch.Tensor] = []
     trace = RequestTrace(outputs=torch.empty(0))
 
-    steps: list[tuple[int, int]] = [(s, min(s + chunk_size, prompt_len)) for s in range(0, prompt_len, chunk_size)]
+    steps = [(s, min(s + chunk_size, prompt_len)) for s in range(0, prompt_len, chunk_size)]
     steps += [(i, i + 1) for i in range(prompt_len, n_total)]
     decoded = 0
     for start, end in steps:
@@ -79,10 +83,8 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         if is_prefill:
             method.on_prefill_chunk(state, chunk)
         q_pos = torch.arange(start, end)
-        retained = torch.arange(start) if state.kept is None else state.kept
-        kv_pos = torch.cat([retained, q_pos])
+        kv_pos = torch.cat([retained[:start].nonzero().flatten(), q_pos])
         h = h_all[start:end]
-        window_q: dict[int, torch.Tensor] = {}
         for layer in range(model.n_layers):
             q, k, v = model.project(layer, h)
             keys[layer][start:end], vals[layer][start:end] = k, v
@@ -92,24 +94,31 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
             out = attend(q, keys[layer][pos], vals[layer][pos], q_pos, pos)
             if method.needs_layer_hooks:
                 method.after_attention(state, view, out)
-                window_q[layer] = q[-window:]
+            if w:
+                window_q[layer] = torch.cat([window_q.get(layer, q[:0]), q])[-w:]
             h = out.reshape(end - start, -1)
         outs.append(h)
-        state.logical_len = end
-        if is_prefill and chunk.is_final and method.needs_layer_hooks:
-            method.on_prefill_end(state, window_q)
+        retained[start:end] = True
+        state.advance(end - start)
         decoded += 0 if is_prefill else 1
-        plan = method.on_step_end(state, StepInfo(is_prefill, end - start, decoded))
+        step = StepInfo(is_prefill, end - start, decoded, final_prefill=is_prefill and chunk.is_final)
+        if w and method.wants_observation(state, step):
+            n_w = window_q[0].shape[0]
+            window = ObservationWindow(
+                queries=dict(window_q), q_pos=torch.arange(end - n_w, end),
+                keys=lambda layer: (keys[layer][retained], retained.nonzero().flatten()),
+                num_layers=model.n_layers, scale=model.head_dim**-0.5)
+            method.on_observation(state, window)
+        plan = method.on_step_end(state, step)
         if plan is not None:
             if not method.evicts:
                 raise RuntimeError(f"{method.name} returned a KeepPlan but does not declare evicts=True")
-            current = torch.arange(end) if state.kept is None else torch.cat([state.kept, q_pos]).unique()
-            if not bool(torch.isin(plan.keep, current).all()):
+            if int(plan.keep.max()) >= end or not bool(retained[plan.keep].all()):
                 raise RuntimeError(f"{method.name}: KeepPlan keeps positions that are not retained")
-            state.kept = plan.keep.sort().values
-        elif state.kept is not None:
-            state.kept = torch.cat([state.kept, q_pos])
-        trace.kept_after_step.append(state.num_kept())
+            retained[:] = False
+            retained[plan.keep] = True
+            state.set_kept(plan.keep.sort().values)
+        trace.kept_after_step.append(state.num_kept)
     method.on_finish(state)
     trace.outputs = torch.cat(outs)
     trace.state = state

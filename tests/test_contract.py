@@ -13,6 +13,7 @@ from sgl_sparse.contract import (
     Family,
     KeepPlan,
     LayerInput,
+    ObservationWindow,
     PrefillChunk,
     RequestState,
     Selection,
@@ -77,9 +78,15 @@ class _Recorder(_KeepRecent):
     def after_attention(self, state: RequestState, layer: LayerInput, out: torch.Tensor) -> None:
         self.calls.append(f"after{layer.layer_id}")
 
-    def on_prefill_end(self, state: RequestState, window_q: dict[int, torch.Tensor]) -> None:
-        assert sorted(window_q) == list(range(N_LAYERS))
-        self.calls.append("prefill_end")
+    def observation_window(self) -> int:
+        return 5
+
+    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
+        assert sorted(window.queries) == list(range(N_LAYERS))
+        assert window.queries[0].shape == (5, 4, 16) and window.q_pos.tolist() == [5, 6, 7, 8, 9]
+        k, pos = window.keys(1)
+        assert k.shape == (10, 2, 16) and pos.tolist() == list(range(10))
+        self.calls.append("observation")
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
         self.calls.append(f"step_end({'P' if step.is_prefill else 'D'},{step.new_tokens})")
@@ -110,7 +117,7 @@ def test_hook_order() -> None:
     layers = [f"{w}{i}" for i in range(N_LAYERS) for w in ("before", "after")]
     assert m.calls == [
         "chunk0-6", *layers, "step_end(P,6)",
-        "chunk6-10F", *layers, "prefill_end", "step_end(P,4)",
+        "chunk6-10F", *layers, "observation", "step_end(P,4)",
         *layers, "step_end(D,1)",
         *layers, "step_end(D,1)",
         "finish",

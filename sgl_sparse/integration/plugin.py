@@ -42,14 +42,28 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
     bad = [name for name, on in unsupported.items() if on]
     if bad:
         raise ValueError(f"sgl_sparse: not supported yet: {', '.join(bad)}")
+    if ctx.params.page_size != 1:
+        raise ValueError(f"sgl_sparse: page size {ctx.params.page_size} is not supported yet (use --page-size 1)")
     rt = get_runtime()
-    return SparseRadixCache(ctx.params, rt.method, rt.fingerprint)
+    rt.serving = True
+    return SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.drop)
 
 
 def _attention_factory(runner):
     from sgl_sparse.integration.attention import create_backend
 
     return create_backend(runner)
+
+
+def _after_forward(result, worker, batch=None, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """AFTER ``TpModelWorker.forward_batch_generation``: the physical eviction step. Runs after the
+    forward of ``batch`` and before its results are processed or the next batch is prepared."""
+    from sgl_sparse.integration.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt.serving and rt.active:  # only in servers whose tree is ours
+        rt.after_forward(batch, worker.model_runner)
+    return result
 
 
 def register() -> None:
@@ -71,6 +85,9 @@ def register() -> None:
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", after_get_internal_state, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _after_forward, HookType.AFTER
     )
     if _is_cpu_server():
         from sgl_sparse.integration.cpu_support import register_cpu_support

@@ -26,6 +26,10 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "attention_backend_class": type(runner.attn_backend).__name__,
         "kv_slots_total": total,
         "kv_slots_used": total - available,
+        "logical_tokens_running": rt.logical_tokens_running(),
+        "kept_tokens_running": rt.kept_tokens_running(),
+        "requests_tracked": len(rt.states),
+        **{k: v for k, v in vars(rt.counters).items()},
     }
     if hasattr(tree, "stats"):
         state.update(tree.stats())

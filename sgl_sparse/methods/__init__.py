@@ -1,3 +1,4 @@
 """Built-in methods, one module per method, grouped by family. Importing this registers them."""
 
 from sgl_sparse.methods import dense  # noqa: F401
+from sgl_sparse.methods.eviction import snapkv, streamingllm  # noqa: F401
