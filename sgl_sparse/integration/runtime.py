@@ -159,6 +159,8 @@ class SparseRuntime:
         dropped = int(drop.sum().item())
         row[:n][drop] = SENTINEL_SLOT
         st.set_kept(keep.cpu())
+        logger.debug("sgl_sparse: %s evicted %d of %d logical (kept %d, protected %d)", req.rid, dropped, n,
+                     st.num_kept, req.cache_protected_len)
         self.counters.evicted_tokens_total += dropped
         self.counters.eviction_steps_total += 1
 

@@ -1,0 +1,204 @@
+"""Eviction methods and Chain Cache through real SGLang servers on CPU (our launcher, tiny model).
+
+SGLang's strict idle leak check (``available + evictable + protected == total``, raising in the
+scheduler) is on by default, so a leak kills the server: every test below ends by checking the server
+is healthy, idle, and that our own numbers agree with that invariant.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+
+pytestmark = pytest.mark.server
+
+STREAMING = {"sink_tokens": 16, "recent_tokens": 128, "evict_interval": 16}
+SNAPKV = {"budget": 256, "window_size": 16, "sink_tokens": 8, "kernel_size": 5}
+FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
+
+
+@pytest.fixture(scope="module")
+def sparse_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    import json
+
+    procs = {
+        "streamingllm": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm",
+                                                   "--sparse-config", json.dumps(STREAMING)]),
+        "snapkv": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv",
+                                             "--sparse-config", json.dumps(SNAPKV)]),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(p.start) for p in procs.values()]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for p in procs.values():
+                p.stop()
+            raise
+    try:
+        yield {**procs, "vanilla": servers["vanilla"], "dense": servers["ours"]}
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _state(server: ServerProcess) -> dict:
+    return server.server_info()["internal_states"][0]["sgl_sparse"]
+
+
+def _assert_idle_and_sound(server: ServerProcess, timeout: float = 60.0) -> dict:
+    """Wait until no request runs, then check the accounting SGLang's leak check relies on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = _state(server)
+        if st["requests_tracked"] == 0 and st["tree_protected_slots"] == 0:
+            break
+        assert time.monotonic() < deadline, f"server did not go idle: {st}"
+        time.sleep(0.2)
+    time.sleep(0.5)  # let the scheduler run its idle check
+    assert requests.get(f"{server.base_url}/health", timeout=30).status_code == 200, server.log_tail()
+    st = _state(server)
+    assert st["kv_slots_used"] == st["tree_evictable_slots"] + st["tree_protected_slots"], st
+    assert "pool memory leak" not in server.log_tail(400)
+    return st
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(8, 2048) for _ in range(n)]
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+def test_budget_covering_context_equals_dense_and_vanilla(sparse_servers: dict, method: str) -> None:
+    rng = random.Random(5)
+    for n in (20, 60, 100):
+        ids = _ids(rng, n)
+        outs = {name: sparse_servers[name].generate(input_ids=ids, max_new_tokens=24, ignore_eos=True)["output_ids"]
+                for name in (method, "dense", "vanilla")}
+        assert outs[method] == outs["dense"] == outs["vanilla"], n
+    _assert_idle_and_sound(sparse_servers[method])
+
+
+def test_streamingllm_long_prompt_keeps_about_the_budget(sparse_servers: dict) -> None:
+    server = sparse_servers["streamingllm"]
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    before = _assert_idle_and_sound(server)["kv_slots_used"]
+    out = server.generate(input_ids=_ids(random.Random(1), 2000), max_new_tokens=300, ignore_eos=True)
+    assert out["meta_info"]["completion_tokens"] == 300  # generation continues past the budget
+    after = _assert_idle_and_sound(server)
+    budget = STREAMING["sink_tokens"] + STREAMING["recent_tokens"]
+    used = after["kv_slots_used"] - before
+    assert budget <= used <= budget + STREAMING["evict_interval"], used
+    assert after["evicted_tokens_total"] >= 2300 - used
+
+
+@pytest.mark.parametrize(("method", "limit"), [
+    ("streamingllm", STREAMING["sink_tokens"] + STREAMING["recent_tokens"] + STREAMING["evict_interval"]),
+    ("snapkv", SNAPKV["budget"] + 20),  # SnapKV selects at prefill end; decode appends (20 tokens)
+])
+def test_chain_cache_three_turns(sparse_servers: dict, method: str, limit: int) -> None:
+    server = sparse_servers[method]
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    base = _assert_idle_and_sound(server)
+    rng = random.Random(9)
+    history = _ids(rng, 700)
+    prev_len = None
+    for turn in range(3):
+        out = server.generate(input_ids=history, max_new_tokens=20, ignore_eos=True)
+        meta = out["meta_info"]
+        if prev_len is not None:
+            # The whole previous logical sequence matches; only the new suffix is prefilled.
+            assert meta["cached_tokens"] == prev_len, (turn, meta["cached_tokens"], prev_len)
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+        st = _assert_idle_and_sound(server)
+        assert st["kv_slots_used"] - base["kv_slots_used"] <= limit, (turn, st)
+        prev_len = len(history) + len(out["output_ids"])
+        history = history + out["output_ids"] + _ids(rng, 40)
+    assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 2
+
+
+def test_chain_branches_two_continuations_of_one_prefix(sparse_servers: dict) -> None:
+    server = sparse_servers["snapkv"]
+    rng = random.Random(3)
+    prefix = _ids(rng, 600)
+    first = server.generate(input_ids=prefix, max_new_tokens=10, ignore_eos=True)
+    shared = prefix + first["output_ids"]
+    branches = [shared + _ids(rng, 30) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda ids: server.generate(input_ids=ids, max_new_tokens=12, ignore_eos=True),
+                             branches))
+    for o in outs:
+        assert o["meta_info"]["cached_tokens"] == len(shared)
+        assert o["meta_info"]["completion_tokens"] == 12
+    _assert_idle_and_sound(server)
+
+
+def _abort_after(server: ServerProcess, rid: str, delay: float) -> None:
+    time.sleep(delay)
+    requests.post(f"{server.base_url}/abort_request", json={"rid": rid}, timeout=30)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+def test_aborts_mid_prefill_and_mid_decode_do_not_leak(sparse_servers: dict, method: str) -> None:
+    server = sparse_servers[method]
+    rng = random.Random(4)
+    for i, (n_prompt, n_out, delay) in enumerate([(3000, 8, 0.05), (300, 2000, 1.0)]):
+        rid = f"abort-{method}-{i}"
+        t = threading.Thread(target=_abort_after, args=(server, rid, delay))
+        t.start()
+        body = {"rid": rid, "input_ids": _ids(rng, n_prompt),
+                "sampling_params": {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}}
+        r = requests.post(f"{server.base_url}/generate", json=body, timeout=300)
+        t.join()
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 200:
+            assert r.json()["meta_info"]["finish_reason"]["type"] == "abort", r.json()["meta_info"]
+        _assert_idle_and_sound(server)
+
+
+def test_flush_cache_returns_every_slot(sparse_servers: dict) -> None:
+    server = sparse_servers["streamingllm"]
+    server.generate(input_ids=_ids(random.Random(8), 900), max_new_tokens=20, ignore_eos=True)
+    _assert_idle_and_sound(server)
+    r = requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    assert r.status_code == 200
+    st = _state(server)  # before /health, which itself runs a 1-token request
+    assert st["kv_slots_used"] == 0 and st["tree_evictable_slots"] == 0
+    _assert_idle_and_sound(server)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+def test_many_random_multi_turn_sessions_do_not_leak(sparse_servers: dict, method: str) -> None:
+    """100 requests per method (200 in all): random sessions, lengths and turn counts, 6 at a time."""
+    server = sparse_servers[method]
+    rng = random.Random(hash(method) % 1000)
+    sessions = [(_ids(rng, rng.randrange(10, 900)), rng.randrange(1, 5), rng.randrange(1, 40))
+                for _ in range(40)]
+
+    def run(session: tuple[list[int], int, int]) -> int:
+        history, turns, n_out = session
+        local = random.Random(len(history))
+        done = 0
+        for _ in range(turns):
+            out = server.generate(input_ids=history, max_new_tokens=n_out, ignore_eos=True)
+            assert out["meta_info"]["completion_tokens"] == n_out
+            history = history + out["output_ids"] + [local.randrange(8, 2048) for _ in range(local.randrange(1, 80))]
+            done += 1
+        return done
+
+    with ThreadPoolExecutor(6) as pool:
+        total = sum(pool.map(run, sessions))
+    assert total >= 60
+    rest = 100 - total
+    for _ in range(max(rest, 0)):
+        server.generate(input_ids=_ids(rng, rng.randrange(5, 400)), max_new_tokens=5, ignore_eos=True)
+    st = _assert_idle_and_sound(server)
+    assert st["evicted_tokens_total"] > 0
