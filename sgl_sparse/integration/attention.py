@@ -15,6 +15,7 @@ Methods with an observation window (SnapKV) also get their requests' last post-R
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -132,9 +133,18 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
         return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
 
 
+IMPL_ENV = "SGLSPARSE_ATTENTION_IMPL"  # auto (default) | torch | triton
+
+
 def create_backend(model_runner: Any) -> _SparseBackendMixin:
-    """Factory for ``register_attention_backend``: picks the base by the runner's device."""
-    if getattr(model_runner, "device", None) == "cpu":
+    """Factory for ``register_attention_backend``: picks the base by the runner's device, unless
+    ``SGLSPARSE_ATTENTION_IMPL`` says otherwise (``triton`` on CPU runs the GPU path under
+    ``TRITON_INTERPRET=1``, which is how CI tests it)."""
+    impl = os.environ.get(IMPL_ENV, "auto")
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"{IMPL_ENV}={impl!r}: expected auto, torch or triton")
+    on_cpu = getattr(model_runner, "device", None) == "cpu"
+    if impl == "torch" or (impl == "auto" and on_cpu):
         return SparseTorchNativeBackend(model_runner)
     if model_runner.model_config.is_encoder_decoder:
         raise ValueError("sgl_sparse: encoder-decoder models are not supported (no cross attention)")

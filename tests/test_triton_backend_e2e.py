@@ -1,0 +1,58 @@
+"""The GPU attention path (SparseTritonBackend + the compaction kernel) served on CPU under
+TRITON_INTERPRET=1, against the torch path, with evicting StreamingLLM and Chain Cache."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+
+pytestmark = pytest.mark.server
+CONFIG = json.dumps({"sink_tokens": 8, "recent_tokens": 40, "evict_interval": 8})
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    flags = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "64", "--sparse-method", "streamingllm",
+             "--sparse-config", CONFIG]
+    triton = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "triton", "TRITON_INTERPRET": "1"})
+    torch_ = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "torch"})
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(p.start) for p in (triton, torch_)]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            triton.stop()
+            torch_.stop()
+            raise
+    try:
+        yield {"triton": triton, "torch": torch_, "dense": servers["ours"]}
+    finally:
+        triton.stop()
+        torch_.stop()
+
+
+def test_backend_classes(paths: dict[str, ServerProcess]) -> None:
+    for name, cls in (("triton", "SparseTritonBackend"), ("torch", "SparseTorchNativeBackend")):
+        assert paths[name].server_info()["internal_states"][0]["sgl_sparse"]["attention_backend_class"] == cls
+
+
+def test_triton_compacted_path_equals_torch_path_with_eviction_and_chain(paths: dict[str, ServerProcess]) -> None:
+    rng = random.Random(0)
+    for n in (30, 200):
+        ids = [rng.randrange(8, 2048) for _ in range(n)]
+        outs = {k: paths[k].generate(input_ids=ids, max_new_tokens=30, ignore_eos=True)["output_ids"]
+                for k in ("triton", "torch", "dense")}
+        assert outs["triton"] == outs["torch"], n
+        if n == 200:  # beyond the 48-token budget: eviction must change what attention reads
+            assert outs["torch"] != outs["dense"]
+        follow = ids + outs["torch"] + [rng.randrange(8, 2048) for _ in range(20)]
+        turn2 = {k: paths[k].generate(input_ids=follow, max_new_tokens=10, ignore_eos=True) for k in ("triton", "torch")}
+        assert turn2["triton"]["output_ids"] == turn2["torch"]["output_ids"]
+        assert turn2["triton"]["meta_info"]["cached_tokens"] == turn2["torch"]["meta_info"]["cached_tokens"] == n + 30
