@@ -70,19 +70,19 @@ def prompt_vocab(model_dir: Path, model_vocab: int) -> int:
     return model_vocab
 
 
-def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str]) -> Result:
+def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], batch: int) -> Result:
     cfg = json.loads((Path(args.model_path) / "config.json").read_text())
     weight_b, kv_b = model_bytes(cfg)
     rng = random.Random(args.seed)
     vocab = prompt_vocab(Path(args.model_path), cfg["vocab_size"])
-    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
-    # SGLang's default --max-running-requests (sized from memory) must not cap the batch; an explicit
-    # value equal to the batch admits one request fewer (one req-pool row is padding).
-    flags = [*GPU_FLAGS, "--cuda-graph-max-bs", str(max(32, args.batch)), *extra]
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(batch)]
+    # --max-running-requests must not cap the batch (a value equal to the batch admitted one fewer).
+    flags = [*GPU_FLAGS, "--cuda-graph-max-bs", str(max(32, batch)), "--max-running-requests", str(batch + 8),
+             *extra]
     log = Path(args.log_dir) / f"{name.replace(':', '-')}.log"
     with ServerProcess(args.model_path, flags, module=module, startup_timeout=600, log_path=str(log)) as srv:
         t0 = time.monotonic()
-        with ThreadPoolExecutor(args.batch) as pool:
+        with ThreadPoolExecutor(batch) as pool:
             outs = list(pool.map(lambda ids: srv.generate(input_ids=ids, max_new_tokens=args.output_len,
                                                           ignore_eos=True), prompts))
         wall = time.monotonic() - t0
@@ -91,14 +91,14 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str]) 
         ours = info["internal_states"][0].get("sgl_sparse")
         backend = ours["attention_backend_class"] if ours else info["attention_backend"]
     assert all(len(o["output_ids"]) == args.output_len for o in outs)
-    steps = [m for m in DECODE_RE.finditer(log.read_text()) if int(m.group(1)) == args.batch]
+    steps = [m for m in DECODE_RE.finditer(log.read_text()) if int(m.group(1)) == batch]
     if not steps:
-        raise RuntimeError(f"{name}: no decode step ran the whole batch of {args.batch}; see {log}")
+        raise RuntimeError(f"{name}: no decode step ran the whole batch of {batch}; see {log}")
     tput = statistics.median(float(m.group(4)) for m in steps)
     kv_in_use = max(int(m.group(2)) for m in steps)
     step_bytes = weight_b + kv_in_use * kv_b
-    floor = args.batch / (step_bytes / (args.hbm_tbps * 1e12))
-    return Result(name, backend, args.batch, tput, len(steps), kv_in_use, capacity, wall, floor)
+    floor = batch / (step_bytes / (args.hbm_tbps * 1e12))
+    return Result(name, backend, batch, tput, len(steps), kv_in_use, capacity, wall, floor)
 
 
 def main() -> None:
@@ -107,7 +107,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=32768)
     # Long enough that every request decodes together for a while: prefills are staggered.
     p.add_argument("--output-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="concurrent requests for vanilla")
+    p.add_argument("--sparse-batch", type=int, default=None, help="concurrent requests for ours (default: --batch)")
     p.add_argument("--sparse-method", default="dense")
     p.add_argument("--sparse-config", default="{}")
     p.add_argument("--hbm-tbps", type=float, default=4.3, help="measured device-to-device copy rate")
@@ -117,14 +118,22 @@ def main() -> None:
     p.add_argument("--only", choices=["vanilla", "sgl_sparse"], default=None)
     args = p.parse_args()
 
-    results = []
+    results: list[Result] = []
+
+    def record(r: Result) -> None:
+        results.append(r)
+        if args.json:  # after each server, so a later failure keeps what was measured
+            Path(args.json).write_text(json.dumps([asdict(x) for x in results], indent=2))
+
     if args.only in (None, "vanilla"):
-        results.append(run_one("vanilla", "sglang.launch_server", args, ["--attention-backend", "triton"]))
+        record(run_one("vanilla", "sglang.launch_server", args, ["--attention-backend", "triton"], args.batch))
     if args.only in (None, "sgl_sparse"):
         extra = ["--sparse-method", args.sparse_method, "--sparse-config", args.sparse_config]
-        results.append(run_one(f"sgl_sparse:{args.sparse_method}", "sgl_sparse.launch_server", args, extra))
+        record(run_one(f"sgl_sparse:{args.sparse_method}", "sgl_sparse.launch_server", args, extra,
+                       args.sparse_batch or args.batch))
 
-    print(f"\ninput {args.input_len} x batch {args.batch}, output {args.output_len}, model {args.model_path}")
+    print(f"\ninput {args.input_len}, output {args.output_len}, model {args.model_path}, "
+          f"method {args.sparse_method} {args.sparse_config}")
     print("| server | attention backend | batch | decode tok/s | ratio vs vanilla | KV tokens in use "
           "| floor tok/s | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -133,8 +142,6 @@ def main() -> None:
         print(f"| {r.server} | {r.attention_backend} | {r.batch} | {r.decode_tok_s:.1f} | "
               f"{r.decode_tok_s / base:.3f} | {r.kv_tokens_in_use} of {r.kv_token_capacity} | "
               f"{r.floor_tok_s:.0f} | {r.wall_s:.1f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
 
 
 if __name__ == "__main__":
