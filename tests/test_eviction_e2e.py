@@ -31,7 +31,7 @@ def sparse_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterat
 
     procs = {
         "streamingllm": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm",
-                                                   "--sparse-config", json.dumps(STREAMING)]),
+                                                   "--sparse-config", json.dumps(STREAMING), "--enable-metrics"]),
         "snapkv": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv",
                                              "--sparse-config", json.dumps(SNAPKV)]),
     }
@@ -202,3 +202,18 @@ def test_many_random_multi_turn_sessions_do_not_leak(sparse_servers: dict, metho
         server.generate(input_ids=_ids(rng, rng.randrange(5, 400)), max_new_tokens=5, ignore_eos=True)
     st = _assert_idle_and_sound(server)
     assert st["evicted_tokens_total"] > 0
+
+
+def test_prometheus_metrics(sparse_servers: dict) -> None:
+    server = sparse_servers["streamingllm"]
+    server.generate(input_ids=_ids(random.Random(12), 400), max_new_tokens=5, ignore_eos=True)
+    st = _assert_idle_and_sound(server)
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("sgl_sparse:") and 'method="streamingllm"' in line:
+            name = line.split("{")[0]
+            values[name] = float(line.rsplit(" ", 1)[1])
+    assert values["sgl_sparse:evicted_tokens_total"] == st["evicted_tokens_total"]
+    assert values["sgl_sparse:chain_hits_total"] == st["chain_hits_total"]
+    assert "sgl_sparse:kv_slots_used" in values and "sgl_sparse:logical_tokens_running" in values

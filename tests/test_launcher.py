@@ -70,3 +70,31 @@ def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
 def test_explicit_own_backend_is_accepted() -> None:
     args, _ = parse_args(["--model-path", "m", "--device", "cpu", "--attention-backend", BACKEND_NAME])
     assert args.attention_backend == BACKEND_NAME
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--enable-hierarchical-cache"], "HiCache is not supported"),
+    (["--sparse-method", "snapkv", "--speculative-algorithm", "EAGLE"], "speculative decoding is not supported"),
+    (["--sparse-method", "streamingllm", "--tp-size", "2"], "eviction needs one token set across TP ranks"),
+    (["--sparse-method", "snapkv", "--sparse-config", '{"decode_interval": 64}', "--device", "cuda"],
+     "add --disable-cuda-graph"),
+])
+def test_unsupported_combinations_fail_at_launch(flags: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model-path", "m", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_method_config_at_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--sparse-method", "snapkv", "--sparse-config", '{"budget": -1}'])
+    assert "snapkv: field 'budget' must be >= 1 (got -1)" in capsys.readouterr().err
+
+
+def test_eviction_method_hands_off_its_config() -> None:
+    _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "snapkv",
+                          "--sparse-config", '{"budget": 512, "pooling": "maxpool"}'])
+    assert hand.method == "snapkv" and hand.config["budget"] == 512 and hand.config["pooling"] == "maxpool"
+    assert hand.config["window_size"] == 32  # defaults filled in

@@ -53,6 +53,7 @@ def test_triton_compacted_path_equals_torch_path_with_eviction_and_chain(paths: 
         if n == 200:  # beyond the 48-token budget: eviction must change what attention reads
             assert outs["torch"] != outs["dense"]
         follow = ids + outs["torch"] + [rng.randrange(8, 2048) for _ in range(20)]
-        turn2 = {k: paths[k].generate(input_ids=follow, max_new_tokens=10, ignore_eos=True) for k in ("triton", "torch")}
+        turn2 = {k: paths[k].generate(input_ids=follow, max_new_tokens=10, ignore_eos=True)
+                 for k in ("triton", "torch")}
         assert turn2["triton"]["output_ids"] == turn2["torch"]["output_ids"]
         assert turn2["triton"]["meta_info"]["cached_tokens"] == turn2["torch"]["meta_info"]["cached_tokens"] == n + 30

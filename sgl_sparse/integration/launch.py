@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
@@ -74,6 +75,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     if args.page_size not in (None, 1):
         parser.error(f"--page-size {args.page_size}: sgl_sparse supports page size 1 only (for now)")
     device = _resolve_device(args)
+    for problem in unsupported_combinations(args, method, device, argv):
+        parser.error(problem)
     if device == "cpu" and "--disable-cuda-graph" not in argv:
         # A backend name other than torch_native keeps CUDA graphs on, which cannot run on CPU.
         args = parser.parse_args([*argv, "--disable-cuda-graph"])
@@ -81,6 +84,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     args.radix_cache_backend = BACKEND_NAME
     args.page_size = 1
     return args, handoff.Handoff(method.name, method.config.to_dict(), device)
+
+
+def unsupported_combinations(args: argparse.Namespace, method: Any, device: str, argv: list[str]) -> list[str]:
+    """What sgl_sparse cannot serve yet, as messages for argparse errors."""
+    problems = []
+    if args.enable_hierarchical_cache:
+        problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
+    if args.enable_session_radix_cache or args.enable_streaming_session:
+        problems.append("session radix caches / streaming sessions are not supported with sgl_sparse yet")
+    if method.evicts:
+        if args.speculative_algorithm:
+            problems.append(f"--speculative-algorithm with {method.name}: speculative decoding is not supported "
+                            "with eviction methods yet")
+        if (args.tp_size or 1) > 1:
+            problems.append(f"--tp-size {args.tp_size} with {method.name}: eviction needs one token set across "
+                            "TP ranks, which is not implemented yet (use --dp-size for more GPUs)")
+    decode_capture = method.observation_window() > 0 and getattr(method.config, "decode_interval", 0) > 0
+    if decode_capture and device != "cpu" and "--disable-cuda-graph" not in argv:
+        problems.append(f"{method.name} with decode_interval > 0 collects decode queries in Python, which CUDA "
+                        "graphs would skip: add --disable-cuda-graph (or set decode_interval to 0)")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,6 +46,10 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
         raise ValueError(f"sgl_sparse: page size {ctx.params.page_size} is not supported yet (use --page-size 1)")
     rt = get_runtime()
     rt.serving = True
+    if ctx.server_args.enable_metrics:
+        from sgl_sparse.integration.metrics import SparseMetrics
+
+        rt.metrics = SparseMetrics(rt.method.name)
     return SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.drop)
 
 
@@ -61,7 +65,7 @@ def _after_forward(result, worker, batch=None, *args, **kwargs):  # type: ignore
     from sgl_sparse.integration.runtime import get_runtime
 
     rt = get_runtime()
-    if rt.serving and rt.active:  # only in servers whose tree is ours
+    if rt.serving:  # only in servers whose tree is ours
         rt.after_forward(batch, worker.model_runner)
     return result
 

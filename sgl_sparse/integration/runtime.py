@@ -45,6 +45,7 @@ class SparseRuntime:
     scale: float | None = None
     num_layers: int = 0
     serving: bool = False  # set when our tree is built: this scheduler serves through sgl_sparse
+    metrics: Any = None  # SparseMetrics with --enable-metrics
 
     @property
     def active(self) -> bool:
@@ -101,6 +102,12 @@ class SparseRuntime:
 
     # -- after the forward step ------------------------------------------------------------------
     def after_forward(self, batch: Any, model_runner: Any) -> None:
+        self._evict_step(batch, model_runner)
+        if self.metrics is not None:
+            allocator = model_runner.token_to_kv_pool_allocator
+            self.metrics.update(self, allocator, allocator.size)
+
+    def _evict_step(self, batch: Any, model_runner: Any) -> None:
         if not self.active or batch is None or not batch.reqs:
             return
         mode = batch.forward_mode

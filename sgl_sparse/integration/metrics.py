@@ -1,0 +1,41 @@
+"""Prometheus metrics of sgl_sparse (with ``--enable-metrics``), exported on SGLang's ``/metrics``.
+
+SGLang runs prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before its
+processes import it), so gauges and counters created in the scheduler process appear on the HTTP
+server's ``/metrics``. Names mirror the ``sgl_sparse`` block of ``/server_info``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SparseMetrics:
+    def __init__(self, method: str) -> None:
+        from prometheus_client import Counter, Gauge
+
+        labels = ["method"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"sgl_sparse:{name}", doc, labelnames=labels, multiprocess_mode="mostrecent").labels(method)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"sgl_sparse:{name}", doc, labelnames=labels).labels(method)
+
+        self.kv_slots_used = gauge("kv_slots_used", "Physical KV slots in use (requests + prefix tree).")
+        self.logical_tokens_running = gauge("logical_tokens_running", "Logical tokens of running requests.")
+        self.kept_tokens_running = gauge("kept_tokens_running", "Retained (physical) tokens of running requests.")
+        self.evicted_tokens = counter("evicted_tokens", "Logical positions evicted (freed or hidden).")
+        self.chain_hits = counter("chain_hits", "Requests that resumed from a compacted prefix (Chain Cache).")
+        self._last: dict[str, int] = {}
+
+    def update(self, runtime: Any, allocator: Any, total_slots: int) -> None:
+        self.kv_slots_used.set(total_slots - allocator.available_size())
+        self.logical_tokens_running.set(runtime.logical_tokens_running())
+        self.kept_tokens_running.set(runtime.kept_tokens_running())
+        for name, metric in (("evicted_tokens_total", self.evicted_tokens), ("chain_hits_total", self.chain_hits)):
+            value = getattr(runtime.counters, name)
+            delta = value - self._last.get(name, 0)
+            if delta > 0:
+                metric.inc(delta)
+            self._last[name] = value
