@@ -3,6 +3,10 @@
     python benchmarks/decode_throughput.py --model-path .device-site/models/llama3-8b-shape \
         --input-len 32768 --batch 16 --output-len 256 [--sparse-method dense --sparse-config '{}']
 
+Runs longer than one 10-minute device command at 64K+ context: start it detached
+(``setsid nohup python3 benchmarks/decode_throughput.py ... --log-dir /root/bench > /root/bench/out.txt &``)
+and read ``/root/bench`` from later commands on the same warm machine.
+
 Starts ``python -m sglang.launch_server`` (vanilla), sends ``--batch`` concurrent requests of
 ``--input-len`` random tokens (distinct prompts, no prefix sharing) with ``--output-len`` forced
 output tokens, stops it, then does the same through ``python -m sgl_sparse.launch_server``. Decode
@@ -84,7 +88,7 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
         t0 = time.monotonic()
         with ThreadPoolExecutor(batch) as pool:
             outs = list(pool.map(lambda ids: srv.generate(input_ids=ids, max_new_tokens=args.output_len,
-                                                          ignore_eos=True), prompts))
+                                                          ignore_eos=True, timeout=args.request_timeout), prompts))
         wall = time.monotonic() - t0
         info = srv.server_info()
         capacity = int(info["max_total_num_tokens"])
@@ -111,6 +115,8 @@ def main() -> None:
     p.add_argument("--sparse-batch", type=int, default=None, help="concurrent requests for ours (default: --batch)")
     p.add_argument("--sparse-method", default="dense")
     p.add_argument("--sparse-config", default="{}")
+    p.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="seconds; long prompts at large batch queue behind each other's prefill")
     p.add_argument("--hbm-tbps", type=float, default=4.3, help="measured device-to-device copy rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=".")

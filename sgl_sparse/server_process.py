@@ -107,13 +107,14 @@ class ServerProcess:
         self.stop()
 
     # -- small client helpers ------------------------------------------------------------------
-    def generate(self, text: str | None = None, input_ids: list[int] | None = None, **sampling: Any) -> dict:
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float = 300.0,
+                 **sampling: Any) -> dict:
         body: dict[str, Any] = {"sampling_params": {"temperature": 0.0, **sampling}}
         if input_ids is not None:
             body["input_ids"] = input_ids
         else:
             body["text"] = text
-        r = requests.post(f"{self.base_url}/generate", json=body, timeout=300)
+        r = requests.post(f"{self.base_url}/generate", json=body, timeout=timeout)
         r.raise_for_status()
         return r.json()
 
