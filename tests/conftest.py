@@ -11,7 +11,7 @@ from sgl_sparse.server_process import CPU_SERVER_FLAGS, VANILLA_CPU_FLAGS, Serve
 from sgl_sparse.tiny_model import write_tiny_model
 
 # Small chunks so that multi-chunk prefill is exercised with short prompts.
-COMMON_FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
+COMMON_FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,96 @@
+"""CLI of bench_agent: generate a trace, replay it against a server, or compare vanilla vs ours."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from bench_agent import report
+from bench_agent.workload import Trace, WorkloadConfig, generate
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "swe_agent.toml"
+
+
+def _tokenizer(path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench_agent", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="write a trace (JSONL) from a workload config (TOML)")
+    g.add_argument("--config", default=str(DEFAULT_CONFIG))
+    g.add_argument("--out", required=True)
+    g.add_argument("--sessions", type=int, default=None, help="override the config's session count")
+    g.add_argument("--seed", type=int, default=None, help="override the config's seed")
+
+    r = sub.add_parser("replay", help="replay a trace against a running server")
+    r.add_argument("--url", required=True)
+    r.add_argument("--trace", required=True)
+    r.add_argument("--tokenizer", required=True, help="the served model's directory (for text lengths)")
+    r.add_argument("--client", choices=["openai", "frontend"], default="openai")
+    r.add_argument("--label", default=None)
+    r.add_argument("--time-scale", type=float, default=1.0, help="multiplies arrival and wait times")
+    r.add_argument("--out", default="bench_out")
+
+    c = sub.add_parser("compare", help="start vanilla SGLang, replay, stop; then sgl_sparse; print side by side")
+    c.add_argument("--model-path", required=True)
+    c.add_argument("--trace", required=True)
+    c.add_argument("--sparse-method", action="append", default=None,
+                   help="repeatable; default: dense (parity check)")
+    c.add_argument("--sparse-config", action="append", default=None, help="one per --sparse-method")
+    c.add_argument("--client", choices=["openai", "frontend"], default="openai")
+    c.add_argument("--cpu", action="store_true", help="serve on CPU with the flags of docs/cpu.md")
+    c.add_argument("--server-args", default="", help="extra flags for both servers, one string")
+    c.add_argument("--time-scale", type=float, default=1.0)
+    c.add_argument("--skip-vanilla", action="store_true")
+    c.add_argument("--out", default="bench_out")
+    args = p.parse_args(argv)
+
+    if args.cmd == "generate":
+        data = {}
+        if args.sessions is not None:
+            data["sessions"] = args.sessions
+        if args.seed is not None:
+            data["seed"] = args.seed
+        cfg = dataclasses.replace(WorkloadConfig.from_toml(args.config), **data)
+        cfg.validate()
+        trace = generate(cfg)
+        trace.save(args.out)
+        ctx = [s.final_context_tokens() for s in trace.sessions]
+        turns = sum(len(s.turns) for s in trace.sessions)
+        print(f"{args.out}: {len(trace.sessions)} sessions, {turns} turns, final context min/median/max "
+              f"{min(ctx)}/{sorted(ctx)[len(ctx) // 2]}/{max(ctx)} tokens")
+        return
+
+    trace = Trace.load(args.trace)
+    if args.cmd == "replay":
+        from bench_agent.replay import replay
+
+        tok = _tokenizer(args.tokenizer)
+        result = replay(args.url, trace, tok, client=args.client, label=args.label or args.url,
+                        time_scale=args.time_scale)
+        summaries = report.save([result], args.out)
+    else:
+        from bench_agent.compare import compare
+
+        methods = args.sparse_method or ["dense"]
+        configs = args.sparse_config or ["{}"] * len(methods)
+        if len(configs) != len(methods):
+            p.error("give one --sparse-config per --sparse-method")
+        results = compare(args.model_path, trace, _tokenizer(args.model_path), list(zip(methods, configs)),
+                          client=args.client, cpu=args.cpu, server_args=args.server_args.split(),
+                          out_dir=args.out, time_scale=args.time_scale, skip_vanilla=args.skip_vanilla)
+        summaries = report.save(results, args.out)
+    print(report.table(summaries))
+    print(json.dumps(summaries), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

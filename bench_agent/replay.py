@@ -1,0 +1,234 @@
+"""Replay a trace against a running server, as the sessions' clients would, and record what users feel.
+
+Two clients:
+
+* ``openai``: ``/v1/chat/completions`` with the full message history each turn, streamed (TTFT and
+  time per output token come from the stream), ``max_tokens`` = the recorded output length,
+  ``ignore_eos``. Tool results are messages of role ``tool``.
+* ``frontend``: one SGLang frontend-language program per session (``@sgl.function`` through
+  ``sgl.RuntimeEndpoint``) that appends each tool result (as a user message wrapped in
+  ``<tool_result>`` tags: the frontend has no tool role) and ``sgl.gen``s each turn. The frontend
+  does not stream, so its turns have latency but no TTFT.
+
+Session state follows the server's real responses: each assistant message is the text the server
+returned. Sessions start at their arrival time and wait ``wait_s`` between turns (tool execution).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from bench_agent.text import TextSource
+from bench_agent.workload import Session, Trace
+
+
+@dataclass
+class TurnRecord:
+    session: str
+    turn: int
+    start_s: float  # since the run's start
+    end_s: float
+    ttft_s: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    label: str
+    client: str
+    wall_s: float = 0.0
+    turns: list[TurnRecord] = field(default_factory=list)
+    session_end_s: dict[str, float] = field(default_factory=dict)
+    kv_samples: list[tuple[float, int]] = field(default_factory=list)  # (t, KV slots in use)
+    kv_capacity: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def kv_slots_in_use(base_url: str) -> tuple[int, int] | None:
+    """(used, capacity) KV slots from ``/v1/loads``: ``num_used_tokens`` is what SGLang logs as
+    ``#token`` (slots held by requests, outside the evictable prefix tree), physical on both servers."""
+    try:
+        info = requests.get(f"{base_url}/v1/loads", timeout=5).json()
+    except (requests.RequestException, ValueError):
+        return None
+    loads = info.get("loads", info) if isinstance(info, dict) else info
+    if isinstance(loads, list) and loads:
+        first = loads[0]
+        core = first.get("core", first)
+        used, total = core.get("num_used_tokens"), core.get("max_total_num_tokens")
+        if used is not None and total:
+            return int(used), int(total)
+    return None
+
+
+class KVMonitor(threading.Thread):
+    def __init__(self, base_url: str, t0: float, result: RunResult, interval_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.t0, self.result, self.interval_s = base_url, t0, result, interval_s
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            got = kv_slots_in_use(self.base_url)
+            if got is not None:
+                self.result.kv_samples.append((time.monotonic() - self.t0, got[0]))
+                self.result.kv_capacity = got[1]
+            self.stop_event.wait(self.interval_s)
+
+
+class _Materialiser:
+    """Texts of one session, deterministic from the session's seed."""
+
+    def __init__(self, source: TextSource, session: Session) -> None:
+        rng = random.Random(session.text_seed)
+        self.system = source.text(session.system_tokens, rng)
+        self.task = source.text(session.task_tokens, rng)
+        self.tools = [source.text(t.tool_tokens, rng) for t in session.turns]
+
+
+def _openai_turn(base_url: str, model: str, messages: list[dict], max_tokens: int, timeout: float
+                 ) -> tuple[str, float | None, dict]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    ttft, text, usage = None, [], {}
+    with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            choices = chunk.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+                text.append(choices[0]["delta"]["content"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return "".join(text), ttft, usage
+
+
+def _run_openai_session(base_url: str, model: str, session: Session, texts: _Materialiser, t0: float,
+                        result: RunResult, timeout: float) -> None:
+    messages = [{"role": "system", "content": texts.system}, {"role": "user", "content": texts.task}]
+    for i, turn in enumerate(session.turns):
+        start = time.monotonic()
+        try:
+            reply, ttft, usage = _openai_turn(base_url, model, messages, turn.output_tokens, timeout)
+        except Exception as e:  # noqa: BLE001 - recorded, the session stops
+            result.errors.append(f"{session.id} turn {i}: {e}")
+            result.turns.append(TurnRecord(session.id, i, start - t0, time.monotonic() - t0, None, 0, 0, 0, str(e)))
+            return
+        end = time.monotonic()
+        details = usage.get("prompt_tokens_details") or {}
+        result.turns.append(TurnRecord(session.id, i, start - t0, end - t0, ttft, int(usage.get("prompt_tokens", 0)),
+                                       int(usage.get("completion_tokens", 0)), int(details.get("cached_tokens") or 0)))
+        messages.append({"role": "assistant", "content": reply})
+        if turn.tool_tokens:
+            time.sleep(turn.wait_s)
+            messages.append({"role": "tool", "content": texts.tools[i]})
+    result.session_end_s[session.id] = time.monotonic() - t0
+
+
+def _frontend_program():  # type: ignore[no-untyped-def]
+    import sglang as sgl
+
+    @sgl.function
+    def agent_session(s, system: str, task: str, turns: list[tuple[int, float, str]], clock: list):  # type: ignore[no-untyped-def]
+        s += sgl.system(system)
+        s += sgl.user(task)
+        for i, (out_tokens, wait_s, tool_text) in enumerate(turns):
+            start = time.monotonic()
+            s += sgl.assistant(sgl.gen(f"out{i}", max_tokens=out_tokens, ignore_eos=True, temperature=0))
+            _ = s[f"out{i}"]  # wait for this turn's output before the tool "runs"
+            clock.append((start, time.monotonic()))
+            if tool_text:
+                time.sleep(wait_s)
+                s += sgl.user("<tool_result>\n" + tool_text + "\n</tool_result>")
+
+    return agent_session
+
+
+def _run_frontend_session(backend: Any, program: Any, session: Session, texts: _Materialiser, t0: float,
+                          result: RunResult) -> None:
+    clock: list[tuple[float, float]] = []
+    turns = [(t.output_tokens, t.wait_s, texts.tools[i]) for i, t in enumerate(session.turns)]
+    state = program.run(system=texts.system, task=texts.task, turns=turns, clock=clock, backend=backend)
+    try:
+        state.sync()
+        for i, (start, end) in enumerate(clock):
+            meta = state.get_meta_info(f"out{i}")
+            result.turns.append(TurnRecord(session.id, i, start - t0, end - t0, None, int(meta["prompt_tokens"]),
+                                           int(meta["completion_tokens"]), int(meta.get("cached_tokens") or 0)))
+    except Exception as e:  # noqa: BLE001 - recorded
+        result.errors.append(f"{session.id}: {e}")
+    if state.error() is not None:
+        result.errors.append(f"{session.id}: {state.error()}")
+    result.session_end_s[session.id] = time.monotonic() - t0
+
+
+def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", label: str = "",
+           model: str = "default", request_timeout: float = 3600.0, time_scale: float = 1.0,
+           progress: bool = True) -> RunResult:
+    """Replay every session of ``trace``; ``time_scale`` multiplies arrival and wait times."""
+    if client not in ("openai", "frontend"):
+        raise ValueError(f"client must be 'openai' or 'frontend', got {client!r}")
+    source = TextSource(tokenizer)
+    texts = {s.id: _Materialiser(source, s) for s in trace.sessions}
+    for s in trace.sessions:
+        for t in s.turns:
+            t.wait_s *= time_scale
+    result = RunResult(label=label or base_url, client=client)
+    t0 = time.monotonic()
+    monitor = KVMonitor(base_url, t0, result)
+    monitor.start()
+    backend = program = None
+    if client == "frontend":
+        import sglang as sgl
+
+        backend, program = sgl.RuntimeEndpoint(base_url), _frontend_program()
+    bar = _progress(len(trace.sessions)) if progress else None
+
+    def run(session: Session) -> None:
+        delay = session.arrival_s * time_scale - (time.monotonic() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        if client == "openai":
+            _run_openai_session(base_url, model, session, texts[session.id], t0, result, request_timeout)
+        else:
+            _run_frontend_session(backend, program, session, texts[session.id], t0, result)
+        if bar is not None:
+            bar.update(1)
+
+    with ThreadPoolExecutor(max(1, len(trace.sessions))) as pool:
+        list(pool.map(run, trace.sessions))
+    result.wall_s = time.monotonic() - t0
+    monitor.stop_event.set()
+    monitor.join(timeout=5)
+    if bar is not None:
+        bar.close()
+    result.turns.sort(key=lambda r: (r.session, r.turn))
+    return result
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="sessions", unit="session")

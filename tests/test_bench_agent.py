@@ -1,0 +1,88 @@
+"""bench_agent: deterministic traces, and replays against real CPU servers (tiny model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench_agent import report
+from bench_agent.replay import replay
+from bench_agent.workload import Trace, WorkloadConfig, generate
+from sgl_sparse.server_process import ServerProcess
+
+CONFIGS = Path(__file__).resolve().parents[1] / "bench_agent" / "configs"
+
+
+def test_generation_is_deterministic_and_round_trips(tmp_path: Path) -> None:
+    cfg = WorkloadConfig.from_toml(CONFIGS / "swe_agent.toml")
+    a, b = generate(cfg), generate(cfg)
+    assert [dataclasses.asdict(s) for s in a.sessions] == [dataclasses.asdict(s) for s in b.sessions]
+    a.save(tmp_path / "t.jsonl")
+    loaded = Trace.load(tmp_path / "t.jsonl")
+    assert [dataclasses.asdict(s) for s in loaded.sessions] == [dataclasses.asdict(s) for s in a.sessions]
+    other = generate(dataclasses.replace(cfg, seed=1))
+    assert [s.text_seed for s in other.sessions] != [s.text_seed for s in a.sessions]
+
+
+def test_default_workload_shape() -> None:
+    """Sessions grow toward 64-128K tokens with heavy-tailed tool results of 0.5-16K tokens."""
+    trace = generate(WorkloadConfig.from_toml(CONFIGS / "swe_agent.toml"))
+    finals = [s.final_context_tokens() for s in trace.sessions]
+    assert len(trace.sessions) == 32 and min(finals) > 64_000 and max(finals) <= 120_000
+    tools = sorted(t.tool_tokens for s in trace.sessions for t in s.turns if t.tool_tokens)
+    outs = [t.output_tokens for s in trace.sessions for t in s.turns]
+    assert tools[0] >= 500 and tools[-1] <= 16_000 and tools[len(tools) // 2] < 2_500 < tools[-len(tools) // 20]
+    assert 100 <= min(outs) and max(outs) <= 1000
+
+
+def test_bad_workload_config() -> None:
+    with pytest.raises(ValueError, match="unknown workload field"):
+        WorkloadConfig.from_dict({"sesions": 3})
+    with pytest.raises(ValueError, match="context_limit_tokens"):
+        WorkloadConfig.from_dict({"context_limit_tokens": 100})
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("client", ["openai", "frontend"])
+def test_replay_against_real_server(server: ServerProcess, tiny_model: str, client: str) -> None:
+    from transformers import AutoTokenizer
+
+    trace = generate(WorkloadConfig.from_toml(CONFIGS / "tiny.toml"))
+    result = replay(server.base_url, trace, AutoTokenizer.from_pretrained(tiny_model), client=client,
+                    label="ours", progress=False)
+    s = report.summarize(result)
+    assert s["errors"] == 0 and s["sessions"] == 3
+    assert s["turns"] == sum(len(x.turns) for x in trace.sessions)
+    assert s["output_tokens"] == sum(t.output_tokens for x in trace.sessions for t in x.turns)
+    for key in ("wall_s", "output_tok_s", "session_completion_s_p50", "turn_latency_s_p50", "prefix_hit_ratio",
+                "kv_capacity"):
+        assert s[key] is not None, key
+    if client == "openai":
+        for key in ("ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90", "tpot_s_p99"):
+            assert s[key] is not None and s[key] > 0, key
+    prompts = {(t.session, t.turn): t.prompt_tokens for t in result.turns}
+    for t in result.turns:  # from turn 2 on, the previous turn's prompt comes from the prefix cache
+        if t.turn > 0:
+            assert t.cached_tokens >= 0.9 * prompts[(t.session, t.turn - 1)], t
+    assert "| prefix_hit_ratio |" in report.table([s])
+
+
+@pytest.mark.server
+def test_compare_driver_on_cpu(tiny_model: str, tmp_path: Path) -> None:
+    trace_path = tmp_path / "tiny.jsonl"
+    subprocess.run([sys.executable, "-m", "bench_agent", "generate", "--config", str(CONFIGS / "tiny.toml"),
+                    "--out", str(trace_path), "--sessions", "2"], check=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "bench_agent", "compare", "--model-path", tiny_model, "--trace",
+                        str(trace_path), "--cpu", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| metric | vanilla | sgl_sparse:dense | ratio sgl_sparse:dense/vanilla |" in r.stdout
+    summaries = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [s["label"] for s in summaries] == ["vanilla", "sgl_sparse:dense"]
+    assert summaries[0]["output_tokens"] == summaries[1]["output_tokens"] > 0
+    assert (tmp_path / "out" / "plots.png").stat().st_size > 0
