@@ -43,7 +43,7 @@ import torch
 from sgl_sparse.config import MethodConfig
 
 
-class Family(str, enum.Enum):
+class Family(enum.StrEnum):
     DENSE = "dense"
     EVICTION = "eviction"
     SELECTION = "selection"
@@ -51,7 +51,7 @@ class Family(str, enum.Enum):
     QUANTIZATION = "quantization"
 
 
-class PrefixReuse(str, enum.Enum):
+class PrefixReuse(enum.StrEnum):
     """How a method's KV may be reused by later requests through the prefix tree."""
 
     RADIX = "radix"  # full KV per logical token: any request with the same fingerprint may share it
