@@ -21,7 +21,7 @@ from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
 pytestmark = pytest.mark.server
 
 STREAMING = {"sink_tokens": 16, "recent_tokens": 128, "evict_interval": 16}
-SNAPKV = {"budget": 256, "window_size": 16, "sink_tokens": 8, "kernel_size": 5}
+SNAPKV = {"budget": 256, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, "decode_interval": 16}
 FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
 
 
@@ -102,7 +102,7 @@ def test_streamingllm_long_prompt_keeps_about_the_budget(sparse_servers: dict) -
 
 @pytest.mark.parametrize(("method", "limit"), [
     ("streamingllm", STREAMING["sink_tokens"] + STREAMING["recent_tokens"] + STREAMING["evict_interval"]),
-    ("snapkv", SNAPKV["budget"] + 20),  # SnapKV selects at prefill end; decode appends (20 tokens)
+    ("snapkv", SNAPKV["budget"] + SNAPKV["decode_interval"]),  # re-selected every 16 decoded tokens
 ])
 def test_chain_cache_three_turns(sparse_servers: dict, method: str, limit: int) -> None:
     server = sparse_servers[method]
@@ -217,3 +217,16 @@ def test_prometheus_metrics(sparse_servers: dict) -> None:
     assert values["sgl_sparse:evicted_tokens_total"] == st["evicted_tokens_total"]
     assert values["sgl_sparse:chain_hits_total"] == st["chain_hits_total"]
     assert "sgl_sparse:kv_slots_used" in values and "sgl_sparse:logical_tokens_running" in values
+
+
+def test_snapkv_decode_reselection_bounds_kept_tokens(sparse_servers: dict) -> None:
+    server = sparse_servers["snapkv"]
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    before = _assert_idle_and_sound(server)
+    out = server.generate(input_ids=_ids(random.Random(21), 500), max_new_tokens=100, ignore_eos=True)
+    assert out["meta_info"]["completion_tokens"] == 100
+    after = _assert_idle_and_sound(server)
+    used = after["kv_slots_used"] - before["kv_slots_used"]
+    # 500 + 100 logical tokens; re-selection every 16 decoded tokens keeps it near the budget.
+    assert SNAPKV["budget"] <= used <= SNAPKV["budget"] + SNAPKV["decode_interval"], used
+    assert after["eviction_steps_total"] - before["eviction_steps_total"] >= 1 + 100 // 16 - 1
