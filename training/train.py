@@ -1,0 +1,200 @@
+"""Train the small Llama-architecture models we ship for quality tests (HF ``LlamaForCausalLM``).
+
+    python training/train.py --size small --out models/tiny-quality-small --steps 3000 --context 4096
+    python training/train.py --size large --out models/quality-large --steps 6000 --context 16384
+
+Data: the synthetic task suite (:mod:`sgl_sparse.quality.tasks`) at random lengths up to ``--context``,
+training seeds below 10,000 (evaluation uses 10,000 and above). Loss: next-token prediction on the
+whole example, with the answer tokens weighted ``--answer-weight`` times more. The tokenizer is a
+byte-level BPE with single-digit tokens (numbers are what the tasks retrieve), trained here.
+
+A run may span several device commands: ``--time-limit-s`` stops cleanly, a checkpoint (model +
+optimizer + step) is written to ``--ckpt``, and ``--resume`` continues from it. Weights are saved in
+bf16 safetensors, sharded below 15 MB per file (files that come back from the GPU machine are
+limited to 16 MB each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from sgl_sparse.quality.tasks import TASKS, make_example
+from sgl_sparse.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+SIZES = {
+    # ~4.3M parameters: CPU tests at 2-4K context.
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    # ~11M parameters: GPU runs at 16-32K context.
+    "large": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=64),
+    # For the training loop's own test on CPU.
+    "test": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32),
+}
+VOCAB = 2048
+TRAIN_SEED_LIMIT = 10_000
+
+
+def build_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from sgl_sparse.quality.tasks import haystack_sentences
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    samples = list(haystack_sentences())
+    samples += [make_example(t, s, 60).prompt or json.dumps(make_example(t, s, 60).messages)
+                for t in TASKS for s in range(50)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(samples, trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|end|>",
+        "unk_token": "<unk>", "pad_token": "<unk>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|end|>", "unk_token": "<unk>", "pad_token": "<unk>"}))
+
+
+def encode_example(tokenizer, task: str, seed: int, n_words: int) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+    """(token ids of prompt + answer + eos, index where the answer starts)."""
+    ex = make_example(task, seed, n_words)
+    if ex.messages is not None:
+        text = tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt = tokenizer.encode(ex.prompt, add_special_tokens=False)
+    answer = tokenizer.encode(" " + ex.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt + answer, len(prompt)
+
+
+def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_per_token: float,  # type: ignore[no-untyped-def]
+                 answer_weight: float, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch at one random target length (so little padding)."""
+    target = int(context * rng.uniform(0.1, 1.0) ** 0.5)  # skewed toward long examples
+    seqs = []
+    while len(seqs) < batch:
+        task = rng.choice(TASKS)
+        n_words = max(10, int(target * words_per_token))
+        seed = rng.randrange(TRAIN_SEED_LIMIT)
+        ids, start = encode_example(tokenizer, task, seed, n_words)
+        for _ in range(6):  # never truncate (the answer is at the end): shrink the haystack instead
+            if len(ids) <= context:
+                break
+            n_words = max(5, int(n_words * context / len(ids) * 0.9))
+            ids, start = encode_example(tokenizer, task, seed, n_words)
+        if len(ids) <= context:  # else: this task's minimum does not fit this context; draw another
+            seqs.append((ids, start))
+    width = max(len(s) for s, _ in seqs)
+    x = torch.full((batch, width), tokenizer.pad_token_id, dtype=torch.long)
+    w = torch.zeros((batch, width), dtype=torch.float32)
+    for i, (ids, start) in enumerate(seqs):
+        x[i, : len(ids)] = torch.tensor(ids)
+        w[i, 1: len(ids)] = 1.0  # weight of predicting token t from t-1
+        w[i, max(1, start): len(ids)] = answer_weight
+    return x.to(device), w.to(device), torch.tensor([s for _, s in seqs])
+
+
+def answer_exact_match(model, x: torch.Tensor, starts: torch.Tensor, w: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    """Teacher-forced greedy exact match of every answer token (= greedy decoding gets the answer)."""
+    with torch.no_grad():
+        pred = model(input_ids=x).logits.argmax(-1)
+    ok = 0
+    for i in range(x.shape[0]):
+        n = int((w[i] > 0).sum().item()) + 1  # sequence length (position 0 has no weight)
+        s = int(starts[i])
+        assert 0 < s < n, "the answer must be inside the sequence"
+        ok += int(torch.equal(pred[i, s - 1: n - 1], x[i, s:n]))
+    return ok / x.shape[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--answer-weight", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", default=None, help="checkpoint path (default: OUT/ckpt.pt)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--time-limit-s", type=float, default=None)
+    p.add_argument("--eval-every", type=int, default=200)
+    args = p.parse_args()
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(args.ckpt or out / "ckpt.pt")
+    if not (out / "tokenizer.json").exists():
+        build_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max(args.context, 4096), rope_theta=500_000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=7, pad_token_id=0,
+                      torch_dtype="bfloat16", **SIZES[args.size])
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    step, log = 0, []
+    if args.resume and ckpt.exists():
+        state = torch.load(ckpt, map_location=device)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, log = state["step"], state["log"]
+    n_params = sum(p.numel() for p in model.parameters())
+    sample = " ".join(make_example("niah_single", 0, 400).prompt.split()[:300])  # type: ignore[union-attr]
+    words_per_token = 300 / len(tokenizer.encode(sample))
+    rng = random.Random(args.seed * 1_000_003 + step)
+    t0 = time.monotonic()
+    print(f"{n_params / 1e6:.2f}M parameters, device {device}, from step {step}", flush=True)
+    model.train()
+    while step < args.steps:
+        if args.time_limit_s and time.monotonic() - t0 > args.time_limit_s:
+            break
+        lr = args.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, w, starts = sample_batch(tokenizer, rng, args.batch, args.context, words_per_token, args.answer_weight,
+                                    device)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(input_ids=x).logits.float()
+        loss_tok = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1),
+                                                     reduction="none").view(x.shape[0], -1)
+        loss = (loss_tok * w[:, 1:]).sum() / w[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                em = answer_exact_match(model, x, starts, w)
+            model.train()
+            log.append({"step": step, "loss": round(loss.item(), 4), "train_batch_em": em, "lr": lr,
+                        "elapsed_s": round(time.monotonic() - t0, 1), "len": x.shape[1]})
+            print(json.dumps(log[-1]), flush=True)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log}, ckpt)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="15MB")
+    (out / "training_log.json").write_text(json.dumps({"args": vars(args), "params": n_params, "log": log},
+                                                      indent=2))
+    print(f"saved step {step} to {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
