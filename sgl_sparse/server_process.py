@@ -5,6 +5,7 @@ Only subprocess + HTTP: no SGLang imports, so it works from any client environme
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,7 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +124,16 @@ class ServerProcess:
         r = requests.get(f"{self.base_url}/server_info", timeout=30)
         r.raise_for_status()
         return r.json()
+
+
+@contextlib.contextmanager
+def running(*servers: ServerProcess) -> Iterator[tuple[ServerProcess, ...]]:
+    """Start ``servers`` in parallel (startup is mostly waiting), stop them all on exit or failure."""
+    try:
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            for f in [pool.submit(s.start) for s in servers]:
+                f.result()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

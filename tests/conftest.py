@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, VANILLA_CPU_FLAGS, ServerProcess
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, VANILLA_CPU_FLAGS, ServerProcess, running
 from sgl_sparse.tiny_model import write_tiny_model
 
 # Small chunks so that multi-chunk prefill is exercised with short prompts.
@@ -24,20 +23,8 @@ def servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
     """Our launcher (dense) and stock ``sglang.launch_server``, same model and flags, started together."""
     ours = ServerProcess(tiny_model, COMMON_FLAGS, module="sgl_sparse.launch_server")
     vanilla = ServerProcess(tiny_model, [*COMMON_FLAGS, *VANILLA_CPU_FLAGS], module="sglang.launch_server")
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(s.start) for s in (ours, vanilla)]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            ours.stop()
-            vanilla.stop()
-            raise
-    try:
+    with running(ours, vanilla):
         yield {"ours": ours, "vanilla": vanilla}
-    finally:
-        ours.stop()
-        vanilla.stop()
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
 
 pytestmark = pytest.mark.server
 
@@ -35,20 +35,8 @@ def sparse_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterat
         "snapkv": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv",
                                              "--sparse-config", json.dumps(SNAPKV)]),
     }
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(p.start) for p in procs.values()]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for p in procs.values():
-                p.stop()
-            raise
-    try:
+    with running(*procs.values()):
         yield {**procs, "vanilla": servers["vanilla"], "dense": servers["ours"]}
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def _state(server: ServerProcess) -> dict:

@@ -61,3 +61,19 @@ def test_training_smoke_and_resume(tmp_path: Path) -> None:
     assert shards and all(s.stat().st_size < 15 * 2**20 for s in shards)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.server
+def test_eval_cli_against_a_real_server(server, tiny_model: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Plumbing only: the random-weight tiny model answers nothing right (the trained model's
+    accuracy test comes with the trained model)."""
+    out = tmp_path / "eval.json"
+    r = subprocess.run([sys.executable, "-m", "sgl_sparse.quality.eval", "--url", server.base_url, "--model-dir",
+                        tiny_model, "--tokens", "512", "--n", "2", "--chain", "--json", str(out),
+                        "--baseline-url", server.base_url], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| task | accuracy | max prompt tokens | baseline |" in r.stdout
+    runs = json.loads(out.read_text())
+    assert set(runs) == {"server", "baseline"} and set(runs["server"]) == set(TASKS)
+    assert all(row["n"] == 2 and 0 < row["tokens"] <= 512 for row in runs["server"].values())
+    assert runs["server"] == runs["baseline"]  # greedy, same server: same outputs

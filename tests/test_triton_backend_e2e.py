@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
 
 pytestmark = pytest.mark.server
 CONFIG = json.dumps({"sink_tokens": 8, "recent_tokens": 40, "evict_interval": 8})
@@ -22,20 +21,8 @@ def paths(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[s
              "--sparse-config", CONFIG]
     triton = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "triton", "TRITON_INTERPRET": "1"})
     torch_ = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "torch"})
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(p.start) for p in (triton, torch_)]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            triton.stop()
-            torch_.stop()
-            raise
-    try:
+    with running(triton, torch_):
         yield {"triton": triton, "torch": torch_, "dense": servers["ours"]}
-    finally:
-        triton.stop()
-        torch_.stop()
 
 
 def test_backend_classes(paths: dict[str, ServerProcess]) -> None:
