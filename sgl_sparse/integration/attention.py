@@ -23,7 +23,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_sparse.integration.runtime import SENTINEL_SLOT, SparseRuntime, get_runtime
+from sgl_sparse.integration import SENTINEL_SLOT
+from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
 
 
 class _SparseBackendMixin:

@@ -19,11 +19,10 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import ObservationWindow, RequestState, SparseMethod, StepInfo
-from sgl_sparse.integration import handoff
+from sgl_sparse.integration import SENTINEL_SLOT, handoff
 from sgl_sparse.registry import create_method
 
 logger = logging.getLogger(__name__)
-SENTINEL_SLOT = 0
 
 
 @dataclass

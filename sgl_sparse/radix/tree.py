@@ -39,8 +39,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_sparse.contract import SparseMethod
-
-SENTINEL_SLOT = 0
+from sgl_sparse.integration import SENTINEL_SLOT
 
 
 def physical(value: torch.Tensor | None) -> int:
