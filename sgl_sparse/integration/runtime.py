@@ -135,6 +135,10 @@ class SparseRuntime:
 
     def _window(self, req: Any, st: RequestState, model_runner: Any) -> ObservationWindow:
         queries = self.window_q.get(req.rid, {})
+        if len(queries) != self.num_layers or not queries:
+            raise RuntimeError(f"sgl_sparse: {self.method.name} needs the last queries of every layer, but the "
+                               f"attention backend captured {len(queries)} layer(s) for request {req.rid} "
+                               "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
         n_w = queries[0].shape[0]
         row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx, : st.logical_len]
         positions = _retained(row).to(row.device)
