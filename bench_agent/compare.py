@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,6 @@ def compare(model_path: str, trace: Trace, tokenizer: Any, methods: list[tuple[s
     for label, module, flags in runs:
         log = out / f"{label.replace(':', '-')}.server.log"
         with ServerProcess(model_path, flags, module=module, startup_timeout=900, log_path=str(log)) as srv:
-            results.append(replay(srv.base_url, copy.deepcopy(trace), tokenizer, client=client, label=label,
+            results.append(replay(srv.base_url, trace, tokenizer, client=client, label=label,
                                   time_scale=time_scale))
     return results

@@ -124,7 +124,7 @@ def _openai_turn(base_url: str, model: str, messages: list[dict], max_tokens: in
 
 
 def _run_openai_session(base_url: str, model: str, session: Session, texts: _Materialiser, t0: float,
-                        result: RunResult, timeout: float) -> None:
+                        result: RunResult, timeout: float, time_scale: float) -> None:
     messages = [{"role": "system", "content": texts.system}, {"role": "user", "content": texts.task}]
     for i, turn in enumerate(session.turns):
         start = time.monotonic()
@@ -140,7 +140,7 @@ def _run_openai_session(base_url: str, model: str, session: Session, texts: _Mat
                                        int(usage.get("completion_tokens", 0)), int(details.get("cached_tokens") or 0)))
         messages.append({"role": "assistant", "content": reply})
         if turn.tool_tokens:
-            time.sleep(turn.wait_s)
+            time.sleep(turn.wait_s * time_scale)
             messages.append({"role": "tool", "content": texts.tools[i]})
     result.session_end_s[session.id] = time.monotonic() - t0
 
@@ -165,9 +165,9 @@ def _frontend_program():  # type: ignore[no-untyped-def]
 
 
 def _run_frontend_session(backend: Any, program: Any, session: Session, texts: _Materialiser, t0: float,
-                          result: RunResult) -> None:
+                          result: RunResult, time_scale: float) -> None:
     clock: list[tuple[float, float]] = []
-    turns = [(t.output_tokens, t.wait_s, texts.tools[i]) for i, t in enumerate(session.turns)]
+    turns = [(t.output_tokens, t.wait_s * time_scale, texts.tools[i]) for i, t in enumerate(session.turns)]
     state = program.run(system=texts.system, task=texts.task, turns=turns, clock=clock, backend=backend)
     try:
         state.sync()
@@ -190,9 +190,6 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
         raise ValueError(f"client must be 'openai' or 'frontend', got {client!r}")
     source = TextSource(tokenizer)
     texts = {s.id: _Materialiser(source, s) for s in trace.sessions}
-    for s in trace.sessions:
-        for t in s.turns:
-            t.wait_s *= time_scale
     result = RunResult(label=label or base_url, client=client)
     t0 = time.monotonic()
     monitor = KVMonitor(base_url, t0, result)
@@ -209,9 +206,9 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
         if delay > 0:
             time.sleep(delay)
         if client == "openai":
-            _run_openai_session(base_url, model, session, texts[session.id], t0, result, request_timeout)
+            _run_openai_session(base_url, model, session, texts[session.id], t0, result, request_timeout, time_scale)
         else:
-            _run_frontend_session(backend, program, session, texts[session.id], t0, result)
+            _run_frontend_session(backend, program, session, texts[session.id], t0, result, time_scale)
         if bar is not None:
             bar.update(1)
 

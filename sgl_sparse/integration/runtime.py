@@ -65,9 +65,9 @@ class SparseRuntime:
                     self.counters.chain_hits_total += 1
                     self.counters.chain_hit_tokens_total += len(prefix)
                 self.method.restore_state(st, None)
+            row_idx = req.req_pool_idx  # fixed while the state lives (retraction drops the state)
+            st.kept_loader = lambda: _retained(req_to_token[row_idx, : st.logical_len])
             self.states[req.rid] = st
-        row_idx = req.req_pool_idx
-        st.kept_loader = lambda: _retained(req_to_token[row_idx, : st.logical_len])
         return st
 
     def drop(self, req: Any) -> None:

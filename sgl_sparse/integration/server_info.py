@@ -29,7 +29,7 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "logical_tokens_running": rt.logical_tokens_running(),
         "kept_tokens_running": rt.kept_tokens_running(),
         "requests_tracked": len(rt.states),
-        **{k: v for k, v in vars(rt.counters).items()},
+        **vars(rt.counters),
     }
     if hasattr(tree, "stats"):
         state.update(tree.stats())
