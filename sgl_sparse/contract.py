@@ -251,6 +251,11 @@ class SparseMethod(ABC, Generic[C]):
         :meth:`wants_observation` can be true in decode)."""
         return 0
 
+    def observes_decode(self) -> bool:
+        """Whether :meth:`wants_observation` can be true in decode, i.e. the runtime must also keep
+        decode queries (per decode step, outside CUDA graphs)."""
+        return False
+
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
         """Whether :meth:`on_observation` runs at the end of this step. Default: final prefill chunk."""
         return step.final_prefill

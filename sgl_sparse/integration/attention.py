@@ -35,11 +35,12 @@ class _SparseBackendMixin:
         self.runtime = get_runtime()
         self.method = self.runtime.method
         self.skip_sentinels = self.method.evicts
+        # Decided once: the per-layer hot path of dense requests does no method calls.
+        self.capture_prefill = self.method.observation_window() > 0
+        self.capture_decode = self.capture_prefill and self.method.observes_decode()
 
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
-        if self.method.observation_window() <= 0 or forward_batch.rids is None:
-            return
-        if is_decode and not getattr(self.method.config, "decode_interval", 0):
+        if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
             return
         lens = [1] * len(forward_batch.rids) if is_decode else list(forward_batch.extend_seq_lens_cpu)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)

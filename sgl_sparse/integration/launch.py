@@ -100,7 +100,7 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str,
         if (args.tp_size or 1) > 1:
             problems.append(f"--tp-size {args.tp_size} with {method.name}: eviction needs one token set across "
                             "TP ranks, which is not implemented yet (use --dp-size for more GPUs)")
-    decode_capture = method.observation_window() > 0 and getattr(method.config, "decode_interval", 0) > 0
+    decode_capture = method.observation_window() > 0 and method.observes_decode()
     if decode_capture and device != "cpu" and "--disable-cuda-graph" not in argv:
         problems.append(f"{method.name} with decode_interval > 0 collects decode queries in Python, which CUDA "
                         "graphs would skip: add --disable-cuda-graph (or set decode_interval to 0)")

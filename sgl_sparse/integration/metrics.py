@@ -29,8 +29,8 @@ class SparseMetrics:
         self.chain_hits = counter("chain_hits", "Requests that resumed from a compacted prefix (Chain Cache).")
         self._last: dict[str, int] = {}
 
-    def update(self, runtime: Any, allocator: Any, total_slots: int) -> None:
-        self.kv_slots_used.set(total_slots - allocator.available_size())
+    def update(self, runtime: Any, allocator: Any) -> None:
+        self.kv_slots_used.set(runtime.kv_slots_used(allocator))
         self.logical_tokens_running.set(runtime.logical_tokens_running())
         self.kept_tokens_running.set(runtime.kept_tokens_running())
         for name, metric in (("evicted_tokens_total", self.evicted_tokens), ("chain_hits_total", self.chain_hits)):

@@ -46,10 +46,12 @@ class SparseRuntime:
     serving: bool = False  # set when our tree is built: this scheduler serves through sgl_sparse
     metrics: Any = None  # SparseMetrics with --enable-metrics
 
-    @property
-    def active(self) -> bool:
-        """Whether any per-request work is needed (dense: none, the stock path runs untouched)."""
-        return self.method.evicts or self.method.observation_window() > 0 or self.method.needs_layer_hooks
+    # Whether any per-request work is needed (dense: none, the stock path runs untouched); fixed.
+    active: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        m = self.method
+        self.active = m.evicts or m.observation_window() > 0 or m.needs_layer_hooks
 
     # -- request states ------------------------------------------------------------------------
     def state_for(self, req: Any, req_to_token: torch.Tensor) -> RequestState:
@@ -75,6 +77,11 @@ class SparseRuntime:
         self.window_q.pop(req.rid, None)
         if st is not None:
             self.method.on_finish(st)
+
+    @staticmethod
+    def kv_slots_used(allocator: Any) -> int:
+        """Physical slots not free: held by running requests or by the prefix tree."""
+        return int(allocator.size - allocator.available_size())
 
     def logical_tokens_running(self) -> int:
         return sum(s.logical_len for s in self.states.values())
@@ -103,8 +110,7 @@ class SparseRuntime:
     def after_forward(self, batch: Any, model_runner: Any) -> None:
         self._evict_step(batch, model_runner)
         if self.metrics is not None:
-            allocator = model_runner.token_to_kv_pool_allocator
-            self.metrics.update(self, allocator, allocator.size)
+            self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
 
     def _evict_step(self, batch: Any, model_runner: Any) -> None:
         if not self.active or batch is None or not batch.reqs:

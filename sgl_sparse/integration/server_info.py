@@ -16,7 +16,6 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
     tree = scheduler.tree_cache
     runner = scheduler.tp_worker.model_runner
     total = int(scheduler.max_total_num_tokens)
-    available = int(scheduler.token_to_kv_pool_allocator.available_size())
     state: dict[str, Any] = {
         "method": rt.method.name,
         "family": rt.method.family.value,
@@ -25,7 +24,7 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "tree_class": type(tree).__name__,
         "attention_backend_class": type(runner.attn_backend).__name__,
         "kv_slots_total": total,
-        "kv_slots_used": total - available,
+        "kv_slots_used": rt.kv_slots_used(scheduler.token_to_kv_pool_allocator),
         "logical_tokens_running": rt.logical_tokens_running(),
         "kept_tokens_running": rt.kept_tokens_running(),
         "requests_tracked": len(rt.states),

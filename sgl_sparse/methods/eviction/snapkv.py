@@ -83,6 +83,9 @@ class SnapKV(SparseMethod[SnapKVConfig]):
     def observation_window(self) -> int:
         return self.config.window_size
 
+    def observes_decode(self) -> bool:
+        return self.config.decode_interval > 0
+
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
         if state.num_kept <= self.config.budget:
             return False
