@@ -80,12 +80,13 @@ def encode_example(tokenizer, task: str, seed: int, n_words: int) -> tuple[list[
 
 
 def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_per_token: float,  # type: ignore[no-untyped-def]
-                 answer_weight: float, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 answer_weight: float, device: str, task_weights: dict[str, float] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch at one random target length (so little padding)."""
     target = int(context * rng.uniform(0.1, 1.0) ** 0.5)  # skewed toward long examples
     seqs = []
     while len(seqs) < batch:
-        task = rng.choice(TASKS)
+        task = rng.choices(TASKS, weights=[(task_weights or {}).get(t, 1.0) for t in TASKS])[0]
         n_words = max(10, int(target * words_per_token))
         seed = rng.randrange(TRAIN_SEED_LIMIT)
         ids, start = encode_example(tokenizer, task, seed, n_words)
@@ -104,6 +105,27 @@ def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_
         w[i, 1: len(ids)] = 1.0  # weight of predicting token t from t-1
         w[i, max(1, start): len(ids)] = answer_weight
     return x.to(device), w.to(device), torch.tensor([s for _, s in seqs])
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Endless batches from worker processes (tokenizing long examples costs more than a small model's step)."""
+
+    def __init__(self, model_dir: Path, seed: int, batch: int, context: int, words_per_token: float,
+                 answer_weight: float, start_step: int, task_weights: dict[str, float]) -> None:
+        self.model_dir, self.seed, self.batch, self.context = model_dir, seed, batch, context
+        self.start_step, self.task_weights = start_step, task_weights
+        self.words_per_token, self.answer_weight = words_per_token, answer_weight
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        from transformers import AutoTokenizer
+
+        info = torch.utils.data.get_worker_info()
+        wid = info.id if info else 0
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        rng = random.Random(f"{self.seed}:{wid}:{self.start_step}")  # a resumed run draws new data
+        while True:
+            yield sample_batch(tokenizer, rng, self.batch, self.context, self.words_per_token,
+                               self.answer_weight, "cpu", self.task_weights)
 
 
 def answer_exact_match(model, x: torch.Tensor, starts: torch.Tensor, w: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
@@ -131,9 +153,19 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default=None, help="checkpoint path (default: OUT/ckpt.pt)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init-from", default=None,
+                   help="start from this saved model (weights and tokenizer), e.g. to fine-tune a shipped one")
     p.add_argument("--time-limit-s", type=float, default=None)
     p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--workers", type=int, default=4, help="data-generating processes (0: in the training loop)")
+    p.add_argument("--task-weights", default="", help='sampling weight per task, e.g. "vartrack=3" (default 1)')
     args = p.parse_args()
+    task_weights = {}
+    for item in filter(None, args.task_weights.split(",")):
+        name, _, weight = item.partition("=")
+        if name not in TASKS or not weight:
+            p.error(f"--task-weights: expected TASK=WEIGHT with TASK in {', '.join(TASKS)}, got {item!r}")
+        task_weights[name] = float(weight)
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -141,6 +173,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(args.ckpt or out / "ckpt.pt")
+    if args.init_from:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (out / name).write_bytes((Path(args.init_from) / name).read_bytes())
     if not (out / "tokenizer.json").exists():
         build_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -148,7 +183,8 @@ def main() -> None:
                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=7, pad_token_id=0,
                       torch_dtype="bfloat16", **SIZES[args.size])
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(cfg).to(device)
+    model = (LlamaForCausalLM.from_pretrained(args.init_from, torch_dtype=torch.float32) if args.init_from
+             else LlamaForCausalLM(cfg)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step, log = 0, []
     if args.resume and ckpt.exists():
@@ -159,7 +195,10 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     sample = " ".join(make_example("niah_single", 0, 400).prompt.split()[:300])  # type: ignore[union-attr]
     words_per_token = 300 / len(tokenizer.encode(sample))
-    rng = random.Random(args.seed * 1_000_003 + step)
+    batches = iter(torch.utils.data.DataLoader(
+        Batches(out, args.seed, args.batch, args.context, words_per_token, args.answer_weight, step, task_weights),
+        batch_size=None,
+        num_workers=args.workers, prefetch_factor=4 if args.workers else None, pin_memory=device == "cuda"))
     t0 = time.monotonic()
     print(f"{n_params / 1e6:.2f}M parameters, device {device}, from step {step}", flush=True)
     model.train()
@@ -169,8 +208,7 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        x, w, starts = sample_batch(tokenizer, rng, args.batch, args.context, words_per_token, args.answer_weight,
-                                    device)
+        x, w, starts = (t.to(device, non_blocking=True) for t in next(batches))
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
             logits = model(input_ids=x).logits.float()
         loss_tok = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1),

@@ -10,8 +10,8 @@ Tasks:
 * ``niah_single``: one "special magic number" needle; ask for it.
 * ``niah_multikey``: several needles with different keys; ask for one key's number.
 * ``niah_multivalue``: one key with several numbers; answer all, in order of appearance.
-* ``vartrack``: multi-hop assignments (``VAR A = 31415``, ``VAR B = VAR A``, ...); name every
-  variable that holds the value, in order of assignment.
+* ``vartrack``: multi-hop assignments (``The value 31415 is stored in VAR AK``, ``VAR AK is copied to
+  VAR BM``, ...) in two interleaved chains; name every variable of one value's chain, in order.
 * ``freqword``: a list of words; answer the three most frequent, most frequent first.
 * ``agent_recall``: a chat transcript whose earlier tool results carry facts; the last user turn
   asks for one of them.
@@ -109,17 +109,26 @@ def niah_multivalue(rng: random.Random, n_words: int) -> Example:
 
 
 def vartrack(rng: random.Random, n_words: int) -> Example:
-    names = rng.sample(VAR_NAMES, 4)
-    value = _number(rng)
-    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 4)]
-    ctx = _insert(rng, _haystack(rng, n_words), chain)
-    q = f"Which variables are assigned the value {value}?"
-    return Example("vartrack", _qa(ctx, q), None, ", ".join(names))
+    """Two interleaved 4-variable chains; the answer follows one of them hop by hop."""
+    names = rng.sample(VAR_NAMES, 8)
+    values = [_number(rng), _number(rng)]
+    chains = [[f"The value {v} is stored in VAR {ns[0]}."] + [f"VAR {ns[i - 1]} is copied to VAR {ns[i]}."
+                                                             for i in range(1, 4)]
+              for v, ns in zip(values, (names[:4], names[4:]))]
+    needles = []
+    while chains[0] or chains[1]:  # a random merge that keeps each chain's order
+        c = chains[rng.randrange(2)] if chains[0] and chains[1] else (chains[0] or chains[1])
+        needles.append(c.pop(0))
+    ctx = _insert(rng, _haystack(rng, n_words), needles)
+    q = f"Which variables hold the value {values[0]}?"
+    return Example("vartrack", _qa(ctx, q), None, ", ".join(names[:4]))
 
 
 def freqword(rng: random.Random, n_words: int) -> Example:
     words = rng.sample(FREQ_WORDS, 10)
-    counts = {w: 2 + i for i, w in enumerate(reversed(words))}  # distinct counts: a unique answer
+    # The top three stand clear of each other and of the rest (as in RULER's common-words task): a unique
+    # answer that a model can read off by frequency, not by exact counting.
+    counts = dict(zip(words, [10, 7, 5, 2, 2, 2, 1, 1, 1, 1]))
     scale = max(1, round(n_words / sum(counts.values())))
     bag = [w for w, c in counts.items() for _ in range(c * scale)]
     rng.shuffle(bag)
