@@ -43,3 +43,45 @@ def test_compact_kv_indices_matches_reference() -> None:
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_window_scores_kernel_matches_plain_softmax() -> None:
+    """SnapKV's streamed scores equal a per-row softmax loop: GQA groups, padded rows (w * G not a
+    power of two), keys at non-contiguous positions (evicted ones skipped), causal masking inside the
+    window, several key splits merged, a row that sees no key."""
+    out = _run_interpreted("""
+        import torch
+        from sgl_sparse.kernels import window_scores as ws
+        ws.SPLIT_N, ws.BLOCK_N = 64, 16
+        g = torch.Generator().manual_seed(0)
+
+        def plain(q, k, q_pos, k_pos, scale):
+            w, H, D = q.shape; n, Hkv, _ = k.shape; G = H // Hkv
+            out = torch.zeros(Hkv, n, dtype=torch.float64)
+            for t in range(w):
+                for h in range(H):
+                    vis = k_pos <= q_pos[t]
+                    if not vis.any():
+                        continue
+                    logits = (k[:, h // G].double() @ q[t, h].double()) * scale
+                    logits[~vis] = float("-inf")
+                    out[h // G] += logits.softmax(0)
+            return out
+
+        for (w, H, Hkv, D, n) in [(5, 4, 2, 32, 300), (3, 6, 2, 16, 40), (32, 8, 2, 64, 257), (4, 2, 1, 24, 1)]:
+            q = torch.randn(w, H, D, generator=g) * 2
+            k = torch.randn(n, Hkv, D, generator=g) * 2
+            k_pos = torch.sort(torch.randperm(n * 2, generator=g)[:n]).values   # retained positions
+            top = int(k_pos[-1])
+            q_pos = torch.tensor([top - 2 * (w - 1 - t) for t in range(w)])     # the window ends at the last key
+            q_pos[0] = int(k_pos[0]) - 1                                         # sees no key at all
+            got = ws.window_scores_per_head(q, k, q_pos, k_pos, D ** -0.5)
+            ref = plain(q, k, q_pos, k_pos, D ** -0.5)
+            assert got.shape == (Hkv, n)
+            assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-4), (w, H, (got.double() - ref).abs().max())
+            # SnapKV's CPU path (the dense einsum) agrees too
+            from sgl_sparse.methods.eviction.snapkv import per_head_scores_torch
+            assert torch.allclose(per_head_scores_torch(q, k, q_pos, k_pos, D ** -0.5).double(), ref, atol=1e-5)
+        print("ok")
+    """)
+    assert out.strip() == "ok"

@@ -52,18 +52,30 @@ class SnapKVConfig(MethodConfig):
         self.require(self.decode_interval >= 0, "decode_interval", "must be >= 0")
 
 
-def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
-                  kernel_size: int, pooling: str) -> torch.Tensor:
-    """Score of each key position for one layer: ``[n]`` (float32).
-
-    q ``[w, H, D]``, k ``[n, Hkv, D]``. Causal by logical position (a window query never sees a
-    later key)."""
+def per_head_scores_torch(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """``[Hkv, n]``: each key's softmax probability summed over window queries and GQA group (the CPU
+    path; materializes ``[Hkv, G, w, n]`` float32 logits)."""
     w, n_heads, d = q.shape
     n_kv = k.shape[1]
     qf = q.float().view(w, n_kv, n_heads // n_kv, d)
     logits = torch.einsum("wgjd,ngd->gjwn", qf, k.float()) * scale
     logits = logits.masked_fill(k_pos[None, None, None, :] > q_pos[None, None, :, None], float("-inf"))
-    per_head = logits.softmax(-1).sum(dim=(1, 2))  # [Hkv, n]
+    return logits.softmax(-1).nan_to_num(0.0).sum(dim=(1, 2))
+
+
+def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+                  kernel_size: int, pooling: str) -> torch.Tensor:
+    """Score of each key position for one layer: ``[n]`` (float32).
+
+    q ``[w, H, D]``, k ``[n, Hkv, D]``. Causal by logical position (a window query never sees a
+    later key). On GPU a Triton kernel streams the keys (:mod:`sgl_sparse.kernels.window_scores`)."""
+    if k.is_cuda:
+        from sgl_sparse.kernels.window_scores import window_scores_per_head
+
+        per_head = window_scores_per_head(q, k, q_pos, k_pos, scale)
+    else:
+        per_head = per_head_scores_torch(q, k, q_pos, k_pos, scale)
     pad = kernel_size // 2
     if kernel_size > 1:
         pool = F.avg_pool1d if pooling == "avgpool" else F.max_pool1d
