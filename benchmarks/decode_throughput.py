@@ -83,6 +83,7 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
     # --max-running-requests must not cap the batch (a value equal to the batch admitted one fewer).
     flags = [*GPU_FLAGS, "--cuda-graph-max-bs", str(max(32, batch)), "--max-running-requests", str(batch + 8),
              *extra]
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     log = Path(args.log_dir) / f"{name.replace(':', '-')}.log"
     with ServerProcess(args.model_path, flags, module=module, startup_timeout=600, log_path=str(log)) as srv:
         t0 = time.monotonic()
@@ -107,7 +108,7 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path", required=False)
     p.add_argument("--input-len", type=int, default=32768)
     # Long enough that every request decodes together for a while: prefills are staggered.
     p.add_argument("--output-len", type=int, default=1024)
@@ -122,8 +123,17 @@ def main() -> None:
     p.add_argument("--log-dir", default=".")
     p.add_argument("--json", default=None, help="write results here too")
     p.add_argument("--only", choices=["vanilla", "sgl_sparse"], default=None)
+    p.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
+                   help="print one table from the --json files of earlier runs (the first row is the baseline), "
+                        "e.g. vanilla and ours run at once on two GPUs of one host with --only")
     args = p.parse_args()
 
+    if args.table_from:
+        rows = [Result(**r) for f in args.table_from for r in json.loads(Path(f).read_text())]
+        print_table(rows)
+        return
+    if not args.model_path:
+        p.error("--model-path is required (except with --table-from)")
     results: list[Result] = []
 
     def record(r: Result) -> None:
@@ -140,6 +150,10 @@ def main() -> None:
 
     print(f"\ninput {args.input_len}, output {args.output_len}, model {args.model_path}, "
           f"method {args.sparse_method} {args.sparse_config}")
+    print_table(results)
+
+
+def print_table(results: list[Result]) -> None:
     print("| server | attention backend | batch | decode tok/s | ratio vs vanilla | KV tokens in use "
           "| floor tok/s | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
