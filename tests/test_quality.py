@@ -65,8 +65,7 @@ def test_training_smoke_and_resume(tmp_path: Path) -> None:
 
 @pytest.mark.server
 def test_eval_cli_against_a_real_server(server, tiny_model: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Plumbing only: the random-weight tiny model answers nothing right (the trained model's
-    accuracy test comes with the trained model)."""
+    """Plumbing of the CLI (the tiny random-weight model answers nothing right)."""
     out = tmp_path / "eval.json"
     r = subprocess.run([sys.executable, "-m", "sgl_sparse.quality.eval", "--url", server.base_url, "--model-dir",
                         tiny_model, "--tokens", "512", "--n", "2", "--chain", "--json", str(out),
@@ -77,3 +76,37 @@ def test_eval_cli_against_a_real_server(server, tiny_model: str, tmp_path: Path)
     assert set(runs) == {"server", "baseline"} and set(runs["server"]) == set(TASKS)
     assert all(row["n"] == 2 and 0 < row["tokens"] <= 512 for row in runs["server"].values())
     assert runs["server"] == runs["baseline"]  # greedy, same server: same outputs
+
+
+# A short slice of the suite on CPU: every task, SLICE_N examples at SLICE_TOKENS, the agent task sent as
+# a multi-turn Chain Cache session. A model passes at PASS_ACCURACY overall (QUALITY.md has the full suite).
+# The shipped model scores ~0.83 here: all tasks but vartrack, which it has not learned yet (raise the bar
+# to 0.9 once it has); a random-weight model scores ~0.
+SLICE_TOKENS, SLICE_N, PASS_ACCURACY = 1024, 4, 0.75
+
+
+def _slice_accuracy(model_dir: str | Path) -> tuple[float, dict[str, float]]:
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.quality.eval import evaluate, fit_example, render
+    from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    items = [render(fit_example(t, 10_000 + i, tok, SLICE_TOKENS), tok, chain=t == "agent_recall")
+             for t in TASKS for i in range(SLICE_N)]
+    with ServerProcess(str(model_dir), [*CPU_SERVER_FLAGS, "--sparse-method", "dense"]) as srv:
+        table = evaluate(srv.base_url, items, tok)
+    total = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
+    return total, {t: r["accuracy"] for t, r in table.items()}
+
+
+@pytest.mark.server
+def test_trained_small_model_passes_and_a_random_twin_fails(tmp_path: Path) -> None:
+    """The shipped model answers the suite through our launcher on CPU; the same check on a model of the
+    same architecture and tokenizer with random weights fails, so the threshold means something."""
+    from sgl_sparse.quality.models import small_model_path, write_random_twin
+
+    trained, per_task = _slice_accuracy(small_model_path())
+    assert trained >= PASS_ACCURACY, per_task
+    random_acc, random_per_task = _slice_accuracy(write_random_twin(small_model_path(), tmp_path / "random"))
+    assert random_acc < PASS_ACCURACY and random_acc <= 0.1, random_per_task

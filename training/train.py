@@ -1,7 +1,9 @@
 """Train the small Llama-architecture models we ship for quality tests (HF ``LlamaForCausalLM``).
 
-    python training/train.py --size small --out models/tiny-quality-small --steps 3000 --context 4096
-    python training/train.py --size large --out models/quality-large --steps 6000 --context 16384
+    python training/train.py --size small --out OUT --context 2048 --batch 32 --steps 24000 --workers 8
+    python training/train.py --size large --out OUT --context 16384 --init-from SHORT_CONTEXT_RUN ...
+
+The exact commands of each shipped model are in its card (``sgl_sparse/assets/*/README.md``).
 
 Data: the synthetic task suite (:mod:`sgl_sparse.quality.tasks`) at random lengths up to ``--context``,
 training seeds below 10,000 (evaluation uses 10,000 and above). Loss: next-token prediction on the
