@@ -88,14 +88,14 @@ SLICE_TOKENS, SLICE_N, PASS_ACCURACY = 1024, 4, 0.75
 def _slice_accuracy(model_dir: str | Path) -> tuple[float, dict[str, float]]:
     from transformers import AutoTokenizer
 
-    from sgl_sparse.quality.eval import evaluate, fit_example, render
+    from sgl_sparse.quality.eval import build_items, evaluate
     from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    items = [render(fit_example(t, 10_000 + i, tok, SLICE_TOKENS), tok, chain=t == "agent_recall")
-             for t in TASKS for i in range(SLICE_N)]
+    items = build_items(tok, list(TASKS), SLICE_N, SLICE_TOKENS, seed=10_000, chain=True)
+    assert [len(it.turns) > 1 for it in items] == [t == "agent_recall" for t in TASKS for _ in range(SLICE_N)]
     with ServerProcess(str(model_dir), [*CPU_SERVER_FLAGS, "--sparse-method", "dense"]) as srv:
-        table = evaluate(srv.base_url, items, tok)
+        table = evaluate(srv.base_url, items)
     total = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
     return total, {t: r["accuracy"] for t, r in table.items()}
 

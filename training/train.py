@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_sparse.quality.models import TOKENIZER_FILES
 from sgl_sparse.quality.tasks import TASKS, make_example
 from sgl_sparse.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
 
@@ -82,7 +83,7 @@ def encode_example(tokenizer, task: str, seed: int, n_words: int) -> tuple[list[
 
 
 def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_per_token: float,  # type: ignore[no-untyped-def]
-                 answer_weight: float, device: str, task_weights: dict[str, float] | None = None
+                 answer_weight: float, task_weights: dict[str, float] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch at one random target length (so little padding)."""
     target = int(context * rng.uniform(0.1, 1.0) ** 0.5)  # skewed toward long examples
@@ -106,7 +107,7 @@ def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_
         x[i, : len(ids)] = torch.tensor(ids)
         w[i, 1: len(ids)] = 1.0  # weight of predicting token t from t-1
         w[i, max(1, start): len(ids)] = answer_weight
-    return x.to(device), w.to(device), torch.tensor([s for _, s in seqs])
+    return x, w, torch.tensor([s for _, s in seqs])
 
 
 class Batches(torch.utils.data.IterableDataset):
@@ -127,7 +128,7 @@ class Batches(torch.utils.data.IterableDataset):
         rng = random.Random(f"{self.seed}:{wid}:{self.start_step}")  # a resumed run draws new data
         while True:
             yield sample_batch(tokenizer, rng, self.batch, self.context, self.words_per_token,
-                               self.answer_weight, "cpu", self.task_weights)
+                               self.answer_weight, self.task_weights)
 
 
 def answer_exact_match(model, x: torch.Tensor, starts: torch.Tensor, w: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
@@ -176,7 +177,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(args.ckpt or out / "ckpt.pt")
     if args.init_from:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in TOKENIZER_FILES:
             (out / name).write_bytes((Path(args.init_from) / name).read_bytes())
     if not (out / "tokenizer.json").exists():
         build_tokenizer(out)

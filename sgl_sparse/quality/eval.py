@@ -68,8 +68,13 @@ def _generate(url: str, ids: list[int], max_new_tokens: int) -> dict:
     return r.json()
 
 
-def run_one(url: str, item: Rendered, tokenizer: Any) -> tuple[bool, str, int]:
-    out: dict = {}
+def build_items(tokenizer: Any, tasks: list[str], n: int, tokens: int, seed: int, chain: bool) -> list[Rendered]:
+    """``n`` examples per task (seeds ``seed``, ``seed + 1``, ...), each sized to ``tokens``; ``chain``
+    splits chat examples (the agent task) into one request per turn."""
+    return [render(fit_example(t, seed + i, tokenizer, tokens), tokenizer, chain) for t in tasks for i in range(n)]
+
+
+def run_one(url: str, item: Rendered) -> tuple[bool, str, int]:
     for ids in item.turns[:-1]:  # earlier turns: the model's reply is part of the transcript
         _generate(url, ids, 1)
     out = _generate(url, item.turns[-1], MAX_NEW_TOKENS)
@@ -77,9 +82,9 @@ def run_one(url: str, item: Rendered, tokenizer: Any) -> tuple[bool, str, int]:
     return score(item.example, text), text, len(item.turns[-1])
 
 
-def evaluate(url: str, items: list[Rendered], tokenizer: Any, parallel: int = 4) -> dict[str, dict[str, Any]]:
+def evaluate(url: str, items: list[Rendered], parallel: int = 4) -> dict[str, dict[str, Any]]:
     with ThreadPoolExecutor(parallel) as pool:
-        results = list(pool.map(lambda it: run_one(url, it, tokenizer), items))
+        results = list(pool.map(lambda it: run_one(url, it), items))
     table: dict[str, dict[str, Any]] = {}
     for item, (ok, text, n_tokens) in zip(items, results):
         row = table.setdefault(item.example.task, {"n": 0, "correct": 0, "tokens": 0, "failures": []})
@@ -113,11 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    items = [render(fit_example(t, args.seed + i, tok, args.tokens), tok, args.chain)
-             for t in tasks for i in range(args.n)]
-    runs = {"server": evaluate(args.url, items, tok)}
+    items = build_items(tok, tasks, args.n, args.tokens, args.seed, args.chain)
+    runs = {"server": evaluate(args.url, items)}
     if args.baseline_url:
-        runs["baseline"] = evaluate(args.baseline_url, items, tok)
+        runs["baseline"] = evaluate(args.baseline_url, items)
     print(f"| task | accuracy | max prompt tokens |{' baseline |' if args.baseline_url else ''}")
     print(f"| --- | --- | --- |{' --- |' if args.baseline_url else ''}")
     for t in tasks:
