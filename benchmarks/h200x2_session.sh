@@ -5,7 +5,7 @@
 #   GPU 1: the 130K headline, vanilla then sgl_sparse SnapKV 8192, one after the other (~21 min).
 #   GPU 0: the SnapKV scoring kernel check, the agent workload (vanilla vs dense), then training (the large
 #          quality model from scratch at 2K context, and the shipped small one on, for vartrack; side by side).
-# SPARSE_BATCH (default 24) sets ours' batch; TRAIN_S (default 600) bounds the training.
+# SPARSE_BATCH (default 24) sets ours' batch; TRAIN_S (default 480) bounds the training.
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e .
@@ -25,10 +25,10 @@ CUDA_VISIBLE_DEVICES=0 setsid nohup bash -c "
   python3 -m bench_agent compare --model-path $MODEL --trace /root/bench/agent.jsonl --time-scale 0.5 \
       --out /root/bench/agent --server-args='$GPU_FLAGS' > /root/bench/agent.txt 2>&1
   python3 training/train.py --size large --out /root/train/large --context 2048 --batch 32 --steps 30000 \
-      --workers 10 --eval-every 250 --time-limit-s ${TRAIN_S:-600} > /root/train/large.txt 2>&1 &
+      --workers 10 --eval-every 250 --time-limit-s ${TRAIN_S:-480} > /root/train/large.txt 2>&1 &
   python3 training/train.py --size small --out /root/train/small --init-from sgl_sparse/assets/quality-small \
       --context 2048 --batch 32 --steps 20000 --lr 5e-4 --workers 6 --eval-every 250 --task-weights vartrack=3 \
-      --time-limit-s ${TRAIN_S:-600} > /root/train/small.txt 2>&1 &
+      --time-limit-s ${TRAIN_S:-480} > /root/train/small.txt 2>&1 &
   wait
 " > /root/bench/gpu0.txt 2>&1 < /dev/null &
 sleep 5

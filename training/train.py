@@ -206,9 +206,12 @@ def main() -> None:
     print(f"{n_params / 1e6:.2f}M parameters, device {device}, from step {step}", flush=True)
     model.train()
     while step < args.steps:
-        if args.time_limit_s and time.monotonic() - t0 > args.time_limit_s:
+        elapsed = time.monotonic() - t0
+        if args.time_limit_s and elapsed > args.time_limit_s:
             break
-        lr = args.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        # Cosine decay over whichever ends first, the steps or the time limit, so a time-bounded run anneals.
+        progress = max(step / args.steps, elapsed / args.time_limit_s if args.time_limit_s else 0.0)
+        lr = args.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr
         x, w, starts = (t.to(device, non_blocking=True) for t in next(batches))
