@@ -10,10 +10,11 @@
 #                                                seconds (default 1150): the shipped small one on, for
 #                                                vartrack; the large one on from LARGE_FROM (a carried
 #                                                checkpoint dir; from scratch when unset).
-#   bash benchmarks/h200x2_session.sh status     one line per part, then the logs' tails.
+#   bash benchmarks/h200x2_session.sh status     one line per part, the logs' tails; packs the logs into
+#                                                $OUT/bench.tar.xz (so each poll brings them back).
 #   bash benchmarks/h200x2_session.sh collect    packs results into $OUT as at most 8 files (the limit on
 #                                                what comes back): logs and JSON, then the models' files.
-# SPARSE_BATCH (default 24) sets ours' batch in the headline.
+# SPARSE_BATCH (default 28) sets ours' batch in the headline.
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 MODEL=.device-site/models/llama3-8b-shape
@@ -25,7 +26,7 @@ case "${1:-}" in
 headline)
   install
   CUDA_VISIBLE_DEVICES=1 setsid nohup python3 benchmarks/decode_throughput.py --model-path $MODEL \
-      --input-len 130000 --batch 6 --sparse-batch "${SPARSE_BATCH:-24}" --output-len 256 \
+      --input-len 130000 --batch 6 --sparse-batch "${SPARSE_BATCH:-28}" --output-len 256 \
       --sparse-method snapkv --sparse-config '{"budget": 8192}' \
       --log-dir /root/bench/headline --json /root/bench/headline.json \
       > /root/bench/headline.txt 2>&1 < /dev/null &
@@ -53,6 +54,8 @@ status)
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null | cut -c1-300
+  # Every poll brings the logs back, so a machine lost later still leaves the last poll's results.
+  if [ -n "${OUT:-}" ]; then (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt 2>/dev/null) || true; fi
   ;;
 collect)
   : "${OUT:?collect writes into \$OUT}"
