@@ -36,7 +36,7 @@ train)
   large_init=()
   if [ -n "${LARGE_FROM:-}" ]; then
     cp -r "$LARGE_FROM" /root/train/large_init  # a carried path may not outlive the next command
-    large_init=(--init-from /root/train/large_init)
+    large_init=(--init-from /root/train/large_init --lr 6e-4)  # a fresh optimizer on trained weights
   fi
   CUDA_VISIBLE_DEVICES=0 setsid nohup python3 training/train.py --size large --out /root/train/large \
       "${large_init[@]}" --context 2048 --batch 32 --steps 40000 --workers 10 --eval-every 250 \
