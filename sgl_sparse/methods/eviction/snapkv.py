@@ -9,7 +9,6 @@ sums to one, so every layer and head weighs the same.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +69,8 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: 
     """Score of each key position for one layer: ``[n]`` (float32).
 
     q ``[w, H, D]``, k ``[n, Hkv, D]``. Causal by logical position (a window query never sees a
-    later key). On GPU a Triton kernel streams the keys (:mod:`sgl_sparse.kernels.window_scores`);
-    ``SGL_SPARSE_WINDOW_SCORES=torch`` selects the einsum path there instead (for A/B checks)."""
-    if k.is_cuda and os.environ.get("SGL_SPARSE_WINDOW_SCORES", "triton") != "torch":
+    later key). On GPU a Triton kernel streams the keys (:mod:`sgl_sparse.kernels.window_scores`)."""
+    if k.is_cuda:
         from sgl_sparse.kernels.window_scores import window_scores_per_head
 
         per_head = window_scores_per_head(q, k, q_pos, k_pos, scale)
