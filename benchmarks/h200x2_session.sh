@@ -21,6 +21,7 @@ MODEL=.device-site/models/llama3-8b-shape
 mkdir -p /root/bench /root/train
 
 install() { python3 -m pip install -q --no-deps --no-build-isolation -e .; }
+pack_logs() { (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt); }
 
 case "${1:-}" in
 headline)
@@ -55,11 +56,11 @@ status)
   done
   tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null | cut -c1-300
   # Every poll brings the logs back, so a machine lost later still leaves the last poll's results.
-  if [ -n "${OUT:-}" ]; then (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt 2>/dev/null) || true; fi
+  if [ -n "${OUT:-}" ]; then pack_logs 2>/dev/null || true; fi
   ;;
 collect)
   : "${OUT:?collect writes into \$OUT}"
-  (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt)
+  pack_logs
   for m in small large; do
     [ -e /root/train/$m/training_log.json ] || continue
     (cd /root/train && tar cf "$OUT/$m-meta.tar" $m/*.json)

@@ -87,9 +87,10 @@ def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch at one random target length (so little padding)."""
     target = int(context * rng.uniform(0.1, 1.0) ** 0.5)  # skewed toward long examples
+    weights = [(task_weights or {}).get(t, 1.0) for t in TASKS]
     seqs = []
     while len(seqs) < batch:
-        task = rng.choices(TASKS, weights=[(task_weights or {}).get(t, 1.0) for t in TASKS])[0]
+        task = rng.choices(TASKS, weights=weights)[0]
         n_words = max(10, int(target * words_per_token))
         seed = rng.randrange(TRAIN_SEED_LIMIT)
         ids, start = encode_example(tokenizer, task, seed, n_words)

@@ -28,13 +28,17 @@ SPLIT_N = 4096  # keys per program of the first pass
 
 
 @triton.jit
-def _load_q(q, h, stride_qw, stride_qh, w, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr):
+def _load_q(q, q_pos, h, stride_qw, stride_qh, w, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+            D_P: tl.constexpr):
+    """The rows' queries ``[R, D_P]``, row ids, and each row's logical position (-1 for padded rows: they
+    see no key)."""
     rows = tl.arange(0, R)
     t = rows // G
     j = rows % G
     d = tl.arange(0, D_P)
     ptr = q + t[:, None] * stride_qw + (h * G + j)[:, None] * stride_qh + d[None, :]
-    return tl.load(ptr, mask=(t < w)[:, None] & (d < D)[None, :], other=0.0), rows, t
+    qb = tl.load(ptr, mask=(t < w)[:, None] & (d < D)[None, :], other=0.0)
+    return qb, rows, tl.load(q_pos + t, mask=t < w, other=-1)
 
 
 @triton.jit
@@ -56,8 +60,7 @@ def _row_stats_kernel(q, k, q_pos, k_pos, m_out, l_out, n, w, stride_qw, stride_
                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(0)
     sp = tl.program_id(1)
-    qb, rows, t = _load_q(q, h, stride_qw, stride_qh, w, G, R, D, D_P)
-    q_pos_r = tl.load(q_pos + t, mask=t < w, other=-1)  # padded rows see no key
+    qb, rows, q_pos_r = _load_q(q, q_pos, h, stride_qw, stride_qh, w, G, R, D, D_P)
     m = tl.full((R,), float("-inf"), dtype=tl.float32)
     acc = tl.zeros((R,), dtype=tl.float32)
     for start in range(sp * SPLIT, tl.minimum(sp * SPLIT + SPLIT, n), BLOCK):
@@ -76,8 +79,7 @@ def _prob_sum_kernel(q, k, q_pos, k_pos, m_in, l_in, out, n, w, stride_qw, strid
                      G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(0)
     blk = tl.program_id(1)
-    qb, rows, t = _load_q(q, h, stride_qw, stride_qh, w, G, R, D, D_P)
-    q_pos_r = tl.load(q_pos + t, mask=t < w, other=-1)
+    qb, rows, q_pos_r = _load_q(q, q_pos, h, stride_qw, stride_qh, w, G, R, D, D_P)
     m = tl.load(m_in + h * R + rows)
     inv_l = tl.load(l_in + h * R + rows)  # 1 / sum (0 for rows that see no key)
     s, offs = _logits(qb, k, k_pos, q_pos_r, n, blk * BLOCK, h, stride_kn, stride_kh, scale, D, D_P, BLOCK)
