@@ -54,7 +54,7 @@ status)
   for f in /root/bench/headline/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
-  tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null | cut -c1-300
+  (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
   # Every poll brings the logs back, so a machine lost later still leaves the last poll's results.
   if [ -n "${OUT:-}" ]; then pack_logs 2>/dev/null || true; fi
   ;;
