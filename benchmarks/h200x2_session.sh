@@ -14,7 +14,8 @@
 #                                                $OUT/bench.tar.xz (so each poll brings them back).
 #   bash benchmarks/h200x2_session.sh collect    packs results into $OUT as at most 8 files (the limit on
 #                                                what comes back): logs and JSON, then the models' files.
-# SPARSE_BATCH (default 28) sets ours' batch in the headline.
+# SPARSE_BATCH (default 28) sets ours' batch in the headline; HEADLINE_GPU (default 1) its GPU: 0 on a
+# one-GPU machine (nvidia-h200), where nothing else may run beside it.
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 MODEL=.device-site/models/llama3-8b-shape
@@ -26,7 +27,7 @@ pack_logs() { (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt); }
 case "${1:-}" in
 headline)
   install
-  CUDA_VISIBLE_DEVICES=1 setsid nohup python3 benchmarks/decode_throughput.py --model-path $MODEL \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 benchmarks/decode_throughput.py --model-path $MODEL \
       --input-len 130000 --batch 6 --sparse-batch "${SPARSE_BATCH:-28}" --output-len 256 \
       --sparse-method snapkv --sparse-config '{"budget": 8192}' \
       --log-dir /root/bench/headline --json /root/bench/headline.json \
