@@ -60,7 +60,45 @@ def test_training_smoke_and_resume(tmp_path: Path) -> None:
     shards = list(out.glob("*.safetensors"))
     assert shards and all(s.stat().st_size < 15 * 2**20 for s in shards)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["max_position_embeddings"] == 4096
+
+    # Fine-tuning a saved model: --size must match it, and a longer context raises the served limit.
+    ft = [sys.executable, str(ROOT / "training" / "train.py"), "--init-from", str(out), "--out", str(tmp_path / "ft"),
+          "--batch", "2", "--context", "4200", "--steps", "2", "--eval-every", "1", "--workers", "0",
+          "--confusable", "0.5", "--task-weights", "vartrack=5"]
+    r = subprocess.run([*ft, "--size", "small"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--size small does not match --init-from" in r.stderr and "a test model" in r.stderr
+    assert not (tmp_path / "ft").exists()
+    r = subprocess.run([*ft, "--size", "test"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 4200 and cfg["hidden_size"] == 64
+
+
+def test_confusable_vartrack_is_a_near_miss_and_training_only() -> None:
+    import random
+
+    from sgl_sparse.quality.tasks import vartrack
+
+    for seed in range(20):
+        plain = make_example("vartrack", seed, 200)
+        assert plain == vartrack(random.Random(f"vartrack:{seed}"), 200)  # evaluation data is unchanged
+        hard = make_example("vartrack", seed, 200, confusable=True)
+        text = hard.prompt or ""
+        asked = text.split("hold the value ")[1].split("?")[0]
+        values = [t.split(" is stored")[0] for t in text.split("The value ")[1:]]
+        assert sorted(values) != [asked] * 2 and asked in values and len(values) == 2
+        other = next(v for v in values if v != asked)
+        assert other[0] == asked[0] or other[-1] == asked[-1]
+        mine = hard.answer.split(", ")
+        theirs = [line.split("VAR ")[-1] for line in text.split(". ") if "copied to" in line
+                  and line.split("VAR ")[1].split(" ")[0] not in mine]
+        first = [line.split("VAR ")[-1] for line in text.split(". ") if line.startswith(f"The value {other}")]
+        assert len(theirs) == 3 and len(first) == 1
+        # every hop of the other chain shares exactly one letter, in place, with the asked chain's
+        for a, b in zip(mine, first + theirs):
+            assert (a[0] == b[0]) != (a[1] == b[1]), (mine, first + theirs)
+        assert score(hard, hard.answer)
 
 
 @pytest.mark.server

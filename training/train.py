@@ -70,9 +70,10 @@ def build_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
         {"bos_token": "<s>", "eos_token": "<|end|>", "unk_token": "<unk>", "pad_token": "<unk>"}))
 
 
-def encode_example(tokenizer, task: str, seed: int, n_words: int) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+def encode_example(tokenizer, task: str, seed: int, n_words: int,  # type: ignore[no-untyped-def]
+                   confusable: bool = False) -> tuple[list[int], int]:
     """(token ids of prompt + answer + eos, index where the answer starts)."""
-    ex = make_example(task, seed, n_words)
+    ex = make_example(task, seed, n_words, confusable=confusable)
     if ex.messages is not None:
         text = tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
         prompt = tokenizer.encode(text, add_special_tokens=False)
@@ -83,7 +84,7 @@ def encode_example(tokenizer, task: str, seed: int, n_words: int) -> tuple[list[
 
 
 def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_per_token: float,  # type: ignore[no-untyped-def]
-                 answer_weight: float, task_weights: dict[str, float] | None = None
+                 answer_weight: float, task_weights: dict[str, float] | None = None, confusable: float = 0.0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch at one random target length (so little padding)."""
     target = int(context * rng.uniform(0.1, 1.0) ** 0.5)  # skewed toward long examples
@@ -93,12 +94,13 @@ def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_
         task = rng.choices(TASKS, weights=weights)[0]
         n_words = max(10, int(target * words_per_token))
         seed = rng.randrange(TRAIN_SEED_LIMIT)
-        ids, start = encode_example(tokenizer, task, seed, n_words)
+        hard = rng.random() < confusable
+        ids, start = encode_example(tokenizer, task, seed, n_words, hard)
         for _ in range(6):  # never truncate (the answer is at the end): shrink the haystack instead
             if len(ids) <= context:
                 break
             n_words = max(5, int(n_words * context / len(ids) * 0.9))
-            ids, start = encode_example(tokenizer, task, seed, n_words)
+            ids, start = encode_example(tokenizer, task, seed, n_words, hard)
         if len(ids) <= context:  # else: this task's minimum does not fit this context; draw another
             seqs.append((ids, start))
     width = max(len(s) for s, _ in seqs)
@@ -115,9 +117,9 @@ class Batches(torch.utils.data.IterableDataset):
     """Endless batches from worker processes (tokenizing long examples costs more than a small model's step)."""
 
     def __init__(self, model_dir: Path, seed: int, batch: int, context: int, words_per_token: float,
-                 answer_weight: float, start_step: int, task_weights: dict[str, float]) -> None:
+                 answer_weight: float, start_step: int, task_weights: dict[str, float], confusable: float) -> None:
         self.model_dir, self.seed, self.batch, self.context = model_dir, seed, batch, context
-        self.start_step, self.task_weights = start_step, task_weights
+        self.start_step, self.task_weights, self.confusable = start_step, task_weights, confusable
         self.words_per_token, self.answer_weight = words_per_token, answer_weight
 
     def __iter__(self):  # type: ignore[no-untyped-def]
@@ -129,7 +131,7 @@ class Batches(torch.utils.data.IterableDataset):
         rng = random.Random(f"{self.seed}:{wid}:{self.start_step}")  # a resumed run draws new data
         while True:
             yield sample_batch(tokenizer, rng, self.batch, self.context, self.words_per_token,
-                               self.answer_weight, self.task_weights)
+                               self.answer_weight, self.task_weights, self.confusable)
 
 
 def answer_exact_match(model, x: torch.Tensor, starts: torch.Tensor, w: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
@@ -147,7 +149,8 @@ def answer_exact_match(model, x: torch.Tensor, starts: torch.Tensor, w: torch.Te
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=sorted(SIZES), required=True)
+    p.add_argument("--size", choices=sorted(SIZES), default=None,
+                   help="architecture of a new model (with --init-from: must match DIR's, if given)")
     p.add_argument("--out", required=True)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3000)
@@ -163,7 +166,20 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--workers", type=int, default=4, help="data-generating processes (0: in the training loop)")
     p.add_argument("--task-weights", default="", help='sampling weight per task, e.g. "vartrack=3" (default 1)')
+    p.add_argument("--confusable", type=float, default=0.0,
+                   help="fraction of examples drawn with near-miss distractors (vartrack: the other chain's value "
+                        "and names share digits and letters with the asked one's)")
     args = p.parse_args()
+    if not 0.0 <= args.confusable <= 1.0:
+        p.error(f"--confusable is a fraction in [0, 1], got {args.confusable}")
+    if args.init_from:
+        init_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
+        init_size = next((n for n, arch in SIZES.items() if all(init_cfg.get(k) == v for k, v in arch.items())), None)
+        if args.size is not None and args.size != init_size:
+            p.error(f"--size {args.size} does not match --init-from {args.init_from} "
+                    f"(a {init_size or 'custom'} model); leave --size out to keep DIR's architecture")
+    elif args.size is None:
+        p.error("--size is required (except with --init-from, which takes DIR's architecture)")
     task_weights = {}
     for item in filter(None, args.task_weights.split(",")):
         name, _, weight = item.partition("=")
@@ -183,12 +199,17 @@ def main() -> None:
     if not (out / "tokenizer.json").exists():
         build_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max(args.context, 4096), rope_theta=500_000.0,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=7, pad_token_id=0,
-                      torch_dtype="bfloat16", **SIZES[args.size])
     torch.manual_seed(args.seed)
-    model = (LlamaForCausalLM.from_pretrained(args.init_from, torch_dtype=torch.float32) if args.init_from
-             else LlamaForCausalLM(cfg)).to(device)
+    if args.init_from:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, torch_dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=500_000.0, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=7, pad_token_id=0, torch_dtype="bfloat16",
+            **SIZES[args.size]))
+    # Serving reads its context limit from here: a run that extends the context must raise it.
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, args.context)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step, log = 0, []
     if args.resume and ckpt.exists():
@@ -200,7 +221,8 @@ def main() -> None:
     sample = " ".join(make_example("niah_single", 0, 400).prompt.split()[:300])  # type: ignore[union-attr]
     words_per_token = 300 / len(tokenizer.encode(sample))
     batches = iter(torch.utils.data.DataLoader(
-        Batches(out, args.seed, args.batch, args.context, words_per_token, args.answer_weight, step, task_weights),
+        Batches(out, args.seed, args.batch, args.context, words_per_token, args.answer_weight, step, task_weights,
+                args.confusable),
         batch_size=None,
         num_workers=args.workers, prefetch_factor=4 if args.workers else None, pin_memory=device == "cuda"))
     t0 = time.monotonic()

@@ -108,10 +108,34 @@ def niah_multivalue(rng: random.Random, n_words: int) -> Example:
     return Example("niah_multivalue", _qa(ctx, q), None, ", ".join(values))
 
 
-def vartrack(rng: random.Random, n_words: int) -> Example:
-    """Two interleaved 4-variable chains; the answer follows one of them hop by hop."""
+def _near_miss(rng: random.Random, value: str) -> str:
+    """A different number that shares leading or trailing digits with ``value``."""
+    while True:
+        other = _number(rng)
+        k = rng.randrange(1, min(len(value), len(other)))
+        out = value[:k] + other[k:] if rng.random() < 0.5 else other[: len(other) - k] + value[-k:]
+        if out != value and out[0] != "0":
+            return out
+
+
+def _near_name(rng: random.Random, name: str, taken: list[str]) -> str:
+    """An unused variable name that shares one letter, in place, with ``name``."""
+    return rng.choice([n for n in VAR_NAMES if n not in taken and (n[0] == name[0]) != (n[1] == name[1])])
+
+
+def vartrack(rng: random.Random, n_words: int, confusable: bool = False) -> Example:
+    """Two interleaved 4-variable chains; the answer follows one of them hop by hop.
+
+    ``confusable`` (training only) makes the other chain a near miss: its value shares leading or
+    trailing digits with the asked one, and each of its names shares a letter with the asked chain's
+    name at the same hop, so a model must match whole numbers and names, not their last token.
+    """
     names = rng.sample(VAR_NAMES, 8)
     values = [_number(rng), _number(rng)]
+    if confusable:
+        values[1] = _near_miss(rng, values[0])
+        for i in range(4):
+            names[4 + i] = _near_name(rng, names[i], names[:4] + names[4:4 + i])
     chains = [[f"The value {v} is stored in VAR {ns[0]}."] + [f"VAR {ns[i - 1]} is copied to VAR {ns[i]}."
                                                              for i in range(1, 4)]
               for v, ns in zip(values, (names[:4], names[4:]))]
@@ -164,10 +188,15 @@ GENERATORS: dict[str, Callable[[random.Random, int], Example]] = {
 }
 
 
-def make_example(task: str, seed: int, n_words: int) -> Example:
+def make_example(task: str, seed: int, n_words: int, confusable: bool = False) -> Example:
+    """``confusable`` (training data only; evaluation never sets it): near-miss distractors where a
+    task has them (``vartrack``); other tasks ignore it."""
     if task not in GENERATORS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
-    return GENERATORS[task](random.Random(f"{task}:{seed}"), n_words)
+    rng = random.Random(f"{task}:{seed}")
+    if confusable and task == "vartrack":
+        return vartrack(rng, n_words, confusable=True)
+    return GENERATORS[task](rng, n_words)
 
 
 def score(example: Example, output: str) -> bool:
