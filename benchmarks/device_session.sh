@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One device session (nvidia-h200 or nvidia-h200-x2), each part detached: it outlives the command that
+# starts it; poll from later commands, each sent right after the previous one returns (the machine is
+# released 30 s after a command ends, and detached work dies with it). Run from the project root after
+# the three bootstrap commands of ../shared/device/README.md.
+#
+#   bash benchmarks/device_session.sh headline   the 130K headline on GPU HEADLINE_GPU (default 1; 0 on a
+#                                                one-GPU machine): vanilla, then sgl_sparse SnapKV 8192 at
+#                                                SPARSE_BATCH (default 28) requests, ~24 min. Nothing else
+#                                                may use that GPU meanwhile: a job beside it halves prefill.
+#   bash benchmarks/device_session.sh train      the quality models side by side, each for TRAIN_S seconds
+#                                                (default 1150): large on LARGE_GPU from LARGE_FROM (a
+#                                                carried model dir; from scratch when unset) at
+#                                                LARGE_CONTEXT (default 2048); small on SMALL_GPU from
+#                                                SMALL_FROM (default: the shipped one) at 2048. GPUs
+#                                                default to 0. TRAIN_MODELS="large" trains one only.
+#   bash benchmarks/device_session.sh quality DIR TOKENS...
+#                                                the suite through our server on GPU QUALITY_GPU (default
+#                                                0): dense, n=50, each size; /root/bench/quality-NAME.*
+#   bash benchmarks/device_session.sh status     one line per part, the logs' tails; packs the logs into
+#                                                $OUT/bench.tar.xz (so each poll brings them back).
+#   bash benchmarks/device_session.sh collect    packs results into $OUT as at most 8 files (the limit on
+#                                                what comes back): logs and JSON, then the models' files.
+set -euo pipefail
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+MODEL=.device-site/models/llama3-8b-shape
+mkdir -p /root/bench /root/train
+
+install() { python3 -m pip install -q --no-deps --no-build-isolation -e .; }
+pack_logs() { (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt); }
+
+case "${1:-}" in
+headline)
+  install
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 benchmarks/decode_throughput.py \
+      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${SPARSE_BATCH:-28}" --output-len 256 \
+      --sparse-method snapkv --sparse-config '{"budget": 8192}' \
+      --log-dir /root/bench/headline --json /root/bench/headline.json \
+      > /root/bench/headline.txt 2>&1 < /dev/null &
+  ;;
+train)
+  install
+  for m in ${TRAIN_MODELS:-large small}; do
+    if [ "$m" = large ]; then
+      from="${LARGE_FROM:-}" gpu="${LARGE_GPU:-0}" ctx="${LARGE_CONTEXT:-2048}"
+      batch=$((32 * 2048 / ctx > 4 ? 32 * 2048 / ctx : 4)) lr=6e-4 weights="vartrack=2,niah_multikey=2,agent_recall=2"
+    else
+      from="${SMALL_FROM:-sgl_sparse/assets/quality-small}" gpu="${SMALL_GPU:-0}" ctx=2048 batch=32 lr=5e-4
+      weights="vartrack=3"
+    fi
+    init=(--size "$m")
+    if [ -n "$from" ]; then
+      rm -rf "/root/train/$m-init" && cp -r "$from" "/root/train/$m-init"  # a carried path may not outlive the command
+      init=(--init-from "/root/train/$m-init")  # a fresh optimizer on trained weights
+    fi
+    CUDA_VISIBLE_DEVICES="$gpu" setsid nohup python3 training/train.py "${init[@]}" --out "/root/train/$m" \
+        --context "$ctx" --batch "$batch" --steps 100000 --lr "$lr" --workers 7 --eval-every 250 \
+        --task-weights "$weights" --confusable 0.5 --time-limit-s "${TRAIN_S:-1150}" \
+        > "/root/train/$m.txt" 2>&1 < /dev/null &
+  done
+  ;;
+quality)
+  install
+  dir="${2:?quality DIR TOKENS...}"; shift 2
+  name=$(basename "$dir")
+  CUDA_VISIBLE_DEVICES="${QUALITY_GPU:-0}" python3 benchmarks/quality_suite.py --device cuda --model-dir "$dir" \
+      --tokens "${@:-2048}" --n 50 --json "/root/bench/quality-$name.json" --log-dir /root/bench \
+      2>&1 | tee "/root/bench/quality-$name.txt" | tail -n 15
+  ;;
+status)
+  for name in decode_throughput.py "train.py.*--out /root/train/large" "train.py.*--out /root/train/small" \
+      quality_suite.py; do
+    echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
+  done
+  for f in /root/bench/headline/*.log; do
+    [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
+  done
+  (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
+  # Every poll brings the logs back, so a machine lost later still leaves the last poll's results.
+  if [ -n "${OUT:-}" ]; then pack_logs 2>/dev/null || true; fi
+  ;;
+collect)
+  : "${OUT:?collect writes into \$OUT}"
+  pack_logs
+  for m in small large; do
+    [ -e /root/train/$m/training_log.json ] || continue
+    (cd /root/train && tar cf "$OUT/$m-meta.tar" $m/*.json)
+    for f in /root/train/$m/*.safetensors; do cp "$f" "$OUT/$m-$(basename "$f")"; done
+  done
+  ls -la "$OUT"
+  ;;
+*)
+  echo "usage: $0 headline|train|quality DIR TOKENS...|status|collect" >&2; exit 2 ;;
+esac
