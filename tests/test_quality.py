@@ -66,6 +66,8 @@ def test_training_smoke_and_resume(tmp_path: Path) -> None:
     ft = [sys.executable, str(ROOT / "training" / "train.py"), "--init-from", str(out), "--out", str(tmp_path / "ft"),
           "--batch", "2", "--context", "4200", "--steps", "2", "--eval-every", "1", "--workers", "0",
           "--confusable", "0.5", "--task-weights", "vartrack=5"]
+    r = subprocess.run([*ft[:3], str(tmp_path / "nothing"), *ft[4:]], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "no saved model there" in r.stderr
     r = subprocess.run([*ft, "--size", "small"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--size small does not match --init-from" in r.stderr and "a test model" in r.stderr
     assert not (tmp_path / "ft").exists()

@@ -94,7 +94,7 @@ def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_
         task = rng.choices(TASKS, weights=weights)[0]
         n_words = max(10, int(target * words_per_token))
         seed = rng.randrange(TRAIN_SEED_LIMIT)
-        hard = rng.random() < confusable
+        hard = confusable > 0 and rng.random() < confusable  # no draw at 0: earlier runs' data stays the same
         ids, start = encode_example(tokenizer, task, seed, n_words, hard)
         for _ in range(6):  # never truncate (the answer is at the end): shrink the haystack instead
             if len(ids) <= context:
@@ -173,6 +173,8 @@ def main() -> None:
     if not 0.0 <= args.confusable <= 1.0:
         p.error(f"--confusable is a fraction in [0, 1], got {args.confusable}")
     if args.init_from:
+        if not (Path(args.init_from) / "config.json").is_file():
+            p.error(f"--init-from {args.init_from}: no saved model there (config.json missing)")
         init_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
         init_size = next((n for n, arch in SIZES.items() if all(init_cfg.get(k) == v for k, v in arch.items())), None)
         if args.size is not None and args.size != init_size:
