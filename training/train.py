@@ -227,7 +227,7 @@ def main() -> None:
                 args.confusable),
         batch_size=None,
         num_workers=args.workers, prefetch_factor=4 if args.workers else None, pin_memory=device == "cuda"))
-    t0 = time.monotonic()
+    t0, data_wait = time.monotonic(), 0.0
     print(f"{n_params / 1e6:.2f}M parameters, device {device}, from step {step}", flush=True)
     model.train()
     while step < args.steps:
@@ -239,7 +239,9 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr
+        t_data = time.monotonic()
         x, w, starts = (t.to(device, non_blocking=True) for t in next(batches))
+        data_wait += time.monotonic() - t_data  # large when the data workers, not the device, set the pace
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
             logits = model(input_ids=x).logits.float()
         loss_tok = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1),
@@ -256,7 +258,8 @@ def main() -> None:
                 em = answer_exact_match(model, x, starts, w)
             model.train()
             log.append({"step": step, "loss": round(loss.item(), 4), "train_batch_em": em, "lr": lr,
-                        "elapsed_s": round(time.monotonic() - t0, 1), "len": x.shape[1]})
+                        "elapsed_s": round(time.monotonic() - t0, 1), "data_wait_s": round(data_wait, 1),
+                        "len": x.shape[1]})
             print(json.dumps(log[-1]), flush=True)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log}, ckpt)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="15MB")
