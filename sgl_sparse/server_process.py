@@ -34,10 +34,25 @@ CPU_SERVER_FLAGS = [
 VANILLA_CPU_FLAGS = ["--attention-backend", "torch_native", "--disable-cuda-graph"]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
+    """A free port, never the same one twice in this process: servers constructed together and started
+    later must not share a port, or one's health check would be answered by the other (seen in CI)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def _listening(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 class ServerProcess:
@@ -67,6 +82,8 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
+        if _listening(self.port):  # else the health check below would be answered by that other server
+            raise RuntimeError(f"port {self.port} is already in use; pick another (or none: a free one is chosen)")
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self._log = log
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
