@@ -25,7 +25,7 @@ from sgl_sparse.quality.tasks import TASKS  # noqa: E402
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess  # noqa: E402
 
 CPU_FLAGS = [*CPU_SERVER_FLAGS, "--max-total-tokens", "32768", "--chunked-prefill-size", "2048"]
-GPU_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-piecewise-cuda-graph",
+GPU_FLAGS = ["--sampling-backend", "pytorch", "--disable-piecewise-cuda-graph",  # ours picks the attention backend
              "--mem-fraction-static", "0.5", "--chunked-prefill-size", "16384"]
 CHAIN_ROW = "agent_recall, Chain Cache session (--chain)"
 

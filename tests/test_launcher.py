@@ -98,3 +98,19 @@ def test_eviction_method_hands_off_its_config() -> None:
                           "--sparse-config", '{"budget": 512, "pooling": "maxpool"}'])
     assert hand.method == "snapkv" and hand.config["budget"] == 512 and hand.config["pooling"] == "maxpool"
     assert hand.config["window_size"] == 32  # defaults filled in
+
+
+def test_benchmark_gpu_flags_are_accepted_by_our_launcher() -> None:
+    """The GPU flags benchmarks/quality_suite.py sends to our launcher parse (a stock
+    `--attention-backend triton` there would be an argparse error, found only on the GPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_suite.py"
+    spec = importlib.util.spec_from_file_location("quality_suite", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", *module.GPU_FLAGS,
+                             "--sparse-method", "snapkv", "--sparse-config", '{"budget": 512}'])
+    assert args.attention_backend == BACKEND_NAME and hand.method == "snapkv" and hand.device == "cuda"
