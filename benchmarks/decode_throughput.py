@@ -30,15 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_sparse.server_process import ServerProcess  # noqa: E402
+from sgl_sparse.server_process import GPU_SERVER_FLAGS, ServerProcess  # noqa: E402
 
 DECODE_RE = re.compile(
     r"Decode batch.*?#running-req: (\d+), #token: (\d+), token usage: ([\d.]+).*?"
     r"gen throughput \(token/s\): ([\d.]+)"
 )
 GPU_FLAGS = [
-    "--mem-fraction-static", "0.80", "--context-length", "131072", "--sampling-backend", "pytorch",
-    "--disable-piecewise-cuda-graph", "--chunked-prefill-size", "16384", "--load-format", "dummy",
+    *GPU_SERVER_FLAGS, "--mem-fraction-static", "0.80", "--context-length", "131072", "--load-format", "dummy",
     "--decode-log-interval", "10",
 ]
 

@@ -20,13 +20,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_sparse.quality.eval import MAX_NEW_TOKENS, build_items, evaluate  # noqa: E402
+from sgl_sparse.quality.eval import MAX_NEW_TOKENS, build_items, evaluate, render  # noqa: E402
 from sgl_sparse.quality.tasks import TASKS  # noqa: E402
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess  # noqa: E402
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, GPU_SERVER_FLAGS, ServerProcess  # noqa: E402
 
 CPU_FLAGS = [*CPU_SERVER_FLAGS, "--max-total-tokens", "32768", "--chunked-prefill-size", "2048"]
-GPU_FLAGS = ["--sampling-backend", "pytorch", "--disable-piecewise-cuda-graph",  # ours picks the attention backend
-             "--mem-fraction-static", "0.5", "--chunked-prefill-size", "16384"]
+GPU_FLAGS = [*GPU_SERVER_FLAGS, "--mem-fraction-static", "0.5"]
 CHAIN_ROW = "agent_recall, Chain Cache session (--chain)"
 
 
@@ -62,16 +61,18 @@ def main() -> None:
         p.error(f"--tokens {max(args.tokens)} exceeds the model's context ({limit}, max_position_embeddings)")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     items = {t: build_items(tok, list(TASKS), args.n, t, 10_000, chain=False) for t in args.tokens}
-    chained = {} if args.no_chain else {t: build_items(tok, ["agent_recall"], args.n, t, 10_000, chain=True)
-                                        for t in args.tokens}
+    # The same fitted agent examples, sent turn by turn.
+    chained = {} if args.no_chain else {t: [render(it.example, tok, chain=True) for it in items[t]
+                                            if it.example.task == "agent_recall"] for t in args.tokens}
     flags = CPU_FLAGS if args.device == "cpu" else GPU_FLAGS
     results: dict[str, dict[str, Any]] = {}
-    for name, config in args.methods:
-        log = str(Path(args.log_dir) / f"server-{name}.log") if args.log_dir else None
+    for i, (name, config) in enumerate(args.methods):
+        log = str(Path(args.log_dir) / f"server-{i}-{name}.log") if args.log_dir else None  # a name may repeat
+        label = name + (f" {json.dumps(config)}" if config else "")
         sparse = ["--sparse-method", name, "--sparse-config", json.dumps(config)]
         with ServerProcess(args.model_dir, [*flags, *sparse], startup_timeout=600, log_path=log) as srv:
             for t in args.tokens:
-                col = f"{name} {json.dumps(config) if config else ''} @ {t}".replace("  ", " ")
+                col = f"{label} @ {t}"
                 table = evaluate(srv.base_url, items[t])
                 if chained:
                     table[CHAIN_ROW] = evaluate(srv.base_url, chained[t])["agent_recall"]
