@@ -14,6 +14,9 @@
 #                                                LARGE_CONTEXT (default 2048); small on SMALL_GPU from
 #                                                SMALL_FROM (default: the shipped one) at 2048. GPUs
 #                                                default to 0. TRAIN_MODELS="large" trains one only.
+#                                                Every TASK_EVAL_EVERY steps (default 2000) each logs
+#                                                held-out exact match per task and saves its weights;
+#                                                STOP_AT=1.0 stops one once every task reaches it.
 #   bash benchmarks/device_session.sh quality DIR TOKENS...
 #                                                the suite through our server on GPU QUALITY_GPU (default
 #                                                0): dense, n=50, each size; /root/bench/quality-NAME.*
@@ -56,6 +59,7 @@ train)
     CUDA_VISIBLE_DEVICES="$gpu" setsid nohup python3 training/train.py "${init[@]}" --out "/root/train/$m" \
         --context "$ctx" --batch "$batch" --steps 100000 --lr "$lr" --workers 7 --eval-every 250 \
         --task-weights "$weights" --confusable 0.5 --time-limit-s "${TRAIN_S:-1150}" \
+        --task-eval-every "${TASK_EVAL_EVERY:-2000}" ${STOP_AT:+--stop-at "$STOP_AT"} \
         > "/root/train/$m.txt" 2>&1 < /dev/null &
   done
   ;;
@@ -76,6 +80,9 @@ status)
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
+  for f in /root/train/*.txt; do  # the latest held-out exact match per task
+    [ -e "$f" ] && echo "$f: $(grep held_out_em "$f" | tail -n 1 | cut -c1-300)"
+  done
   # Every poll brings the logs back, so a machine lost later still leaves the last poll's results.
   if [ -n "${OUT:-}" ]; then pack_logs 2>/dev/null || true; fi
   ;;

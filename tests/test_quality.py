@@ -71,10 +71,21 @@ def test_training_smoke_and_resume(tmp_path: Path) -> None:
     r = subprocess.run([*ft, "--size", "small"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--size small does not match --init-from" in r.stderr and "a test model" in r.stderr
     assert not (tmp_path / "ft").exists()
-    r = subprocess.run([*ft, "--size", "test"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([*ft, "--stop-at", "0.5"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--stop-at needs --task-eval-every" in r.stderr
+    # Held-out exact match per task near the full context, before the first step and every step here;
+    # --stop-at 0 is reached at the first evaluation after a step.
+    r = subprocess.run([*ft, "--size", "test", "--task-eval-every", "1", "--task-eval-n", "2", "--stop-at", "0"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "every task reached --stop-at 0.0" in r.stdout
     cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
     assert cfg["max_position_embeddings"] == 4200 and cfg["hidden_size"] == 64
+    log = json.loads((tmp_path / "ft" / "training_log.json").read_text())["log"]
+    held_out = [e for e in log if "held_out_em" in e]
+    assert [e["step"] for e in held_out] == [0, 1] and log[-1]["step"] == 1, log
+    assert set(held_out[0]["held_out_em"]) == set(TASKS) and held_out[0]["context"] == 4200
+    assert all(0.0 <= v <= 1.0 for v in held_out[0]["held_out_em"].values())
 
 
 def test_confusable_vartrack_is_a_near_miss_and_training_only() -> None:

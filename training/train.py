@@ -19,6 +19,7 @@ limited to 16 MB each).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -83,6 +84,60 @@ def encode_example(tokenizer, task: str, seed: int, n_words: int,  # type: ignor
     return prompt + answer, len(prompt)
 
 
+def fit_example_ids(tokenizer, task: str, seed: int, n_words: int, context: int,  # type: ignore[no-untyped-def]
+                    confusable: bool = False) -> tuple[list[int], int] | None:
+    """encode_example with the haystack shrunk until it fits ``context`` (None if even the smallest does not)."""
+    ids, start = encode_example(tokenizer, task, seed, n_words, confusable)
+    for _ in range(6):  # never truncate (the answer is at the end): shrink the haystack instead
+        if len(ids) <= context:
+            break
+        n_words = max(5, int(n_words * context / len(ids) * 0.9))
+        ids, start = encode_example(tokenizer, task, seed, n_words, confusable)
+    return (ids, start) if len(ids) <= context else None
+
+
+def pad_batch(seqs: list[tuple[list[int], int]], pad_id: int, answer_weight: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(right-padded ids, loss weight per position, answer start per row)."""
+    width = max(len(s) for s, _ in seqs)
+    x = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    w = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (ids, start) in enumerate(seqs):
+        x[i, : len(ids)] = torch.tensor(ids)
+        w[i, 1: len(ids)] = 1.0  # weight of predicting token t from t-1
+        w[i, max(1, start): len(ids)] = answer_weight
+    return x, w, torch.tensor([s for _, s in seqs])
+
+
+def held_out_set(tokenizer, context: int, n: int, words_per_token: float  # type: ignore[no-untyped-def]
+                 ) -> dict[str, list[tuple[list[int], int]]]:
+    """``n`` examples per task near the full ``context``, from evaluation seeds (never trained on)."""
+    n_words = max(10, int(context * 0.95 * words_per_token))
+    out = {}
+    for task in TASKS:
+        fitted = [fit_example_ids(tokenizer, task, TRAIN_SEED_LIMIT + i, n_words, context) for i in range(n)]
+        out[task] = [f for f in fitted if f is not None]
+    return out
+
+
+def held_out_exact_match(model, held_out: dict[str, list[tuple[list[int], int]]], pad_id: int,  # type: ignore[no-untyped-def]
+                         device: str, rows: int) -> dict[str, float]:
+    """Per task, the fraction of held-out examples whose whole answer greedy decoding gets right."""
+    result = {}
+    for task, seqs in held_out.items():
+        ok = 0.0
+        for i in range(0, len(seqs), rows):
+            x, w, starts = (t.to(device) for t in pad_batch(seqs[i: i + rows], pad_id, 1.0))
+            ok += answer_exact_match(model, x, starts, w) * x.shape[0]
+        result[task] = round(ok / max(1, len(seqs)), 3)
+    return result
+
+
+def save_model(model, out: Path) -> None:  # type: ignore[no-untyped-def]
+    """bf16 safetensors shards below 15 MB (the limit on a file back from the GPU machine is 16 MB)."""
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="15MB")
+
+
 def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_per_token: float,  # type: ignore[no-untyped-def]
                  answer_weight: float, task_weights: dict[str, float] | None = None, confusable: float = 0.0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,22 +150,10 @@ def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_
         n_words = max(10, int(target * words_per_token))
         seed = rng.randrange(TRAIN_SEED_LIMIT)
         hard = confusable > 0 and rng.random() < confusable  # no draw at 0: earlier runs' data stays the same
-        ids, start = encode_example(tokenizer, task, seed, n_words, hard)
-        for _ in range(6):  # never truncate (the answer is at the end): shrink the haystack instead
-            if len(ids) <= context:
-                break
-            n_words = max(5, int(n_words * context / len(ids) * 0.9))
-            ids, start = encode_example(tokenizer, task, seed, n_words, hard)
-        if len(ids) <= context:  # else: this task's minimum does not fit this context; draw another
-            seqs.append((ids, start))
-    width = max(len(s) for s, _ in seqs)
-    x = torch.full((batch, width), tokenizer.pad_token_id, dtype=torch.long)
-    w = torch.zeros((batch, width), dtype=torch.float32)
-    for i, (ids, start) in enumerate(seqs):
-        x[i, : len(ids)] = torch.tensor(ids)
-        w[i, 1: len(ids)] = 1.0  # weight of predicting token t from t-1
-        w[i, max(1, start): len(ids)] = answer_weight
-    return x, w, torch.tensor([s for _, s in seqs])
+        fitted = fit_example_ids(tokenizer, task, seed, n_words, context, hard)
+        if fitted is not None:  # else: this task's minimum does not fit this context; draw another
+            seqs.append(fitted)
+    return pad_batch(seqs, tokenizer.pad_token_id, answer_weight)
 
 
 class Batches(torch.utils.data.IterableDataset):
@@ -169,7 +212,15 @@ def main() -> None:
     p.add_argument("--confusable", type=float, default=0.0,
                    help="fraction of examples drawn with near-miss distractors (vartrack: the other chain's value "
                         "and names share digits and letters with the asked one's)")
+    p.add_argument("--task-eval-every", type=int, default=0,
+                   help="every N steps: greedy exact match per task on held-out examples near the full --context, "
+                        "and the weights saved to OUT (0: only at the end)")
+    p.add_argument("--task-eval-n", type=int, default=16, help="held-out examples per task")
+    p.add_argument("--stop-at", type=float, default=None,
+                   help="stop once every task's held-out exact match reaches this (e.g. 1.0)")
     args = p.parse_args()
+    if args.stop_at is not None and not args.task_eval_every:
+        p.error("--stop-at needs --task-eval-every")
     if not 0.0 <= args.confusable <= 1.0:
         p.error(f"--confusable is a fraction in [0, 1], got {args.confusable}")
     if args.init_from:
@@ -227,8 +278,32 @@ def main() -> None:
                 args.confusable),
         batch_size=None,
         num_workers=args.workers, prefetch_factor=4 if args.workers else None, pin_memory=device == "cuda"))
+    held_out = (held_out_set(tokenizer, args.context, args.task_eval_n, words_per_token)
+                if args.task_eval_every else {})
+    eval_rows = max(1, args.batch // 2)  # forward only, no activations kept: half a training batch fits
     t0, data_wait = time.monotonic(), 0.0
     print(f"{n_params / 1e6:.2f}M parameters, device {device}, from step {step}", flush=True)
+
+    def write_log() -> None:
+        (out / "training_log.json").write_text(json.dumps({"args": vars(args), "params": n_params, "log": log},
+                                                          indent=2))
+
+    def task_eval_and_save(at_step: int, save: bool = True) -> float:
+        """Log the held-out exact match per task, save the weights (a run cut short keeps them); the worst task's."""
+        model.eval()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            em = held_out_exact_match(model, held_out, tokenizer.pad_token_id, device, eval_rows)
+        model.train()
+        log.append({"step": at_step, "held_out_em": em, "context": args.context,
+                    "elapsed_s": round(time.monotonic() - t0, 1)})
+        print(json.dumps(log[-1]), flush=True)
+        if save:
+            save_model(model, out)
+            write_log()
+        return min(em.values())
+
+    if args.task_eval_every:
+        task_eval_and_save(step, save=False)  # where this run starts (e.g. a shorter context's model at this one)
     model.train()
     while step < args.steps:
         elapsed = time.monotonic() - t0
@@ -261,10 +336,15 @@ def main() -> None:
                         "elapsed_s": round(time.monotonic() - t0, 1), "data_wait_s": round(data_wait, 1),
                         "len": x.shape[1]})
             print(json.dumps(log[-1]), flush=True)
+        if args.task_eval_every and step % args.task_eval_every == 0:
+            if task_eval_and_save(step) >= (args.stop_at if args.stop_at is not None else math.inf):
+                print(f"every task reached --stop-at {args.stop_at}", flush=True)
+                break
+    if args.task_eval_every and not any(e["step"] == step and "held_out_em" in e for e in log):
+        task_eval_and_save(step)  # the final weights' held-out numbers
+    save_model(model, out)
+    write_log()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log}, ckpt)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="15MB")
-    (out / "training_log.json").write_text(json.dumps({"args": vars(args), "params": n_params, "log": log},
-                                                      indent=2))
     print(f"saved step {step} to {out}", flush=True)
 
 
