@@ -59,6 +59,8 @@ def main() -> None:
     limit = json.loads((Path(args.model_dir) / "config.json").read_text())["max_position_embeddings"]
     if max(args.tokens) > limit:
         p.error(f"--tokens {max(args.tokens)} exceeds the model's context ({limit}, max_position_embeddings)")
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     items = {t: build_items(tok, list(TASKS), args.n, t, 10_000, chain=False) for t in args.tokens}
     # The same fitted agent examples, sent turn by turn.
