@@ -11,7 +11,8 @@
 #   bash benchmarks/device_session.sh train      the quality models side by side, each for TRAIN_S seconds
 #                                                (default 1150): large on LARGE_GPU from LARGE_FROM (a
 #                                                carried model dir; from scratch when unset) at
-#                                                LARGE_CONTEXT (default 2048); small on SMALL_GPU from
+#                                                LARGE_CONTEXT (default 2048; past 2048 it draws prompts
+#                                                from LARGE_MIN_CONTEXT, default 1024); small on SMALL_GPU from
 #                                                SMALL_FROM (default: the shipped one) at 2048. GPUs
 #                                                default to 0. TRAIN_MODELS="large" trains one only.
 #                                                Every TASK_EVAL_EVERY steps (default 2000) each logs
@@ -47,8 +48,10 @@ train)
     if [ "$m" = large ]; then
       from="${LARGE_FROM:-}" gpu="${LARGE_GPU:-0}" ctx="${LARGE_CONTEXT:-2048}"
       batch=$((32 * 2048 / ctx > 4 ? 32 * 2048 / ctx : 4)) lr=6e-4 weights="vartrack=2,niah_multikey=2,agent_recall=2"
+      # Past 2K, keep prompts from 1K up in the mix, so the model stays right at short contexts too.
+      minctx=${LARGE_MIN_CONTEXT:-$((ctx > 2048 ? 1024 : 0))}
     else
-      from="${SMALL_FROM:-sgl_sparse/assets/quality-small}" gpu="${SMALL_GPU:-0}" ctx=2048 batch=32 lr=5e-4
+      from="${SMALL_FROM:-sgl_sparse/assets/quality-small}" gpu="${SMALL_GPU:-0}" ctx=2048 batch=32 lr=5e-4 minctx=0
       weights="vartrack=3"
     fi
     init=(--size "$m")
@@ -60,6 +63,7 @@ train)
         --context "$ctx" --batch "$batch" --steps 100000 --lr "$lr" --workers 7 --eval-every 250 \
         --task-weights "$weights" --confusable 0.5 --time-limit-s "${TRAIN_S:-1150}" \
         --task-eval-every "${TASK_EVAL_EVERY:-2000}" ${STOP_AT:+--stop-at "$STOP_AT"} \
+        $([ "$minctx" -gt 0 ] && echo --min-context "$minctx") \
         > "/root/train/$m.txt" 2>&1 < /dev/null &
   done
   ;;

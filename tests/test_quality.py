@@ -88,6 +88,32 @@ def test_training_smoke_and_resume(tmp_path: Path) -> None:
     assert all(0.0 <= v <= 1.0 for v in held_out[0]["held_out_em"].values())
 
 
+def test_training_lengths_follow_min_context() -> None:
+    """Batches are drawn from 32% of --context up by default; --min-context reaches shorter prompts (a 16K
+    fine-tune that should keep short prompts right), and a bad value is an argparse error."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.quality.models import small_model_path
+
+    sys.path.insert(0, str(ROOT / "training"))
+    from train import sample_batch  # type: ignore[import-not-found]
+
+    tok = AutoTokenizer.from_pretrained(small_model_path())
+
+    def widths(min_context: int | None) -> list[int]:
+        rng = random.Random(0)
+        return [sample_batch(tok, rng, 2, 2048, 0.75, 5.0, min_context=min_context)[0].shape[1] for _ in range(40)]
+
+    default, short = widths(None), widths(128)
+    assert min(default) > 0.3 * 2048 and max(default) <= 2048, default
+    assert min(short) < 0.3 * 2048 and max(short) <= 2048, short
+    r = subprocess.run([sys.executable, str(ROOT / "training" / "train.py"), "--size", "test", "--out", "/nonexistent",
+                        "--context", "1024", "--min-context", "2048"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--min-context must be in (0, --context]" in r.stderr
+
+
 def test_confusable_vartrack_is_a_near_miss_and_training_only() -> None:
     import random
 

@@ -139,10 +139,12 @@ def save_model(model, out: Path) -> None:  # type: ignore[no-untyped-def]
 
 
 def sample_batch(tokenizer, rng: random.Random, batch: int, context: int, words_per_token: float,  # type: ignore[no-untyped-def]
-                 answer_weight: float, task_weights: dict[str, float] | None = None, confusable: float = 0.0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch at one random target length (so little padding)."""
-    target = int(context * rng.uniform(0.1, 1.0) ** 0.5)  # skewed toward long examples
+                 answer_weight: float, task_weights: dict[str, float] | None = None, confusable: float = 0.0,
+                 min_context: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch at one random target length (so little padding), from ``min_context`` (default: 32% of
+    ``context``) up to ``context``, skewed toward long examples."""
+    low = (min_context / context) ** 2 if min_context else 0.1  # the default draws what earlier runs drew
+    target = int(context * rng.uniform(low, 1.0) ** 0.5)
     weights = [(task_weights or {}).get(t, 1.0) for t in TASKS]
     seqs = []
     while len(seqs) < batch:
@@ -160,8 +162,10 @@ class Batches(torch.utils.data.IterableDataset):
     """Endless batches from worker processes (tokenizing long examples costs more than a small model's step)."""
 
     def __init__(self, model_dir: Path, seed: int, batch: int, context: int, words_per_token: float,
-                 answer_weight: float, start_step: int, task_weights: dict[str, float], confusable: float) -> None:
+                 answer_weight: float, start_step: int, task_weights: dict[str, float], confusable: float,
+                 min_context: int | None = None) -> None:
         self.model_dir, self.seed, self.batch, self.context = model_dir, seed, batch, context
+        self.min_context = min_context
         self.start_step, self.task_weights, self.confusable = start_step, task_weights, confusable
         self.words_per_token, self.answer_weight = words_per_token, answer_weight
 
@@ -174,7 +178,7 @@ class Batches(torch.utils.data.IterableDataset):
         rng = random.Random(f"{self.seed}:{wid}:{self.start_step}")  # a resumed run draws new data
         while True:
             yield sample_batch(tokenizer, rng, self.batch, self.context, self.words_per_token,
-                               self.answer_weight, self.task_weights, self.confusable)
+                               self.answer_weight, self.task_weights, self.confusable, self.min_context)
 
 
 def answer_exact_match(model, x: torch.Tensor, starts: torch.Tensor, w: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
@@ -218,7 +222,12 @@ def main() -> None:
     p.add_argument("--task-eval-n", type=int, default=16, help="held-out examples per task")
     p.add_argument("--stop-at", type=float, default=None,
                    help="stop once every task's held-out exact match reaches this (e.g. 1.0)")
+    p.add_argument("--min-context", type=int, default=None,
+                   help="shortest example length drawn (default: 32%% of --context); e.g. 1024 at --context 16384 "
+                        "so a long-context run keeps short prompts right too")
     args = p.parse_args()
+    if args.min_context is not None and not 0 < args.min_context <= args.context:
+        p.error(f"--min-context must be in (0, --context], got {args.min_context}")
     if args.stop_at is not None and not args.task_eval_every:
         p.error("--stop-at needs --task-eval-every")
     if not 0.0 <= args.confusable <= 1.0:
@@ -275,7 +284,7 @@ def main() -> None:
     words_per_token = 300 / len(tokenizer.encode(sample))
     batches = iter(torch.utils.data.DataLoader(
         Batches(out, args.seed, args.batch, args.context, words_per_token, args.answer_weight, step, task_weights,
-                args.confusable),
+                args.confusable, args.min_context),
         batch_size=None,
         num_workers=args.workers, prefetch_factor=4 if args.workers else None, pin_memory=device == "cuda"))
     held_out = (held_out_set(tokenizer, args.context, args.task_eval_n, words_per_token)
