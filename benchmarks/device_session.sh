@@ -2,7 +2,7 @@
 # One device session (nvidia-h200 or nvidia-h200-x2), each part detached: it outlives the command that
 # starts it; poll from later commands, each sent right after the previous one returns (the machine is
 # released 30 s after a command ends, and detached work dies with it). Run from the project root after
-# the three bootstrap commands of ../shared/device/README.md.
+# the bootstrap commands (benchmarks/device_site_parts.sh; benchmarks/README.md lists them).
 #
 #   bash benchmarks/device_session.sh headline   the 130K headline on GPU HEADLINE_GPU (default 1; 0 on a
 #                                                one-GPU machine): vanilla, then sgl_sparse SnapKV 8192 at

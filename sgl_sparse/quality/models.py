@@ -9,13 +9,22 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def small_model_path() -> Path:
-    """The ~4M-parameter model trained on the task suite at 2K context (card: its README.md)."""
-    path = ASSETS / "quality-small"
-    if not (path / "model.safetensors").exists():
-        raise FileNotFoundError(f"the trained small model is missing from {path} (is the package installed "
+def _shipped(name: str) -> Path:
+    path = ASSETS / name
+    if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"the trained model {name} is missing from {path} (is the package installed "
                                 "from a checkout with its assets?)")
     return path
+
+
+def small_model_path() -> Path:
+    """The 4.0M-parameter model trained on the task suite at 2K context (card: its README.md)."""
+    return _shipped("quality-small")
+
+
+def large_model_path() -> Path:
+    """The 11.0M-parameter model for GPU runs, trained up to 16K context (card: its README.md)."""
+    return _shipped("quality-large")
 
 
 def write_random_twin(model_dir: str | Path, out: str | Path, seed: int = 0) -> Path:
