@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -227,3 +228,53 @@ def test_shipped_large_model_loads_and_passes_a_short_slice() -> None:
     assert max(weights.values()) <= 25e6 and sum(weights.values()) <= 35e6, weights  # the issue's size limits
     accuracy, per_task = _slice_accuracy(path)
     assert accuracy >= PASS_ACCURACY, per_task
+
+
+def test_ship_collected_replaces_weights_and_appends_the_phase_log(tmp_path: Path) -> None:
+    """training/ship_collected.py takes collect's files (NAME-meta.tar + NAME-model*.safetensors) into a model
+    folder: shards renamed, log appended with its phase; a repeated phase or a missing shard changes nothing."""
+    import tarfile
+
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from sgl_sparse.quality.models import TOKENIZER_FILES, small_model_path
+
+    dest = tmp_path / "quality-small"
+    shutil.copytree(small_model_path(), dest)
+    before = (dest / "training_log.jsonl").read_text()
+    # What collect brings back from a run that saved a 2-shard model.
+    run = tmp_path / "run" / "small"
+    torch.manual_seed(1)
+    LlamaForCausalLM(AutoConfig.from_pretrained(dest)).to(torch.bfloat16).save_pretrained(run, max_shard_size="5MB")
+    for name in TOKENIZER_FILES:
+        shutil.copy(dest / name, run / name)
+    (run / "training_log.json").write_text(json.dumps({"args": {}, "log": [{"step": 5, "loss": 1.0}]}))
+    collected = tmp_path / "collected"
+    collected.mkdir()
+    with tarfile.open(collected / "small-meta.tar", "w") as tar:
+        for f in run.glob("*.json"):
+            tar.add(f, arcname=f"small/{f.name}")
+    shards = sorted(run.glob("*.safetensors"))
+    assert len(shards) == 2
+    script = [sys.executable, str(ROOT / "training" / "ship_collected.py"), str(collected), "--model", "small",
+              "--dest", str(dest)]
+
+    shutil.copy(shards[0], collected / f"small-{shards[0].name}")  # the second shard did not come back
+    r = subprocess.run([*script, "--phase", "test-1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "the shard index names" in r.stderr
+    assert (dest / "model.safetensors").exists() and (dest / "training_log.jsonl").read_text() == before
+
+    shutil.copy(shards[1], collected / f"small-{shards[1].name}")
+    r = subprocess.run([*script, "--phase", "test-1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(f.name for f in dest.glob("*.safetensors")) == [s.name for s in shards]  # the old file is gone
+    assert (dest / "README.md").exists() and not (dest / "training_log.json").exists()
+    appended = (dest / "training_log.jsonl").read_text()[len(before):].splitlines()
+    assert [json.loads(line) for line in appended] == [{"step": 5, "loss": 1.0, "phase": "test-1"}]
+    shipped = LlamaForCausalLM.from_pretrained(dest)
+    assert torch.equal(shipped.model.embed_tokens.weight.bfloat16(),
+                       LlamaForCausalLM.from_pretrained(run).model.embed_tokens.weight.bfloat16())
+
+    r = subprocess.run([*script, "--phase", "test-1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "phase 'test-1' is already in" in r.stderr
