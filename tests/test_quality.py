@@ -236,19 +236,15 @@ def test_ship_collected_replaces_weights_and_appends_the_phase_log(tmp_path: Pat
     import tarfile
 
     import torch
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from sgl_sparse.quality.models import TOKENIZER_FILES, small_model_path
+    from sgl_sparse.quality.models import small_model_path, write_random_twin
 
     dest = tmp_path / "quality-small"
     shutil.copytree(small_model_path(), dest)
     before = (dest / "training_log.jsonl").read_text()
     # What collect brings back from a run that saved a 2-shard model.
-    run = tmp_path / "run" / "small"
-    torch.manual_seed(1)
-    LlamaForCausalLM(AutoConfig.from_pretrained(dest)).to(torch.bfloat16).save_pretrained(run, max_shard_size="5MB")
-    for name in TOKENIZER_FILES:
-        shutil.copy(dest / name, run / name)
+    run = write_random_twin(dest, tmp_path / "run" / "small", seed=1, max_shard_size="5MB")
     (run / "training_log.json").write_text(json.dumps({"args": {}, "log": [{"step": 5, "loss": 1.0}]}))
     collected = tmp_path / "collected"
     collected.mkdir()

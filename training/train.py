@@ -297,8 +297,11 @@ def main() -> None:
         (out / "training_log.json").write_text(json.dumps({"args": vars(args), "params": n_params, "log": log},
                                                           indent=2))
 
+    saved_at = -1  # the step whose weights are in OUT
+
     def task_eval_and_save(at_step: int, save: bool = True) -> float:
         """Log the held-out exact match per task, save the weights (a run cut short keeps them); the worst task's."""
+        nonlocal saved_at
         model.eval()
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
             em = held_out_exact_match(model, held_out, tokenizer.pad_token_id, device, eval_rows)
@@ -309,6 +312,7 @@ def main() -> None:
         if save:
             save_model(model, out)
             write_log()
+            saved_at = at_step
         return min(em.values())
 
     if args.task_eval_every:
@@ -351,8 +355,9 @@ def main() -> None:
                 break
     if args.task_eval_every and not any(e["step"] == step and "held_out_em" in e for e in log):
         task_eval_and_save(step)  # the final weights' held-out numbers
-    save_model(model, out)
-    write_log()
+    if saved_at != step:
+        save_model(model, out)
+        write_log()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log}, ckpt)
     print(f"saved step {step} to {out}", flush=True)
 

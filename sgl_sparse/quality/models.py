@@ -27,8 +27,9 @@ def large_model_path() -> Path:
     return _shipped("quality-large")
 
 
-def write_random_twin(model_dir: str | Path, out: str | Path, seed: int = 0) -> Path:
-    """Same architecture and tokenizer as ``model_dir``, freshly initialized weights (bf16)."""
+def write_random_twin(model_dir: str | Path, out: str | Path, seed: int = 0, max_shard_size: str = "50GB") -> Path:
+    """Same architecture and tokenizer as ``model_dir``, freshly initialized weights (bf16), sharded
+    above ``max_shard_size``."""
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -36,7 +37,7 @@ def write_random_twin(model_dir: str | Path, out: str | Path, seed: int = 0) -> 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(AutoConfig.from_pretrained(model_dir))
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     for name in TOKENIZER_FILES:
         shutil.copy(Path(model_dir) / name, out / name)
     return out
