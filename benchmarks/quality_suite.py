@@ -20,7 +20,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_sparse.quality.eval import MAX_NEW_TOKENS, build_items, evaluate, render  # noqa: E402
+from sgl_sparse.quality.eval import (  # noqa: E402
+    MAX_NEW_TOKENS,
+    build_items,
+    default_workers,
+    evaluate,
+    positive_int,
+    render,
+)
 from sgl_sparse.quality.tasks import TASKS  # noqa: E402
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, GPU_SERVER_FLAGS, ServerProcess  # noqa: E402
 
@@ -52,6 +59,8 @@ def main() -> None:
     p.add_argument("--no-chain", action="store_true", help="skip the multi-turn agent session")
     p.add_argument("--json", default=None)
     p.add_argument("--log-dir", default=None, help="keep the servers' logs here")
+    p.add_argument("--workers", type=positive_int, default=default_workers(),
+                   help="processes that size the prompts (default: this machine's cores)")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -62,7 +71,8 @@ def main() -> None:
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    items = {t: build_items(tok, list(TASKS), args.n, t, 10_000, chain=False) for t in args.tokens}
+    items = {t: build_items(tok, list(TASKS), args.n, t, 10_000, chain=False, workers=args.workers)
+             for t in args.tokens}
     # The same fitted agent examples, sent turn by turn.
     chained = {} if args.no_chain else {t: [render(it.example, tok, chain=True) for it in items[t]
                                             if it.example.task == "agent_recall"] for t in args.tokens}

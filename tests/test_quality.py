@@ -45,6 +45,18 @@ def test_sizing_to_a_token_budget(tiny_model: str) -> None:
     assert len(chained) == 5 and all(a == b[: len(a)] for a, b in zip(chained, chained[1:]))
 
 
+def test_build_items_in_worker_processes_matches_one_process(tiny_model: str) -> None:
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.quality.eval import build_items
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    one = build_items(tok, list(TASKS), 2, 768, seed=10_000, chain=True)
+    two = build_items(tok, list(TASKS), 2, 768, seed=10_000, chain=True, workers=2)
+    assert [(it.example, it.turns) for it in one] == [(it.example, it.turns) for it in two]
+    assert [it.example.task for it in two] == [t for t in TASKS for _ in range(2)]  # the order is kept
+
+
 def test_training_smoke_and_resume(tmp_path: Path) -> None:
     out = tmp_path / "m"
     cmd = [sys.executable, str(ROOT / "training" / "train.py"), "--size", "test", "--out", str(out), "--batch", "4",
@@ -167,6 +179,8 @@ def test_quality_suite_script(tmp_path: Path) -> None:
     assert r.returncode == 2 and "is not JSON" in r.stderr
     r = subprocess.run([*script, "--tokens", "5000"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "exceeds the model's context (4096" in r.stderr
+    r = subprocess.run([*script, "--workers", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--workers: must be >= 1, got 0" in r.stderr
     out = tmp_path / "q.json"
     r = subprocess.run([*script, "--tokens", "512", "--n", "2", "--methods", "dense", 'snapkv:{"budget": 1024}',
                         "--json", str(out), "--log-dir", str(tmp_path / "new" / "logs")],
