@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,25 @@ def free_port() -> int:
             return port
 
 
+_LIVE: set[ServerProcess] = set()  # started, not yet stopped
+
+
+def _stop_live_servers_and_exit(signum: int, frame: object) -> None:
+    for srv in list(_LIVE):
+        srv.stop()
+    raise SystemExit(128 + signum)
+
+
+def _stop_servers_on_sigterm() -> None:
+    """Servers run in their own session (so that stop() can end their whole process group), hence a
+    SIGTERM to this process alone would leave them running, holding ports and GPU memory, since its
+    default action skips every ``with``/``finally``. Stop them first, then exit. Installed only from
+    the main thread and only over the default action: a handler already set (pytest's, the caller's)
+    stays."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_live_servers_and_exit)
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
@@ -90,8 +110,10 @@ class ServerProcess:
             raise RuntimeError(f"port {self.port} is already in use; pick another (or none: a free one is chosen)")
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self._log = log
+        _stop_servers_on_sigterm()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
+        _LIVE.add(self)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -112,6 +134,7 @@ class ServerProcess:
             return ""
 
     def stop(self) -> None:
+        _LIVE.discard(self)
         if self.proc is not None and self.proc.poll() is None:
             # The whole process group: SGLang's scheduler and detokenizer are children.
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -150,6 +173,7 @@ class ServerProcess:
 @contextlib.contextmanager
 def running(*servers: ServerProcess) -> Iterator[tuple[ServerProcess, ...]]:
     """Start ``servers`` in parallel (startup is mostly waiting), stop them all on exit or failure."""
+    _stop_servers_on_sigterm()  # here, in the caller's thread: start() runs in pool threads
     try:
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
             for f in [pool.submit(s.start) for s in servers]:

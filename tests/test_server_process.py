@@ -1,13 +1,19 @@
 """ServerProcess's port handling: two servers never share a port, and a busy port is refused before
-anything starts (a shared port let one server's health check be answered by another)."""
+anything starts (a shared port let one server's health check be answered by another). A client ended
+by SIGTERM stops its servers."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from sgl_sparse.server_process import ServerProcess, free_port
+from sgl_sparse.server_process import ServerProcess, _listening, free_port
 
 
 def test_free_port_never_repeats() -> None:
@@ -24,3 +30,47 @@ def test_busy_port_is_refused_before_starting(tmp_path) -> None:  # type: ignore
         with pytest.raises(RuntimeError, match=f"port {port} is already in use"):
             srv.start()
         assert srv.proc is None
+
+
+def _running_in_group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (a zombie is done; reaping it is init's job)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue  # it ended meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+CLIENT = """
+import sys, time
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+with ServerProcess(sys.argv[1], CPU_SERVER_FLAGS, port=int(sys.argv[2]), log_path=sys.argv[3]) as srv:
+    print(srv.proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.server
+def test_sigterm_to_the_client_stops_its_server(tiny_model: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The real server runs in its own session; `kill CLIENT` (what a batch system or timeout sends)
+    must not leave it running on its port."""
+    port = free_port()
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, tiny_model, str(port), str(tmp_path / "log")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None
+        server_pid = int(client.stdout.readline())  # printed once the server is healthy
+        assert _listening(port)
+        client.send_signal(signal.SIGTERM)
+        assert client.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _listening(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _listening(port)
+        assert _running_in_group(server_pid) == []  # nor any of its children (scheduler, detokenizer)
+    finally:
+        client.kill()
