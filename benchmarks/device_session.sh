@@ -12,7 +12,9 @@
 #                                                (default 1150): large on LARGE_GPU from LARGE_FROM (a
 #                                                carried model dir; from scratch when unset) at
 #                                                LARGE_CONTEXT (default 2048; past 2048 it draws prompts
-#                                                from LARGE_MIN_CONTEXT, default 1024); small on SMALL_GPU from
+#                                                from LARGE_MIN_CONTEXT, default 1024; LARGE_TASK_WEIGHTS
+#                                                and LARGE_LR override its task mix and learning rate);
+#                                                small on SMALL_GPU from
 #                                                SMALL_FROM (default: the shipped one) at 2048. GPUs
 #                                                default to 0. TRAIN_MODELS="large" trains one only.
 #                                                Every TASK_EVAL_EVERY steps (default 2000) each logs
@@ -47,7 +49,8 @@ train)
   for m in ${TRAIN_MODELS:-large small}; do
     if [ "$m" = large ]; then
       from="${LARGE_FROM:-}" gpu="${LARGE_GPU:-0}" ctx="${LARGE_CONTEXT:-2048}"
-      batch=$((32 * 2048 / ctx > 4 ? 32 * 2048 / ctx : 4)) lr=6e-4 weights="vartrack=2,niah_multikey=2,agent_recall=2"
+      batch=$((32 * 2048 / ctx > 4 ? 32 * 2048 / ctx : 4)) lr=${LARGE_LR:-6e-4}
+      weights="${LARGE_TASK_WEIGHTS:-vartrack=2,niah_multikey=2,agent_recall=2}"
       # Past 2K, keep prompts from 1K up in the mix, so the model stays right at short contexts too.
       minctx=${LARGE_MIN_CONTEXT:-$((ctx > 2048 ? 1024 : 0))}
     else
@@ -72,7 +75,7 @@ quality)
   dir="${2:?quality DIR TOKENS...}"; shift 2
   name=$(basename "$dir")
   CUDA_VISIBLE_DEVICES="${QUALITY_GPU:-0}" python3 benchmarks/quality_suite.py --device cuda --model-dir "$dir" \
-      --tokens "${@:-2048}" --n 50 --json "/root/bench/quality-$name.json" --log-dir /root/bench \
+      --tokens "${@:-2048}" --n 50 --parallel 32 --json "/root/bench/quality-$name.json" --log-dir /root/bench \
       2>&1 | tee "/root/bench/quality-$name.txt" | tail -n 15
   ;;
 status)

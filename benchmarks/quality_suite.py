@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -61,7 +62,11 @@ def main() -> None:
     p.add_argument("--log-dir", default=None, help="keep the servers' logs here")
     p.add_argument("--workers", type=positive_int, default=default_workers(),
                    help="processes that size the prompts (default: this machine's cores)")
+    p.add_argument("--parallel", type=positive_int, default=4, help="requests in flight at once")
+    p.add_argument("--server-args", default="",
+                   help="more server flags, one string, e.g. '--disable-cuda-graph' (they follow the defaults)")
     args = p.parse_args()
+    extra = shlex.split(args.server_args)
 
     from transformers import AutoTokenizer
 
@@ -82,14 +87,18 @@ def main() -> None:
         log = str(Path(args.log_dir) / f"server-{i}-{name}.log") if args.log_dir else None  # a name may repeat
         label = name + (f" {json.dumps(config)}" if config else "")
         sparse = ["--sparse-method", name, "--sparse-config", json.dumps(config)]
-        with ServerProcess(args.model_dir, [*flags, *sparse], startup_timeout=600, log_path=log) as srv:
+        with ServerProcess(args.model_dir, [*flags, *sparse, *extra], startup_timeout=600, log_path=log) as srv:
             for t in args.tokens:
                 col = f"{label} @ {t}"
-                table = evaluate(srv.base_url, items[t])
-                if chained:
-                    table[CHAIN_ROW] = evaluate(srv.base_url, chained[t])["agent_recall"]
-                results[col] = table
+                # Each result is printed (and the JSON rewritten) as soon as it exists, so a run cut
+                # short (a device time limit) still leaves what it measured.
+                results[col] = table = evaluate(srv.base_url, items[t], args.parallel)
                 print(f"{col}: {json.dumps({k: round(v['accuracy'], 3) for k, v in table.items()})}", flush=True)
+                if chained:
+                    table[CHAIN_ROW] = evaluate(srv.base_url, chained[t], args.parallel)["agent_recall"]
+                    print(f"{col}, {CHAIN_ROW}: {table[CHAIN_ROW]['accuracy']:.3f}", flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=2))
     rows = [*TASKS, *([CHAIN_ROW] if chained else [])]
     print(f"\nmodel {args.model_dir}, {args.n} examples per task, greedy, up to {MAX_NEW_TOKENS} new tokens")
     print("| task | " + " | ".join(f"`{c}`" for c in results) + " |")
@@ -98,8 +107,6 @@ def main() -> None:
         print(f"| {r} | " + " | ".join(f"{results[c][r]['accuracy']:.2f}" for c in results) + " |")
     means = [statistics.mean(results[c][t]["accuracy"] for t in TASKS) for c in results]
     print("| all tasks (single prompts) | " + " | ".join(f"{m:.2f}" for m in means) + " |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -183,11 +183,13 @@ def test_quality_suite_script(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--workers: must be >= 1, got 0" in r.stderr
     out = tmp_path / "q.json"
     r = subprocess.run([*script, "--tokens", "512", "--n", "2", "--methods", "dense", 'snapkv:{"budget": 1024}',
-                        "--json", str(out), "--log-dir", str(tmp_path / "new" / "logs")],
+                        "--json", str(out), "--log-dir", str(tmp_path / "new" / "logs"), "--parallel", "3",
+                        "--server-args", "--max-running-requests 7"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     logs = sorted(f.name for f in (tmp_path / "new" / "logs").iterdir())
     assert logs == ["server-0-dense.log", "server-1-snapkv.log"]
+    assert all("max_running_requests=7" in (tmp_path / "new" / "logs" / f).read_text() for f in logs)
     assert '| task | `dense @ 512` | `snapkv {"budget": 1024} @ 512` |' in r.stdout
     assert "| all tasks (single prompts) |" in r.stdout
     dense, snap = json.loads(out.read_text()).values()
