@@ -64,7 +64,8 @@ def main() -> None:
                    help="processes that size the prompts (default: this machine's cores)")
     p.add_argument("--parallel", type=positive_int, default=4, help="requests in flight at once")
     p.add_argument("--server-args", default="",
-                   help="more server flags, one string, e.g. '--disable-cuda-graph' (they follow the defaults)")
+                   help="more server flags as one string, appended to the defaults; write it with '=' "
+                        "(--server-args=--disable-cuda-graph): argparse takes a lone '--flag' for an option")
     args = p.parse_args()
     extra = shlex.split(args.server_args)
 

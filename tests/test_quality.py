@@ -184,7 +184,7 @@ def test_quality_suite_script(tmp_path: Path) -> None:
     out = tmp_path / "q.json"
     r = subprocess.run([*script, "--tokens", "512", "--n", "2", "--methods", "dense", 'snapkv:{"budget": 1024}',
                         "--json", str(out), "--log-dir", str(tmp_path / "new" / "logs"), "--parallel", "3",
-                        "--server-args", "--max-running-requests 7"],
+                        "--server-args=--max-running-requests 7"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     logs = sorted(f.name for f in (tmp_path / "new" / "logs").iterdir())

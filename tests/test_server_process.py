@@ -4,6 +4,7 @@ by SIGTERM stops its servers."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -61,6 +62,7 @@ def test_sigterm_to_the_client_stops_its_server(tiny_model: str, tmp_path) -> No
     port = free_port()
     client = subprocess.Popen([sys.executable, "-c", CLIENT, tiny_model, str(port), str(tmp_path / "log")],
                               stdout=subprocess.PIPE, text=True)
+    server_pid = 0
     try:
         assert client.stdout is not None
         server_pid = int(client.stdout.readline())  # printed once the server is healthy
@@ -74,3 +76,5 @@ def test_sigterm_to_the_client_stops_its_server(tiny_model: str, tmp_path) -> No
         assert _running_in_group(server_pid) == []  # nor any of its children (scheduler, detokenizer)
     finally:
         client.kill()
+        if server_pid and _running_in_group(server_pid):  # the bug this tests: do not leak the server
+            os.killpg(server_pid, signal.SIGKILL)
