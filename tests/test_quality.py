@@ -233,7 +233,7 @@ def test_trained_small_model_passes_and_a_random_twin_fails(tmp_path: Path) -> N
 
 @pytest.mark.server
 def test_shipped_large_model_loads_and_passes_a_short_slice() -> None:
-    """The large model (trained up to 16K; GPU numbers at 16K in QUALITY.md) loads through our launcher on
+    """The large model (trained up to 16K; its 16K numbers in QUALITY.md) loads through our launcher on
     CPU and answers the same short slice: its config, sharded weights and tokenizer serve as shipped."""
     from sgl_sparse.quality.models import large_model_path, small_model_path
 
