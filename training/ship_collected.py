@@ -20,9 +20,11 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from sgl_sparse.quality.models import TOKENIZER_FILES
+
+# The checkout's assets (not an installed copy's): what this script changes is committed from there.
 ASSETS = Path(__file__).resolve().parents[1] / "sgl_sparse" / "assets"
-REPLACED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "model.safetensors.index.json")
+REPLACED = ("config.json", "generation_config.json", *TOKENIZER_FILES, "model.safetensors.index.json")
 
 
 def stage(collected: Path, name: str, staging: Path) -> list[dict]:
