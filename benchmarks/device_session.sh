@@ -27,6 +27,10 @@
 #                                                $OUT/bench.tar.xz (so each poll brings them back).
 #   bash benchmarks/device_session.sh collect    packs results into $OUT as at most 8 files (the limit on
 #                                                what comes back): logs and JSON, then the models' files.
+#   bash benchmarks/device_session.sh wait [S]   waits up to S seconds (default 560) for training to end;
+#                                                then collect if it has ended (so the weights come back in
+#                                                this same command: the machine may be gone by the next
+#                                                one), else status.
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 MODEL=.device-site/models/llama3-8b-shape
@@ -93,6 +97,11 @@ status)
   # Every poll brings the logs back, so a machine lost later still leaves the last poll's results.
   if [ -n "${OUT:-}" ]; then pack_logs 2>/dev/null || true; fi
   ;;
+wait)
+  deadline=$((SECONDS + ${2:-560}))
+  while pgrep -f "^python3 .*train.py" >/dev/null && [ $SECONDS -lt $deadline ]; do sleep 5; done
+  if pgrep -f "^python3 .*train.py" >/dev/null; then exec bash "$0" status; else exec bash "$0" collect; fi
+  ;;
 collect)
   : "${OUT:?collect writes into \$OUT}"
   pack_logs
@@ -104,5 +113,5 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|train|quality DIR TOKENS...|status|collect" >&2; exit 2 ;;
+  echo "usage: $0 headline|train|quality DIR TOKENS...|status|wait [S]|collect" >&2; exit 2 ;;
 esac
