@@ -98,6 +98,7 @@ status)
   if [ -n "${OUT:-}" ]; then pack_logs 2>/dev/null || true; fi
   ;;
 wait)
+  [[ "${2:-560}" =~ ^[0-9]+$ ]] || { echo "wait S: S is whole seconds, not '$2'" >&2; exit 2; }
   deadline=$((SECONDS + ${2:-560}))
   while pgrep -f "^python3 .*train.py" >/dev/null && [ $SECONDS -lt $deadline ]; do sleep 5; done
   if pgrep -f "^python3 .*train.py" >/dev/null; then exec bash "$0" status; else exec bash "$0" collect; fi
