@@ -100,8 +100,9 @@ status)
 wait)
   [[ "${2:-560}" =~ ^[0-9]+$ ]] || { echo "wait S: S is whole seconds, not '$2'" >&2; exit 2; }
   deadline=$((SECONDS + ${2:-560}))
-  while pgrep -f "^python3 .*train.py" >/dev/null && [ $SECONDS -lt $deadline ]; do sleep 5; done
-  if pgrep -f "^python3 .*train.py" >/dev/null; then exec bash "$0" status; else exec bash "$0" collect; fi
+  training() { pgrep -f "^python3 .*train.py" >/dev/null; }
+  while training && [ $SECONDS -lt $deadline ]; do sleep 5; done
+  if training; then exec bash "$0" status; else exec bash "$0" collect; fi
   ;;
 collect)
   : "${OUT:?collect writes into \$OUT}"
