@@ -64,35 +64,37 @@ class RequestState:
     """Per-request state a method owns. Created by :meth:`SparseMethod.new_state`.
 
     ``logical_len``: tokens whose K/V exist (prompt processed so far + decoded). ``num_kept``: how
-    many of them are physically retained (kept up to date by the runtime every step, no device
-    sync). ``kept``: the sorted int64 CPU tensor of retained logical positions, materialised on
-    demand (it costs a device->host copy in the server, so read it only when about to evict).
-    Methods put their own statistics (scores, page summaries) in ``extra``.
+    many of them are physically retained. ``kept``: the sorted int64 CPU tensor of retained logical
+    positions. The runtime keeps both on the host from what it applied (no device sync): the kept
+    set is a sorted base plus the contiguous tail appended since the last :class:`KeepPlan`, built
+    on demand. Methods put their own statistics (scores, page summaries) in ``extra``.
     """
 
     rid: str
     logical_len: int = 0
     num_kept: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-    kept_loader: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
-    _kept: torch.Tensor | None = field(default=None, repr=False)
+    _base: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64), repr=False)
+    _tail_start: int = field(default=0, repr=False)
 
     @property
     def kept(self) -> torch.Tensor:
-        if self._kept is None:
-            self._kept = self.kept_loader() if self.kept_loader else torch.arange(self.logical_len)
-        return self._kept
+        if self._tail_start >= self.logical_len:
+            return self._base
+        return torch.cat([self._base, torch.arange(self._tail_start, self.logical_len)])
 
     def advance(self, new_tokens: int) -> None:
         """Runtime: ``new_tokens`` were appended and are retained."""
         self.logical_len += new_tokens
         self.num_kept += new_tokens
-        self._kept = None
 
-    def set_kept(self, kept: torch.Tensor) -> None:
-        """Runtime: a :class:`KeepPlan` was applied."""
-        self._kept = kept
-        self.num_kept = int(kept.numel())
+    def set_kept(self, kept: torch.Tensor, logical_len: int | None = None) -> None:
+        """Runtime: a :class:`KeepPlan` was applied (or a matched prefix restored, with its length)."""
+        if logical_len is not None:
+            self.logical_len = logical_len
+        self._base = kept.to(dtype=torch.int64, device="cpu")
+        self._tail_start = self.logical_len
+        self.num_kept = int(self._base.numel())
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,20 @@ class KeepPlan:
     """
 
     keep: torch.Tensor
+
+
+def check_keep_plan(method: SparseMethod[Any], plan: KeepPlan, kept: torch.Tensor) -> torch.Tensor:
+    """The contract's rules for a :class:`KeepPlan`, enforced by both the server runtime and the
+    reference driver (one function, so they cannot drift): only ``evicts`` methods return one; its
+    positions are sorted, unique and currently retained. Returns the keep set as CPU int64."""
+    if not method.evicts:
+        raise RuntimeError(f"{method.name} returned a KeepPlan but does not declare evicts=True")
+    keep = plan.keep.to(dtype=torch.int64, device="cpu")
+    if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+        raise RuntimeError(f"{method.name}: KeepPlan positions must be sorted and unique")
+    if keep.numel() and not bool(torch.isin(keep, kept).all()):
+        raise RuntimeError(f"{method.name}: KeepPlan keeps positions that are not retained")
+    return keep
 
 
 @dataclass

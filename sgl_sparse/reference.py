@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import LayerInput, ObservationWindow, PrefillChunk, SparseMethod, StepInfo
+from sgl_sparse.contract import (
+    LayerInput,
+    ObservationWindow,
+    PrefillChunk,
+    SparseMethod,
+    StepInfo,
+    check_keep_plan,
+)
 
 
 class ToyAttentionStack:
@@ -68,7 +75,6 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     vals = [torch.zeros_like(keys[0]) for _ in range(model.n_layers)]
     retained = torch.zeros(n_total, dtype=torch.bool)  # the "row": which positions still have K/V
     state = method.new_state("ref")
-    state.kept_loader = lambda: retained.nonzero().flatten()
     w = method.observation_window()
     window_q: dict[int, torch.Tensor] = {}
     outs: list[torch.Tensor] = []
@@ -111,13 +117,10 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
             method.on_observation(state, window)
         plan = method.on_step_end(state, step)
         if plan is not None:
-            if not method.evicts:
-                raise RuntimeError(f"{method.name} returned a KeepPlan but does not declare evicts=True")
-            if int(plan.keep.max()) >= end or not bool(retained[plan.keep].all()):
-                raise RuntimeError(f"{method.name}: KeepPlan keeps positions that are not retained")
+            keep = check_keep_plan(method, plan, state.kept)
             retained[:] = False
-            retained[plan.keep] = True
-            state.set_kept(plan.keep.sort().values)
+            retained[keep] = True
+            state.set_kept(keep)
         trace.kept_after_step.append(state.num_kept)
     method.on_finish(state)
     trace.outputs = torch.cat(outs)

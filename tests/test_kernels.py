@@ -32,14 +32,20 @@ def test_compact_kv_indices_matches_reference() -> None:
         req_to_token[3, torch.rand(width, generator=g) < 0.5] = 0
         req_to_token[4, :] = 0                                # all evicted
         cases = [([1, 2, 3], [80, 50, 33]), ([0, 2], [1, 70]), ([5, 4], [0, 10]), ([2], [17])]
-        for rpi, lens in cases:
-            rpi_t = torch.tensor(rpi, dtype=torch.int64); lens_t = torch.tensor(lens, dtype=torch.int32)
-            indptr = torch.zeros(len(rpi) + 1, dtype=torch.int32)
-            indices = torch.full((int(lens_t.sum()) + 1,), -1, dtype=torch.int64)
-            got_ptr = compact.fill_compact_kv_indices(req_to_token, rpi_t, lens_t, indptr, indices)
-            ref_ptr, ref_idx = compact.compact_kv_indices_reference(req_to_token, rpi_t, lens_t)
-            assert got_ptr.tolist() == ref_ptr.tolist(), (rpi, got_ptr, ref_ptr)
-            assert indices[: int(ref_ptr[-1])].tolist() == ref_idx.tolist(), rpi
+        for min_one in (False, True):
+            for rpi, lens in cases:
+                rpi_t = torch.tensor(rpi, dtype=torch.int64); lens_t = torch.tensor(lens, dtype=torch.int32)
+                indptr = torch.zeros(len(rpi) + 1, dtype=torch.int32)
+                indices = torch.full((int(lens_t.sum()) + 1,), -1, dtype=torch.int64)
+                got_ptr = compact.fill_compact_kv_indices(req_to_token, rpi_t, lens_t, indptr, indices, min_one)
+                ref_ptr, ref_idx = compact.compact_kv_indices_reference(req_to_token, rpi_t, lens_t, min_one)
+                assert got_ptr.tolist() == ref_ptr.tolist(), (rpi, got_ptr, ref_ptr)
+                assert indices[: int(ref_ptr[-1])].tolist() == ref_idx.tolist(), rpi
+        # An all-evicted prefix is an empty list (it must not attend the padding slot); a padding
+        # row gets one slot only for the Triton decode kernel.
+        one = torch.tensor([4], dtype=torch.int64); ten = torch.tensor([10], dtype=torch.int32)
+        assert compact.compact_kv_indices_reference(req_to_token, one, ten)[0].tolist() == [0, 0]
+        assert compact.compact_kv_indices_reference(req_to_token, one, ten, min_one=True)[0].tolist() == [0, 1]
         print("ok")
     """)
     assert out.strip() == "ok"
@@ -110,10 +116,11 @@ def test_kernels_compile_for_the_h200() -> None:
                                        "i32": scalars, "fp32": "scale"}, "G R D D_P BLOCK"),
              dict(G=4, R=128, D=128, D_P=128, BLOCK=ws.BLOCK_N)),
             (compact._count_live_kernel, sig({"*i32": "req_to_token seq_lens counts", "*i64": "req_pool_indices"},
-                                             "stride BLOCK_N"), dict(stride=131072, BLOCK_N=compact.BLOCK)),
+                                             "stride SENTINEL MIN_ONE BLOCK_N"),
+             dict(stride=131072, SENTINEL=0, MIN_ONE=False, BLOCK_N=compact.BLOCK)),
             (compact._compact_kernel, sig({"*i32": "req_to_token seq_lens kv_indptr",
-                                           "*i64": "req_pool_indices kv_indices"}, "stride BLOCK_N"),
-             dict(stride=131072, BLOCK_N=compact.BLOCK)),
+                                           "*i64": "req_pool_indices kv_indices"}, "stride SENTINEL MIN_ONE BLOCK_N"),
+             dict(stride=131072, SENTINEL=0, MIN_ONE=True, BLOCK_N=compact.BLOCK)),
         ]
         for fn, signature, consts in cases:
             order = fn.arg_names

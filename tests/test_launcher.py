@@ -49,12 +49,53 @@ def test_bad_config_json_is_an_argparse_error(capsys: pytest.CaptureFixture[str]
     assert "--sparse-config: invalid JSON" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--attention-backend", "triton"], ["--radix-cache-backend", "other"],
-                                   ["--page-size", "16"]])
+@pytest.mark.parametrize("flags", [
+    ["--device", "cpu", "--attention-backend", "triton"],
+    ["--device", "cpu", "--attention-backend", "flashinfer"],
+    ["--device", "cpu", "--attention-backend", "intel_amx"],
+    ["--device", "cuda", "--attention-backend", "torch_native"],
+    ["--device", "cuda", "--attention-backend", "fa3"],
+    ["--device", "cuda", "--prefill-attention-backend", "triton"],  # base is flashinfer
+    ["--device", "cuda", "--attention-backend", "triton", "--decode-attention-backend", "flashinfer"],
+    ["--device", "cuda", "--decode-attention-backend", "fa3"],
+    ["--device", "cpu", "--prefill-attention-backend", "triton"],
+    ["--radix-cache-backend", "other"],
+    ["--page-size", "16"],
+])
 def test_conflicting_flags_are_rejected(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         parse_args(["--model-path", "m", *flags])
-    assert flags[0] in capsys.readouterr().err
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flags[-2]} {flags[-1]}" in err
+    if "--device" in flags and "backend" in flags[-2]:  # names what the device supports
+        assert ("flashinfer or triton" if flags[1] == "cuda" else "torch_native") in err
+
+
+def test_unsupported_device_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--device", "xpu"])
+    assert "sgl_sparse serves on cuda and cpu only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("device", "flags", "base"), [
+    ("cuda", [], "flashinfer"),
+    ("cuda", ["--attention-backend", BACKEND_NAME], "flashinfer"),
+    ("cuda", ["--attention-backend", "flashinfer"], "flashinfer"),
+    ("cuda", ["--attention-backend", "triton"], "triton"),
+    ("cuda", ["--attention-backend", "triton", "--prefill-attention-backend", "triton",
+              "--decode-attention-backend", "triton"], "triton"),
+    ("cuda", ["--prefill-attention-backend", "flashinfer", "--decode-attention-backend", BACKEND_NAME],
+     "flashinfer"),
+    ("cpu", [], "torch_native"),
+    ("cpu", ["--attention-backend", "torch_native", "--decode-attention-backend", "torch_native"], "torch_native"),
+])
+def test_base_backend_per_device(device: str, flags: list[str], base: str) -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", device, *flags])
+    assert hand.base == base and hand.device == device
+    assert args.attention_backend == BACKEND_NAME
+    # Both None, so SGLang resolves both phases to our backend (a matching pair would replace it).
+    assert args.prefill_attention_backend is None and args.decode_attention_backend is None
 
 
 def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
@@ -63,8 +104,30 @@ def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
     args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-config", str(cfg)])
     assert args.attention_backend == BACKEND_NAME and args.radix_cache_backend == BACKEND_NAME
     assert args.disable_cuda_graph is True  # required for a non-torch_native name on CPU
-    assert hand == handoff.Handoff("dense", {}, "cpu")
-    assert json.loads(hand.dump()) == {"method": "dense", "config": {}, "device": "cpu"}
+    assert hand == handoff.Handoff("dense", {}, "cpu", base="torch_native",
+                                   prefill_cuda_graph_off="no CUDA graphs on CPU")
+    assert json.loads(hand.dump()) == {"method": "dense", "config": {}, "device": "cpu", "base": "torch_native",
+                                       "prefill_cuda_graph_off": "no CUDA graphs on CPU"}
+
+
+@pytest.mark.parametrize("hand", [
+    handoff.Handoff("snapkv", {"budget": 512}, "cuda", base="flashinfer",
+                    prefill_cuda_graph_off="snapkv captures prefill queries, which a replayed prefill graph skips"),
+    handoff.Handoff("dense", {}, "cuda", base="triton"),
+    handoff.Handoff("dense", {}, None),
+])
+def test_handoff_round_trip(hand: handoff.Handoff, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(handoff.ENV_VAR, "")  # so that the test's environment is restored afterwards
+    handoff.publish(hand)
+    assert handoff.read() == hand
+
+
+def test_handoff_without_launcher_has_no_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(handoff.ENV_VAR, raising=False)
+    assert handoff.read() == handoff.Handoff("dense", {}, None, base=None, prefill_cuda_graph_off=None)
+    # A hand-off written before the new fields existed still reads (base unknown).
+    monkeypatch.setenv(handoff.ENV_VAR, json.dumps({"method": "dense", "config": {}, "device": "cuda"}))
+    assert handoff.read().base is None and handoff.read().prefill_cuda_graph_off is None
 
 
 def test_explicit_own_backend_is_accepted() -> None:
@@ -72,12 +135,44 @@ def test_explicit_own_backend_is_accepted() -> None:
     assert args.attention_backend == BACKEND_NAME
 
 
+SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_interval": 64}']
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--enable-hierarchical-cache"], "HiCache is not supported"),
-    (["--sparse-method", "snapkv", "--speculative-algorithm", "EAGLE"], "speculative decoding is not supported"),
+    *[([*m, "--speculative-algorithm", algo], "speculative decoding is not supported")
+      for m in ([], ["--sparse-method", "snapkv"], ["--sparse-method", "streamingllm"])
+      for algo in ("EAGLE", "NGRAM")],
     (["--sparse-method", "streamingllm", "--tp-size", "2"], "eviction needs one token set across TP ranks"),
-    (["--sparse-method", "snapkv", "--sparse-config", '{"decode_interval": 64}', "--device", "cuda"],
-     "add --disable-cuda-graph"),
+    (["--sparse-method", "snapkv", "--tp-size", "2"], "--dp-size replicas are untested"),
+    *[([*m, "--pp-size", "2"], "pipeline parallelism is not supported") for m in ([], ["--sparse-method", "snapkv"])],
+    *[([*m, "--dcp-size", "2"], "decode context parallelism is not supported")
+      for m in ([], ["--sparse-method", "streamingllm"])],
+    *[(["--disaggregation-mode", mode], "PD disaggregation is not supported") for mode in ("prefill", "decode")],
+    (["--enable-dp-attention"], "DP attention is not supported"),
+    (["--enable-mis"], "multi-item scoring is not supported"),
+    *[([*m, "--kv-cache-dtype", dtype], "FP4 KV is not supported")
+      for m in ([], ["--sparse-method", "streamingllm"]) for dtype in ("nvfp4", "fp4_mx_block16", "fp4_e2m1")],
+    (["--kv-cache-dtype", "mxfp8"], "only SGLang's fa4 backend reads MXFP8 KV"),
+    *[(["--sparse-method", "snapkv", "--kv-cache-dtype", dtype], "ignore k_scale")
+      for dtype in ("fp8_e4m3", "fp8_e5m2")],
+    # SnapKV decode capture needs decode graphs off, whichever flag leaves them on.
+    ([*SNAPKV_DECODE, "--device", "cuda"], "add --cuda-graph-backend-decode disabled"),
+    ([*SNAPKV_DECODE, "--device", "cuda", "--disable-prefill-cuda-graph"], "add --cuda-graph-backend-decode"),
+    ([*SNAPKV_DECODE, "--device", "cuda", "--cuda-graph-backend-decode", "breakable"],
+     "add --cuda-graph-backend-decode"),
+    ([*SNAPKV_DECODE, "--device", "cuda", "--disable-cuda-graph", "--cuda-graph-backend-decode", "full"],
+     "add --cuda-graph-backend-decode"),  # the per-phase flag wins over the legacy one (as in SGLang)
+    ([*SNAPKV_DECODE, "--device", "cuda", "--disable-decode-cuda-graph",
+      "--cuda-graph-config", '{"decode": {"backend": "full"}}'], "add --cuda-graph-backend-decode"),
+    # An explicit prefill graph with a method that captures prefill queries.
+    *[(["--sparse-method", "snapkv", "--device", "cuda", *f], "a replayed prefill graph has no request ids")
+      for f in (["--cuda-graph-backend-prefill", "breakable"], ["--cuda-graph-backend-prefill", "tc_piecewise"],
+                ["--enable-breakable-cuda-graph"], ["--cuda-graph-config", '{"prefill": {"backend": "full"}}'])],
+    # Graphs cannot run on CPU.
+    (["--device", "cpu", "--cuda-graph-backend-decode", "full"], "CUDA graphs cannot run on CPU"),
+    (["--device", "cpu", "--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'],
+     "CUDA graphs cannot run on CPU"),
 ])
 def test_unsupported_combinations_fail_at_launch(flags: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,3 +209,103 @@ def test_benchmark_gpu_flags_are_accepted_by_our_launcher() -> None:
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", *module.GPU_FLAGS,
                              "--sparse-method", "snapkv", "--sparse-config", '{"budget": 512}'])
     assert args.attention_backend == BACKEND_NAME and hand.method == "snapkv" and hand.device == "cuda"
+
+
+@pytest.mark.parametrize("flags", [
+    ["--device", "cuda", "--disable-cuda-graph"],
+    ["--device", "cuda", "--cuda-graph-backend-decode", "disabled"],
+    ["--device", "cuda", "--disable-decode-cuda-graph"],
+    ["--device", "cuda", "--cuda-graph-config", '{"decode": {"backend": "disabled"}}'],
+    ["--device", "cpu"],  # no graphs on CPU at all
+])
+def test_snapkv_decode_capture_accepts_any_decode_graph_off_switch(flags: list[str]) -> None:
+    args, hand = parse_args(["--model-path", "m", *SNAPKV_DECODE, *flags])
+    assert hand.method == "snapkv" and hand.config["decode_interval"] == 64
+
+
+@pytest.mark.parametrize(("method", "device", "flags", "prefill", "off"), [
+    # SnapKV captures prefill queries: the launcher turns the prefill graph off and says why.
+    ("snapkv", "cuda", [], "disabled", "snapkv captures prefill queries"),
+    ("snapkv", "cuda", ["--cuda-graph-config", '{"prefill": {"max_bs": 64}}'], "disabled",
+     "snapkv captures prefill queries"),
+    # Already off by the user's flags: nothing to do, and nothing claimed.
+    ("snapkv", "cuda", ["--disable-piecewise-cuda-graph"], "disabled", None),
+    ("snapkv", "cuda", ["--cuda-graph-backend-prefill", "disabled"], "disabled", None),
+    ("snapkv", "cuda", ["--disable-prefill-cuda-graph"], None, None),
+    # Methods without an observation window keep every SGLang default.
+    ("dense", "cuda", [], None, None),
+    ("streamingllm", "cuda", [], None, None),
+    ("streamingllm", "cuda", ["--cuda-graph-backend-prefill", "breakable"], "breakable", None),
+    ("dense", "cuda", ["--enable-breakable-cuda-graph"], "breakable", None),
+])
+def test_prefill_cuda_graph_switch(method: str, device: str, flags: list[str], prefill: str | None,
+                                   off: str | None) -> None:
+    from sgl_sparse.integration.launch import requested_graph_backend
+
+    args, hand = parse_args(["--model-path", "m", "--device", device, "--sparse-method", method, *flags])
+    assert args.cuda_graph_backend_prefill == prefill
+    assert (hand.prefill_cuda_graph_off is None) if off is None else (off in hand.prefill_cuda_graph_off)
+    if method != "snapkv":  # untouched: decode graphs and the legacy switch as SGLang would have them
+        assert args.disable_cuda_graph is False and requested_graph_backend(args, "decode") is None
+    if method == "snapkv":
+        assert requested_graph_backend(args, "prefill") == "disabled"
+
+
+def test_dense_and_streamingllm_keep_sglang_graph_defaults() -> None:
+    """Nothing graph-related changes for methods without an observation window."""
+    from sgl_sparse.integration.launch import build_parser
+
+    for method in ("dense", "streamingllm"):
+        argv = ["--model-path", "m", "--device", "cuda", "--sparse-method", method]
+        args, _ = parse_args(argv)
+        stock = build_parser().parse_args(argv)
+        graph_fields = [k for k in vars(stock) if "cuda_graph" in k]
+        assert graph_fields and all(getattr(args, k) == getattr(stock, k) for k in graph_fields)
+        assert all(getattr(args, k) in (None, False) for k in graph_fields if "backend" in k or "disable" in k)
+
+
+@pytest.mark.parametrize("flags", [["--disable-radix-cache"], ["--enable-mixed-chunk"],
+                                   ["--kv-cache-dtype", "fp8_e4m3"], ["--kv-cache-dtype", "bf16"]])
+@pytest.mark.parametrize("method", ["dense", "streamingllm"])
+def test_flags_that_work_with_our_backends_are_accepted(flags: list[str], method: str) -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", method, *flags])
+    assert hand.method == method and args.attention_backend == BACKEND_NAME
+
+
+def test_server_info_reports_prefill_graph_decision() -> None:
+    from types import SimpleNamespace
+
+    from sgl_sparse.integration.server_info import prefill_cuda_graph
+
+    ours = handoff.Handoff("snapkv", {}, "cuda", base="flashinfer", prefill_cuda_graph_off="snapkv captures prefill")
+    sched = SimpleNamespace(server_args=SimpleNamespace(
+        cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="breakable"))))
+    assert prefill_cuda_graph(sched, ours) == "disabled by sgl_sparse: snapkv captures prefill"
+    assert prefill_cuda_graph(sched, handoff.Handoff("dense", {}, "cuda")) == "sglang: breakable"
+    bare = SimpleNamespace(server_args=SimpleNamespace(cuda_graph_config=None))
+    assert prefill_cuda_graph(bare, handoff.Handoff("dense", {}, None)) == "sglang default"
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--disable-cuda-graph"], ["--disable-piecewise-cuda-graph"], ["--enable-breakable-cuda-graph"],
+    ["--enforce-piecewise-cuda-graph"], ["--disable-decode-cuda-graph"], ["--cuda-graph-backend-decode", "breakable"],
+    ["--disable-cuda-graph", "--cuda-graph-backend-decode", "full"],
+    ["--disable-prefill-cuda-graph", "--cuda-graph-backend-prefill", "tc_piecewise"],
+    ["--cuda-graph-config", '{"decode": {"backend": "disabled"}, "prefill": {"max_bs": 4}}',
+     "--cuda-graph-backend-decode", "full"],
+])
+def test_requested_graph_backend_matches_sglang_precedence(flags: list[str]) -> None:
+    """Our reading of the graph flags equals SGLang's own resolution, wherever the flags set a backend."""
+    import copy
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sgl_sparse.integration.launch import build_parser, requested_graph_backend
+
+    args = build_parser().parse_args(["--model-path", "m", *flags])
+    resolved = copy.copy(args)
+    ServerArgs._parse_cuda_graph_config(resolved)  # type: ignore[arg-type]  # reads and sets plain attributes
+    for phase in ("decode", "prefill"):
+        set_by_flags = (phase, "backend") in resolved._cuda_graph_config_locked
+        expected = getattr(resolved.cuda_graph_config, phase).backend if set_by_flags else None
+        assert requested_graph_backend(args, phase) == expected

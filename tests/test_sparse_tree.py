@@ -45,10 +45,11 @@ class FakeReq:
         return (self.origin_input_ids + self.output_ids)[: self.fill_len]
 
 
-def _make(tree_cls: type = SparseRadixCache, method: str = "streamingllm") -> tuple[Any, ReqToTokenPool, Any]:
+def _make(tree_cls: type = SparseRadixCache, method: str = "streamingllm",
+          disable: bool = False) -> tuple[Any, ReqToTokenPool, Any]:
     req_pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
     alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", None, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=1)
+    params = CacheInitParams(disable=disable, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=1)
     if tree_cls is RadixCache:
         return RadixCache(params), req_pool, alloc
     m = create_method(method)
@@ -90,6 +91,14 @@ def test_stock_tree_breaks_on_sentinels_negative_control() -> None:
     assert _invariant(tree, alloc) != 0  # counts 4 phantom slots
 
 
+def _match(tree: Any, tokens: list[int]) -> Any:
+    return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+
+
+def _holes_in(indices: torch.Tensor) -> list[int]:
+    return (indices == SENTINEL_SLOT).nonzero().flatten().tolist()
+
+
 def test_finish_match_split_lock_evict_keep_invariant_and_never_free_slot0() -> None:
     tree, req_pool, alloc = _make()
     a = FakeReq("a", list(range(100, 120)), output_ids=[7, 8, 9])
@@ -100,19 +109,19 @@ def test_finish_match_split_lock_evict_keep_invariant_and_never_free_slot0() -> 
     assert _invariant(tree, alloc) == 0
     assert tree.evictable_size() == 23 - 6 and tree.total_size() == 17
 
-    # A continuation matches the whole logical prefix, sentinels included (Chain Cache).
+    # A continuation (it matches through the end of a's sequence) resumes from a's kept set.
     b = FakeReq("b", list(range(100, 120)) + [7, 8, 9, 50, 51])
     _admit(tree, req_pool, alloc, b, 2)
-    assert len(b.prefix_indices) == 23
-    assert (b.prefix_indices == SENTINEL_SLOT).sum().item() == 6
+    assert len(b.prefix_indices) == 23 and _holes_in(b.prefix_indices) == [2, 3, 4, 5, 10, 11]
     assert tree.protected_size() == 17 and tree.evictable_size() == 0
     assert _invariant(tree, alloc) + 2 == 0  # the 2 new slots are request-owned
 
-    # A second request splits the node inside the sentinel range, then everyone finishes.
-    c = FakeReq("c", list(range(100, 104)) + [1, 2, 3])
+    # Another conversation on the same first tokens is no continuation: it never sees a hole, its
+    # match stops before the first one (and it recomputes the rest itself).
+    c = FakeReq("c", list(range(100, 110)) + [1, 2, 3])
     _admit(tree, req_pool, alloc, c, 3)
-    assert len(c.prefix_indices) == 4 and c.prefix_indices.tolist()[2:] == [0, 0]
-    tree.cache_finished_req(c, kv_len_to_handle=7)
+    assert len(c.prefix_indices) == 2 and _holes_in(c.prefix_indices) == []
+    tree.cache_finished_req(c, kv_len_to_handle=13)
     tree.cache_finished_req(b, kv_len_to_handle=25)
     assert _invariant(tree, alloc) == 0
     assert SENTINEL_SLOT not in alloc.free_pages.tolist()
@@ -123,23 +132,75 @@ def test_finish_match_split_lock_evict_keep_invariant_and_never_free_slot0() -> 
     assert sorted(alloc.free_pages.tolist()) == list(range(1, POOL + 1))
 
 
-def test_continuation_hides_tree_owned_positions_and_finish_compacts_the_path() -> None:
+def test_shared_prefix_keeps_its_kv_for_other_conversations() -> None:
+    """Copy-on-write: a conversation's eviction never changes what another one attends to."""
     tree, req_pool, alloc = _make()
-    a = FakeReq("a", list(range(200, 216)))
+    system = list(range(500, 516))
+    a = FakeReq("a", system + [1, 2, 3, 4])
+    b = FakeReq("b", system + [9, 8, 7])
     _admit(tree, req_pool, alloc, a, 1)
-    tree.cache_finished_req(a, kv_len_to_handle=16)
+    tree.cache_finished_req(a, kv_len_to_handle=20)  # a dense first turn: the shared prefix is in the tree
+    shared = _match(tree, system).device_indices.tolist()
+    a2 = FakeReq("a2", system + [1, 2, 3, 4, 5, 6])
+    _admit(tree, req_pool, alloc, a2, 2)
+    _admit(tree, req_pool, alloc, b, 3)
+    # a2 evicts inside the system prompt and in its own part; b holds the same prompt.
+    _evict_positions(req_pool, alloc, a2, [2, 3, 4, 17, 21])
+    tree.cache_finished_req(a2, kv_len_to_handle=22)
+    tree.cache_finished_req(b, kv_len_to_handle=19)
+    # The system prompt node has two branches now: it keeps all its KV for everyone.
+    assert _match(tree, system).device_indices.tolist() == shared
+    assert _match(tree, system + [9, 8, 7]).device_indices[:16].tolist() == shared
+    # a2's continuation still resumes from exactly a2's kept set (hidden where the tree keeps KV).
+    m = _match(tree, system + [1, 2, 3, 4, 5, 6, 77])
+    assert len(m.device_indices) == 22 and _holes_in(m.device_indices) == [2, 3, 4, 17, 21]
+    assert _invariant(tree, alloc) == 0
+
+
+def test_first_finisher_of_a_new_prefix_does_not_decide_for_the_next_conversation() -> None:
+    """a finishes alone, so its nodes are exclusive and compacted in place; b, another conversation
+    on the same system prompt, matches only up to the first hole and recomputes; its KV then fills
+    the holes it kept, so later conversations match further, and a's continuation is unchanged."""
+    tree, req_pool, alloc = _make()
+    system = list(range(600, 620))
+    a = FakeReq("a", system + [1, 2, 3])
+    _admit(tree, req_pool, alloc, a, 1)
+    _evict_positions(req_pool, alloc, a, [5, 6, 7, 8, 21])
+    tree.cache_finished_req(a, kv_len_to_handle=23)
+    assert tree.total_size() == 18  # a's hidden positions were freed: its nodes were its own
+
+    b = FakeReq("b", system + [4, 4])
+    _admit(tree, req_pool, alloc, b, 2)
+    assert len(b.prefix_indices) == 5 and _holes_in(b.prefix_indices) == []
+    _evict_positions(req_pool, alloc, b, [7])  # b's own choice, inside the recomputed part
+    tree.cache_finished_req(b, kv_len_to_handle=22)
+    # b filled holes 5, 6, 8 (it kept them); 7 is still a hole, so a third conversation stops there.
+    assert len(_match(tree, system + [5]).device_indices) == 7
+    m = _match(tree, system + [1, 2, 3, 9])  # a's continuation: exactly a's kept set
+    assert len(m.device_indices) == 23 and _holes_in(m.device_indices) == [5, 6, 7, 8, 21]
+    assert _invariant(tree, alloc) == 0
+
+
+def test_chain_of_turns_compacts_the_conversation_in_place() -> None:
+    tree, req_pool, alloc = _make()
+    t1 = FakeReq("t1", list(range(700, 716)))
+    _admit(tree, req_pool, alloc, t1, 1)
+    tree.cache_finished_req(t1, kv_len_to_handle=16)
     assert tree.total_size() == 16
 
-    b = FakeReq("b", list(range(200, 216)) + [1, 2, 3, 4])
-    _admit(tree, req_pool, alloc, b, 2)
-    # b's method drops tree-owned positions 4..9 (hidden) and its own position 17 (freed).
-    _evict_positions(req_pool, alloc, b, [4, 5, 6, 7, 8, 9, 17])
-    assert tree.total_size() == 16  # still locked by b: untouched
-    tree.cache_finished_req(b, kv_len_to_handle=20)
-    # The path now holds b's kept set: 20 logical, 7 sentinels, 13 physical.
-    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", list(range(200, 216)) + [1, 2, 3, 4]))))
-    assert len(m.device_indices) == 20 and (m.device_indices == SENTINEL_SLOT).sum().item() == 7
+    t2 = FakeReq("t2", list(range(700, 716)) + [1, 2, 3, 4])
+    _admit(tree, req_pool, alloc, t2, 2)
+    # t2's method drops positions 4..9 of turn 1 (tree-owned: hidden) and its own 17 (freed).
+    _evict_positions(req_pool, alloc, t2, [4, 5, 6, 7, 8, 9, 17])
+    assert tree.total_size() == 16  # still locked by t2: untouched
+    tree.cache_finished_req(t2, kv_len_to_handle=20)
+    # The path is this conversation's only: compacted in place, 20 logical, 13 physical.
+    m = _match(tree, list(range(700, 716)) + [1, 2, 3, 4])
+    assert len(m.device_indices) == 20 and _holes_in(m.device_indices) == [4, 5, 6, 7, 8, 9, 17]
     assert tree.total_size() == 13 and _invariant(tree, alloc) == 0
+    # A retry of turn 2 (a branch after turn 1) is no continuation of t2 and t1's record is gone
+    # with the positions t2 freed: it gets the dense prefix before the first hole.
+    assert len(_match(tree, list(range(700, 716)) + [8]).device_indices) == 4
 
 
 def test_locked_path_is_not_compacted() -> None:
@@ -154,36 +215,32 @@ def test_locked_path_is_not_compacted() -> None:
     _evict_positions(req_pool, alloc, b, [1, 2])
     tree.cache_finished_req(b, kv_len_to_handle=11)  # c still holds the shared prefix
     assert tree.total_size() == 10 + 1  # shared prefix intact (c holds it) + b's own token
-    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", list(range(300, 310))))))
-    assert (m.device_indices == SENTINEL_SLOT).sum().item() == 0
+    assert _holes_in(_match(tree, list(range(300, 310))).device_indices) == []
+    assert _holes_in(_match(tree, list(range(300, 310)) + [5, 0]).device_indices) == [1, 2]
     tree.cache_finished_req(c, kv_len_to_handle=11)
     assert _invariant(tree, alloc) == 0
 
 
-def test_namespaces_never_share_kv() -> None:
-    req_pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
-    alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", None, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=1)
-    a_m = create_method("streamingllm", {"recent_tokens": 100})
-    b_m = create_method("streamingllm", {"recent_tokens": 200})
-    tree_a = SparseRadixCache(params, a_m, a_m.config.fingerprint())
-    req = FakeReq("a", list(range(10, 20)))
-    _admit(tree_a, req_pool, alloc, req, 1)
-    tree_a.cache_finished_req(req, kv_len_to_handle=10)
-    key = RadixKey(array("q", list(range(10, 20))))
-    assert len(tree_a.match_prefix(MatchPrefixParams(key=key)).device_indices) == 10
-    tree_a.fingerprint = b_m.config.fingerprint()  # same tree, another config's requests
-    assert len(tree_a.match_prefix(MatchPrefixParams(key=key)).device_indices) == 0
+def test_keys_are_namespaced_by_fingerprint_and_extra_key() -> None:
+    """The namespace is what keeps compacted KV of one config from another's requests once several
+    configs share a tree (per-request methods); here: the key the stock tree stores is namespaced."""
+    tree, _, _ = _make()
+    key = tree._ns(RadixKey(array("q", [1, 2]), "salt"))
+    assert key.extra_key == f"{tree.fingerprint}:salt"
+    assert tree._ns(RadixKey(array("q", [1, 2]))).extra_key == tree.fingerprint
 
 
+@pytest.mark.parametrize("disable", [False, True])
 @pytest.mark.parametrize("method", ["dense", "streamingllm"])
-def test_unfinished_chunks(method: str) -> None:
-    tree, req_pool, alloc = _make(method=method)
+def test_unfinished_chunks(method: str, disable: bool) -> None:
+    """The next chunk continues after the filled part (with --disable-radix-cache too: the stock tree
+    returns early there, so a prompt longer than a chunk would restart at chunk 1 forever)."""
+    tree, req_pool, alloc = _make(method=method, disable=disable)
     a = FakeReq("a", list(range(400, 420)), fill_len=8)
     _admit(tree, req_pool, alloc, a, 1)
     tree.cache_unfinished_req(a)
     assert len(a.prefix_indices) == 8
     # Evicting methods keep the prompt request-owned until finish; dense inserts each chunk.
-    assert tree.total_size() == (8 if method == "dense" else 0)
+    assert tree.total_size() == (8 if method == "dense" and not disable else 0)
     tree.cache_finished_req(a, kv_len_to_handle=20)
-    assert tree.total_size() == 20 and _invariant(tree, alloc) == 0
+    assert tree.total_size() == (0 if disable else 20) and _invariant(tree, alloc) == 0

@@ -10,6 +10,4 @@
 
 SGLANG_VERSION = "0.5.17"
 BACKEND_NAME = "sgl_sparse"  # name of both our radix-cache and attention backends
-# Slot of an evicted logical position in req_to_token rows and tree values: SGLang's padding slot,
-# which its allocator never hands out (free list = 1..size), so it can never be a live slot.
-SENTINEL_SLOT = 0
+from sgl_sparse.slots import SENTINEL_SLOT  # noqa: E402,F401  (re-exported: one definition, sgl_sparse.slots)

@@ -2,19 +2,30 @@
 
 It is the seam where methods change which K/V attention reads. With ``dense`` it adds nothing to the
 stock kernels it wraps, so output and speed equal vanilla SGLang. With an evicting method, rows of
-``req_to_token`` hold sentinel slots (0) at evicted positions, which attention must skip:
+``req_to_token`` hold sentinel slots (0) at evicted positions, which attention must skip. The base it
+wraps (the launcher's choice, ``handoff.base``):
 
-* ``device == "cpu"``: :class:`SparseTorchNativeBackend` over SGLang's ``TorchNativeAttnBackend``;
-  per request it gathers the live slots and masks by logical position (``kpos <= qpos``).
-* otherwise: :class:`SparseTritonBackend` over SGLang's ``TritonAttnBackend``: every KV index list
-  (decode, extend prefix, CUDA-graph buffers) is built by ``_fill_kv_indptr_and_indices``, which we
-  replace with a compacting Triton kernel, so the stock kernels (and CUDA graphs) read only live slots.
+* ``flashinfer`` (CUDA default): :class:`SparseFlashInferBackend` over SGLang's
+  ``FlashInferAttnBackend``. Every FlashInfer KV list (eager and CUDA-graph decode, extend with a
+  paged prefix beside the ragged new tokens, paged-only extend) is built by the module-global Triton
+  kernel ``create_flashinfer_kv_indices_triton``; while our backend builds its metadata that name is
+  bound to our compacting kernel, so the lists hold live slots only. Eager decode and extend plan
+  from the device ``kv_indptr`` (FlashInfer copies it to the host, as stock SGLang already pays);
+  graph decode plans from host lengths, which we give exactly from the runtime's counters.
+* ``triton``: :class:`SparseTritonBackend` over SGLang's ``TritonAttnBackend``: its lists are built
+  by ``_fill_kv_indptr_and_indices``, which we replace with the same compacting kernel.
+* ``torch_native`` (CPU): :class:`SparseTorchNativeBackend`; per request it gathers the live slots
+  and masks by logical position (``kpos <= qpos``).
 
-Methods with an observation window (SnapKV) also get their requests' last post-RoPE queries here.
+Decode lists give a row with no live slot one padding slot (``min_one``): only CUDA-graph padding rows
+have none, and the kernels expect one slot there; extend prefix lists may be empty (a fully evicted
+prefix attends nothing, on every base). Methods with an observation window (SnapKV) also get their
+requests' last post-RoPE queries here.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -23,13 +34,19 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_sparse.integration import SENTINEL_SLOT
+from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
+from sgl_sparse.slots import SENTINEL_SLOT
+
+BASES = ("flashinfer", "triton", "torch_native")
 
 
 class _SparseBackendMixin:
     base_backend: str
     runtime: SparseRuntime
+    # Whether the lists being built serve a decode step (one padding slot for an empty row) or an
+    # extend step (empty stays empty); set around each metadata build.
+    decode_lists: bool = False
 
     def _bind_runtime(self) -> None:
         self.runtime = get_runtime()
@@ -38,6 +55,14 @@ class _SparseBackendMixin:
         # Decided once: the per-layer hot path of dense requests does no method calls.
         self.capture_prefill = self.method.observation_window() > 0
         self.capture_decode = self.capture_prefill and self.method.observes_decode()
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
+        super().init_forward_metadata(forward_batch)  # type: ignore[misc]
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)  # type: ignore[misc]
 
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
         if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
@@ -124,7 +149,7 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
         from sgl_sparse.kernels.compact import fill_compact_kv_indices
 
         return fill_compact_kv_indices(self.req_to_token, req_pool_indices[:bs], seq_lens[:bs], self.kv_indptr,
-                                       kv_indices)
+                                       kv_indices, min_one=self.decode_lists)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         self._capture(q, layer, forward_batch, is_decode=False)
@@ -135,19 +160,134 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
         return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
 
 
-IMPL_ENV = "SGLSPARSE_ATTENTION_IMPL"  # auto (default) | torch | triton
+class _CompactingIndexLauncher:
+    """Stands in for ``flashinfer_backend.create_flashinfer_kv_indices_triton`` (called as
+    ``kernel[grid](...)``): while one of our backends builds its lists and the method evicts, it writes
+    compacted lists (``kv_indptr`` rewritten in place, the view the stock code passes); otherwise, or
+    for lists with a start offset (sliding window, cross attention), it runs the stock kernel."""
+
+    def __init__(self, stock: Any) -> None:
+        self.stock = stock
+        self.active: _SparseBackendMixin | None = None
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor,
+                   kv_indptr: torch.Tensor, kv_start_idx: Any, kv_indices: torch.Tensor, stride: int) -> None:
+            backend = self.active
+            if backend is None or kv_start_idx is not None:
+                self.stock[grid](req_to_token, req_pool_indices, lens, kv_indptr, kv_start_idx, kv_indices, stride)
+                return
+            from sgl_sparse.kernels.compact import fill_compact_kv_indices
+
+            bs = int(grid[0])
+            fill_compact_kv_indices(req_to_token, req_pool_indices[:bs], lens[:bs], kv_indptr, kv_indices,
+                                    min_one=backend.decode_lists)
+
+        return launch
+
+
+def _flashinfer_launcher() -> _CompactingIndexLauncher:
+    """Install (once per process) our launcher under the FlashInfer backend module's kernel name."""
+    from sglang.srt.layers.attention import flashinfer_backend as fib
+
+    current = fib.create_flashinfer_kv_indices_triton
+    if not isinstance(current, _CompactingIndexLauncher):
+        current = _CompactingIndexLauncher(current)
+        fib.create_flashinfer_kv_indices_triton = current
+    return current
+
+
+def _flashinfer_backend_cls() -> type:
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    class SparseFlashInferBackend(_SparseBackendMixin, FlashInferAttnBackend):
+        base_backend = "flashinfer"
+
+        def __init__(self, model_runner: Any) -> None:
+            super().__init__(model_runner, init_new_workspace=model_runner.init_new_workspace)
+            # The stock constructor checks KV-cache access only for its own class, not subclasses.
+            self._check_kv_attention_access("prefill", self.prefill_kv_access)
+            self._check_kv_attention_access("decode", self.decode_kv_access)
+            self._bind_runtime()
+            if self.skip_sentinels and (self.use_sliding_window_kv_pool or self.enable_mis):
+                raise ValueError("sgl_sparse: sliding-window pools and multi-item scoring are not supported with "
+                                 "eviction (they address KV by logical position)")
+            self.launcher = _flashinfer_launcher() if self.skip_sentinels else None
+
+        def init_forward_metadata(self, forward_batch: Any) -> None:
+            if self.launcher is None:
+                return super().init_forward_metadata(forward_batch)
+            self.launcher.active = self
+            try:
+                super().init_forward_metadata(forward_batch)
+            finally:
+                self.launcher.active = None
+
+        def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+            if self.launcher is None:
+                return super().init_forward_metadata_out_graph(forward_batch, in_capture)
+            if forward_batch.forward_mode.is_decode_or_idle() and not in_capture:
+                forward_batch = self._with_live_lens(forward_batch)
+            self.launcher.active = self
+            try:
+                super().init_forward_metadata_out_graph(forward_batch, in_capture)
+            finally:
+                self.launcher.active = None
+
+        def _with_live_lens(self, fb: Any) -> Any:
+            """Graph decode plans on the host from ``seq_lens_cpu`` (logical lengths). Give it the live
+            lengths instead: from the runtime's host counters when it has them for this batch (no sync),
+            else ``None``, which makes FlashInfer read the compacted indptr from the device (one sync).
+            Padding rows keep the fill length 1: their list has exactly one slot (``min_one``)."""
+            if fb.seq_lens_cpu is None:
+                return fb
+            fb = copy.copy(fb)
+            live = self.runtime.decode_live_lens
+            raw_bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+            if live is None or live.numel() != raw_bs:
+                fb.seq_lens_cpu = None
+                return fb
+            lens = fb.seq_lens_cpu.clone()
+            lens[:raw_bs] = live.to(lens.dtype)
+            fb.seq_lens_cpu = lens
+            return fb
+
+        def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self._capture(q, layer, forward_batch, is_decode=False)
+            return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+
+        def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self._capture(q, layer, forward_batch, is_decode=True)
+            return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
+
+    return SparseFlashInferBackend
+
+
+IMPL_ENV = "SGLSPARSE_ATTENTION_IMPL"  # overrides the base, for tests: torch_native | triton | flashinfer
+
+
+def choose_base(model_runner: Any) -> str:
+    """The launcher's choice (``handoff.base``), else by device; ``SGLSPARSE_ATTENTION_IMPL`` wins
+    (``triton`` on CPU runs the GPU path under ``TRITON_INTERPRET=1``, which is how CI tests it)."""
+    impl = os.environ.get(IMPL_ENV) or handoff.read().base
+    if impl in (None, "", "auto"):
+        return "torch_native" if getattr(model_runner, "device", None) == "cpu" else "flashinfer"
+    impl = {"torch": "torch_native"}.get(impl, impl)
+    if impl not in BASES:
+        raise ValueError(f"sgl_sparse: attention base {impl!r} is not supported; expected one of {', '.join(BASES)}")
+    return impl
 
 
 def create_backend(model_runner: Any) -> _SparseBackendMixin:
-    """Factory for ``register_attention_backend``: picks the base by the runner's device, unless
-    ``SGLSPARSE_ATTENTION_IMPL`` says otherwise (``triton`` on CPU runs the GPU path under
-    ``TRITON_INTERPRET=1``, which is how CI tests it)."""
-    impl = os.environ.get(IMPL_ENV, "auto")
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"{IMPL_ENV}={impl!r}: expected auto, torch or triton")
-    on_cpu = getattr(model_runner, "device", None) == "cpu"
-    if impl == "torch" or (impl == "auto" and on_cpu):
+    """Factory for ``register_attention_backend``."""
+    base = choose_base(model_runner)
+    if get_runtime().method.evicts and getattr(model_runner, "sliding_window_size", None):
+        raise ValueError(f"sgl_sparse: sliding-window models are not supported with {get_runtime().method.name} "
+                         "(the window counts logical positions, the compacted KV lists do not)")
+    if base == "torch_native":
         return SparseTorchNativeBackend(model_runner)
     if model_runner.model_config.is_encoder_decoder:
         raise ValueError("sgl_sparse: encoder-decoder models are not supported (no cross attention)")
-    return SparseTritonBackend(model_runner)
+    if base == "triton":
+        return SparseTritonBackend(model_runner)
+    return _flashinfer_backend_cls()(model_runner)

@@ -22,9 +22,16 @@ class Handoff:
     method: str
     config: dict[str, Any]
     device: str | None  # the server's --device, None when unknown (plain `sglang serve`)
+    # The stock backend our attention backend wraps ("flashinfer", "triton", "torch_native"); None when
+    # unknown (plain `sglang serve`), so the backend picks by device.
+    base: str | None = None
+    # Why the launcher turned SGLang's prefill CUDA graph off, for /server_info; None when the prefill
+    # graph setting is SGLang's own (its default or the user's flags).
+    prefill_cuda_graph_off: str | None = None
 
     def dump(self) -> str:
-        return json.dumps({"method": self.method, "config": self.config, "device": self.device})
+        return json.dumps({"method": self.method, "config": self.config, "device": self.device, "base": self.base,
+                           "prefill_cuda_graph_off": self.prefill_cuda_graph_off})
 
 
 def publish(handoff: Handoff) -> None:
@@ -38,4 +45,5 @@ def read() -> Handoff:
     if not raw:
         return Handoff(method="dense", config={}, device=None)
     data = json.loads(raw)
-    return Handoff(method=data["method"], config=data.get("config") or {}, device=data.get("device"))
+    return Handoff(method=data["method"], config=data.get("config") or {}, device=data.get("device"),
+                   base=data.get("base"), prefill_cuda_graph_off=data.get("prefill_cuda_graph_off"))

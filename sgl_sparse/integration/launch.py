@@ -47,12 +47,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The stock backends ours wraps, per device; the first is the default. SGLang's others build their KV
+# index lists from raw req_to_token rows, which hold sentinel slots after eviction.
+BASES: dict[str, tuple[str, ...]] = {"cuda": ("flashinfer", "triton"), "cpu": ("torch_native",)}
+DISABLED = "disabled"  # sglang.srt.model_executor.cuda_graph_config.Backend.DISABLED
+
+
 def _resolve_device(args: argparse.Namespace) -> str:
     if args.device is not None:
         return str(args.device)
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def requested_graph_backend(args: argparse.Namespace, phase: str) -> str | None:
+    """The CUDA-graph backend the parsed flags ask for in ``phase`` ("decode"/"prefill"); None leaves it to
+    SGLang's default (decode "full", prefill "breakable" on CUDA). Same precedence as SGLang 0.5.17's
+    ``ServerArgs._parse_cuda_graph_config`` (server_args.py L4275-4336): ``--cuda-graph-config`` JSON, then
+    ``--cuda-graph-backend-<phase>`` (and its deprecated aliases such as ``--disable-piecewise-cuda-graph``),
+    then ``--disable-<phase>-cuda-graph``, then ``--disable-cuda-graph``."""
+    raw = args.cuda_graph_config
+    explicit = raw.to_dict() if hasattr(raw, "to_dict") else (raw or {})
+    backend = (explicit.get(phase) or {}).get("backend")
+    if backend is None:
+        backend = getattr(args, f"cuda_graph_backend_{phase}")
+    if backend is None and (getattr(args, f"disable_{phase}_cuda_graph") or args.disable_cuda_graph):
+        backend = DISABLED
+    return None if backend is None else str(backend)
+
+
+def choose_base(args: argparse.Namespace, device: str) -> tuple[str | None, list[str]]:
+    """The stock backend ours wraps on ``device``, from ``--attention-backend`` (unset or ``sgl_sparse``: the
+    device's default), and the argparse errors of the backend flags."""
+    supported = BASES.get(device)
+    if supported is None:
+        return None, [f"--device {device}: sgl_sparse serves on {' and '.join(BASES)} only"]
+    names = " or ".join(supported)
+    chosen = args.attention_backend
+    if chosen in (None, BACKEND_NAME):
+        base = supported[0]
+    elif chosen in supported:
+        base = chosen
+    else:
+        default = f" (default {supported[0]})" if len(supported) > 1 else ""
+        return None, [f"--attention-backend {chosen}: on {device} sgl_sparse wraps {names}{default}, the backends "
+                      "its compaction of evicted slots is built for"]
+    problems = []
+    for flag, value in (("--prefill-attention-backend", args.prefill_attention_backend),
+                        ("--decode-attention-backend", args.decode_attention_backend)):
+        if value in (None, BACKEND_NAME, base):
+            continue
+        hint = f"pass --attention-backend {value} to use it for both" if value in supported else "drop the flag"
+        problems.append(f"{flag} {value}: sgl_sparse serves prefill and decode through one base backend (on "
+                        f"{device}: {names}), here {base}; {hint}")
+    return base, problems
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
@@ -67,43 +116,105 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         method = create_method(args.sparse_method, args.sparse_config)
     except SparseConfigError as e:
         parser.error(str(e))
-    for flag, value in (("--attention-backend", args.attention_backend),
-                        ("--radix-cache-backend", args.radix_cache_backend)):
-        if value not in (None, BACKEND_NAME):
-            parser.error(f"{flag} {value}: sgl_sparse serves through its own backend '{BACKEND_NAME}'; "
-                         f"drop the flag (use `python -m sglang.launch_server` for stock SGLang)")
+    if args.radix_cache_backend not in (None, BACKEND_NAME):
+        parser.error(f"--radix-cache-backend {args.radix_cache_backend}: sgl_sparse serves through its own "
+                     f"backend '{BACKEND_NAME}'; drop the flag (use `python -m sglang.launch_server` for stock "
+                     "SGLang)")
     if args.page_size not in (None, 1):
         parser.error(f"--page-size {args.page_size}: sgl_sparse supports page size 1 only (for now)")
     device = _resolve_device(args)
-    for problem in unsupported_combinations(args, method, device, argv):
+    base, problems = choose_base(args, device)
+    for problem in [*problems, *unsupported_combinations(args, method, device)]:
         parser.error(problem)
-    if device == "cpu" and "--disable-cuda-graph" not in argv:
-        # A backend name other than torch_native keeps CUDA graphs on, which cannot run on CPU.
-        args = parser.parse_args([*argv, "--disable-cuda-graph"])
+    assert base is not None  # choose_base reports a problem whenever it has no base
+    prefill_off = None
+    if device == "cpu":
+        # Our backend name is not torch_native, so SGLang would keep CUDA graphs on (server_args.py
+        # L5751-5763), which cannot run on CPU; unsupported_combinations rejected an explicit graph backend.
+        if requested_graph_backend(args, "prefill") != DISABLED:
+            prefill_off = "no CUDA graphs on CPU"
+        args.disable_cuda_graph = True
+    elif method.observation_window() > 0 and requested_graph_backend(args, "prefill") is None:
+        # A replayed prefill graph runs attention on a static ForwardBatch without rids
+        # (model_executor/runner/prefill_cuda_graph_runner.py L1481-1539), so the window queries the method
+        # scores would never be captured. Set as --cuda-graph-backend-prefill disabled would.
+        args.cuda_graph_backend_prefill = DISABLED
+        prefill_off = f"{method.name} captures prefill queries, which a replayed prefill graph skips"
     args.attention_backend = BACKEND_NAME
+    # Both None, so SGLang resolves prefill and decode to our backend: a prefill == decode pair would
+    # otherwise replace --attention-backend (arg_groups/overrides.py L2014-2018).
+    args.prefill_attention_backend = args.decode_attention_backend = None
     args.radix_cache_backend = BACKEND_NAME
     args.page_size = 1
-    return args, handoff.Handoff(method.name, method.config.to_dict(), device)
+    return args, handoff.Handoff(method.name, method.config.to_dict(), device, base=base,
+                                 prefill_cuda_graph_off=prefill_off)
 
 
-def unsupported_combinations(args: argparse.Namespace, method: Any, device: str, argv: list[str]) -> list[str]:
-    """What sgl_sparse cannot serve yet, as messages for argparse errors."""
+def unsupported_combinations(args: argparse.Namespace, method: Any, device: str) -> list[str]:
+    """What sgl_sparse cannot serve yet, as messages for argparse errors (file:line refer to sglang/srt/ of
+    SGLang 0.5.17)."""
     problems = []
     if args.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
     if args.enable_session_radix_cache or args.enable_streaming_session:
         problems.append("session radix caches / streaming sessions are not supported with sgl_sparse yet")
-    if method.evicts:
-        if args.speculative_algorithm:
-            problems.append(f"--speculative-algorithm with {method.name}: speculative decoding is not supported "
-                            "with eviction methods yet")
-        if (args.tp_size or 1) > 1:
-            problems.append(f"--tp-size {args.tp_size} with {method.name}: eviction needs one token set across "
-                            "TP ranks, which is not implemented yet (use --dp-size for more GPUs)")
-    decode_capture = method.observation_window() > 0 and method.observes_decode()
-    if decode_capture and device != "cpu" and "--disable-cuda-graph" not in argv:
-        problems.append(f"{method.name} with decode_interval > 0 collects decode queries in Python, which CUDA "
-                        "graphs would skip: add --disable-cuda-graph (or set decode_interval to 0)")
+    if args.speculative_algorithm:
+        problems.append(f"--speculative-algorithm {args.speculative_algorithm}: speculative decoding is not "
+                        "supported with sgl_sparse: SGLang picks draft attention backends by name "
+                        "(speculative/draft_utils.py L44-58) and has none for 'sgl_sparse', and its draft and "
+                        "verify paths build KV index lists from raw req_to_token rows, which hold sentinel slots "
+                        "after eviction")
+    if (args.pp_size or 1) > 1:
+        problems.append(f"--pp-size {args.pp_size}: pipeline parallelism is not supported with sgl_sparse: a "
+                        "stage holds only its own layers, while the eviction step and observation windows work "
+                        "on all layers in one process")
+    if (args.dcp_size or 1) > 1:
+        problems.append(f"--dcp-size {args.dcp_size}: decode context parallelism is not supported with "
+                        "sgl_sparse: it builds per-rank KV index lists from raw req_to_token rows "
+                        "(layers/attention/triton_backend.py L356-384), bypassing our compaction")
+    if args.disaggregation_mode not in (None, "null"):
+        problems.append(f"--disaggregation-mode {args.disaggregation_mode}: PD disaggregation is not supported "
+                        "with sgl_sparse: KV transfer sends req_to_token rows as slot ids, which hold sentinel "
+                        "slots after eviction, and the method state stays on the prefill server")
+    if args.enable_dp_attention:
+        problems.append("--enable-dp-attention: DP attention is not supported with sgl_sparse yet (untested: "
+                        "attention-DP ranks run idle and padded batches our runtime was never checked against)")
+    if args.enable_mis:
+        problems.append("--enable-mis: multi-item scoring is not supported with sgl_sparse: it needs SGLang's "
+                        "flashinfer backend by name (server_args.py L4600-4604) and masks by logical positions "
+                        "(layers/attention/flashinfer_backend.py L559-689)")
+    kv_dtype = str(args.kv_cache_dtype or "auto")
+    if "fp4" in kv_dtype:
+        problems.append(f"--kv-cache-dtype {kv_dtype}: FP4 KV is not supported with sgl_sparse: FlashInfer's "
+                        "FP4 dequant workspaces read raw req_to_token rows (layers/attention/flashinfer_backend.py "
+                        "L1269, L1429; mem_cache/memory_pool.py L2557-2679)")
+    elif kv_dtype == "mxfp8":
+        problems.append("--kv-cache-dtype mxfp8: only SGLang's fa4 backend reads MXFP8 KV (its block scales); "
+                        "sgl_sparse wraps flashinfer, triton or torch_native")
+    elif kv_dtype.startswith("fp8") and method.observation_window() > 0:
+        problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its scores read the raw FP8 keys and "
+                        "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
+                        "without an observation window")
+    if method.evicts and (args.tp_size or 1) > 1:
+        problems.append(f"--tp-size {args.tp_size} with {method.name}: eviction needs one token set across TP "
+                        "ranks, which is not implemented yet (--dp-size replicas are untested with sgl_sparse)")
+    if device == "cpu":
+        for phase in ("decode", "prefill"):
+            backend = requested_graph_backend(args, phase)
+            if backend not in (None, DISABLED):
+                problems.append(f"{phase} CUDA graph backend {backend} on CPU: CUDA graphs cannot run on CPU; "
+                                f"drop the flag (the launcher turns CUDA graphs off on CPU)")
+    else:
+        if method.observation_window() > 0 and method.observes_decode() and (
+                requested_graph_backend(args, "decode") != DISABLED):
+            problems.append(f"{method.name} with decode_interval > 0 collects decode queries in Python, which "
+                            "decode CUDA graphs would skip: add --cuda-graph-backend-decode disabled (or set "
+                            "decode_interval to 0)")
+        prefill = requested_graph_backend(args, "prefill")
+        if method.observation_window() > 0 and prefill not in (None, DISABLED):
+            problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
+                            "has no request ids, so the method cannot capture its window queries; drop the flag "
+                            "(the launcher turns prefill CUDA graphs off for it)")
     return problems
 
 
@@ -128,7 +239,10 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%Y-%m-%d %H:%M:%S",
         force=True,
     )
-    logging.getLogger(__name__).info("sgl_sparse: method=%s config=%s", hand.method, hand.config)
+    logger = logging.getLogger(__name__)
+    logger.info("sgl_sparse: method=%s config=%s base=%s", hand.method, hand.config, hand.base)
+    if hand.prefill_cuda_graph_off:
+        logger.info("sgl_sparse: prefill CUDA graph disabled: %s", hand.prefill_cuda_graph_off)
     server_args = ServerArgs.from_cli_args(args)
     try:
         run_server(server_args)

@@ -46,11 +46,14 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
         raise ValueError(f"sgl_sparse: page size {ctx.params.page_size} is not supported yet (use --page-size 1)")
     rt = get_runtime()
     rt.serving = True
+    # Overlap scheduling on a GPU: evicted slots go back to the allocator on the schedule stream
+    # (integration/frees.py).
+    rt.frees.deferred = not ctx.server_args.disable_overlap_schedule and ctx.server_args.device != "cpu"
     if ctx.server_args.enable_metrics:
         from sgl_sparse.integration.metrics import SparseMetrics
 
         rt.metrics = SparseMetrics(rt.method.name)
-    return SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.drop)
+    return SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.finish)
 
 
 def _attention_factory(runner):
@@ -59,14 +62,30 @@ def _attention_factory(runner):
     return create_backend(runner)
 
 
-def _after_forward(result, worker, batch=None, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """AFTER ``TpModelWorker.forward_batch_generation``: the physical eviction step. Runs after the
-    forward of ``batch`` and before its results are processed or the next batch is prepared."""
+def _around_forward(original, worker, batch=None, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """AROUND ``TpModelWorker.forward_batch_generation``: host-side inputs of the step before it (the
+    graph decode plan's live lengths), the physical eviction step after it. The latter runs after the
+    forward of ``batch`` is launched and before its results are processed or the next batch is
+    prepared."""
     from sgl_sparse.integration.runtime import get_runtime
 
     rt = get_runtime()
-    if rt.serving:  # only in servers whose tree is ours
-        rt.after_forward(batch, worker.model_runner)
+    if not rt.serving:  # only in servers whose tree is ours
+        return original(worker, batch, *args, **kwargs)
+    rt.before_forward(batch)
+    result = original(worker, batch, *args, **kwargs)
+    rt.after_forward(batch, worker.model_runner)
+    return result
+
+
+def _after_war_barrier(result, scheduler, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """AFTER ``Scheduler._apply_war_barrier`` (on the schedule stream, right after each launch under
+    overlap scheduling): hand the slots evicted by that step to the allocator there."""
+    from sgl_sparse.integration.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt.serving:
+        rt.frees.flush_on_current_stream()
     return result
 
 
@@ -91,8 +110,15 @@ def register() -> None:
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", after_get_internal_state, HookType.AFTER
     )
     HookRegistry.register(
-        "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _after_forward, HookType.AFTER
+        "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_forward, HookType.AROUND
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier", _after_war_barrier, HookType.AFTER
+    )
+    from sgl_sparse.integration import validation
+
+    # Rejects bad requests in the HTTP process (the TokenizerManager's), only in servers whose tree is ours.
+    HookRegistry.register(validation.TARGET, validation.before_generate_request, HookType.BEFORE)
     if _is_cpu_server():
         from sgl_sparse.integration.cpu_support import register_cpu_support
 

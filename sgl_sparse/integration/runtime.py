@@ -1,13 +1,17 @@
-"""Process-wide runtime of a scheduler process: the method, per-request states, eviction step.
+"""Process-wide runtime of a scheduler process: the method, per-request states, the eviction step.
 
 Scheduler, tree and model runner share one process (per TP rank), so module state is the natural
 place for what they share. The attention backend reaches a request's state through
-``ForwardBatch.rids`` (attributes attached to a ForwardBatch are dropped before the backend sees it);
-the after-forward hook through ``ScheduleBatch.reqs``.
+``ForwardBatch.rids``; the step hooks through ``ScheduleBatch.reqs``.
 
 The truth about which positions a request retains is its ``req_to_token`` row: a position holds a
-slot, or ``SENTINEL_SLOT`` once evicted. The runtime keeps counters beside it so that the per-step
-decision (evict now or not) needs no device sync.
+slot, or ``SENTINEL_SLOT`` once evicted. The runtime keeps the same set on the host
+(``RequestState.kept``, from the tree's match view at admission and from every plan it applies), so
+the per-step decision, the plan checks and the graph-decode plan lengths need no device sync. Jobs:
+
+* :mod:`.capture` - window queries of observing methods;
+* :mod:`.frees` - slots freed by eviction, ordered against the schedule stream;
+* this module - states, the after-forward step (observe, plan, one batched apply per step).
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, RequestState, SparseMethod, StepInfo
-from sgl_sparse.integration import SENTINEL_SLOT, handoff
+from sgl_sparse.contract import ObservationWindow, RequestState, SparseMethod, StepInfo, check_keep_plan
+from sgl_sparse.integration import handoff
+from sgl_sparse.integration.capture import QueryCapture
+from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.registry import create_method
+from sgl_sparse.slots import SENTINEL_SLOT
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +36,33 @@ logger = logging.getLogger(__name__)
 class Counters:
     evicted_tokens_total: int = 0
     chain_hits_total: int = 0
-    chain_hit_tokens_total: int = 0
+    chain_hit_tokens_total: int = 0  # logical tokens of the matched prefixes (what cached_tokens counts)
+    chain_hit_kept_tokens_total: int = 0  # of them, with resident KV (physical)
     eviction_steps_total: int = 0
+
+
+@dataclass
+class Tracked:
+    """A request the runtime follows: the method's state plus what the step needs about it."""
+
+    state: RequestState
+    pool_idx: int
+    prompt_done: bool = False
 
 
 @dataclass
 class SparseRuntime:
     method: SparseMethod[Any]
     fingerprint: str
-    states: dict[str, RequestState] = field(default_factory=dict)
+    tracked: dict[str, Tracked] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
-    # rid -> layer -> last ``w`` post-RoPE queries [n, H, D] (methods with an observation window)
-    window_q: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
-    scale: float | None = None
-    num_layers: int = 0
     serving: bool = False  # set when our tree is built: this scheduler serves through sgl_sparse
     metrics: Any = None  # SparseMetrics with --enable-metrics
+    capture: QueryCapture = field(init=False)
+    frees: PendingFrees = field(default_factory=PendingFrees)
+    # Exact live KV lengths of the decode batch about to run (CPU int32, batch order), for the graph
+    # decode plan; None when unknown (the backend then lets FlashInfer read them from the device).
+    decode_live_lens: torch.Tensor | None = None
 
     # Whether any per-request work is needed (dense: none, the stock path runs untouched); fixed.
     active: bool = field(init=False)
@@ -52,31 +70,50 @@ class SparseRuntime:
     def __post_init__(self) -> None:
         m = self.method
         self.active = m.evicts or m.observation_window() > 0 or m.needs_layer_hooks
+        self.capture = QueryCapture(m.observation_window(), m.observes_decode())
+
+    @property
+    def states(self) -> dict[str, RequestState]:
+        return {rid: t.state for rid, t in self.tracked.items()}
 
     # -- request states ------------------------------------------------------------------------
-    def state_for(self, req: Any, req_to_token: torch.Tensor) -> RequestState:
-        st = self.states.get(req.rid)
-        if st is None:
-            st = self.method.new_state(req.rid)
-            prefix = req.prefix_indices
-            st.logical_len = len(prefix)
-            if len(prefix):
-                live = int((prefix != SENTINEL_SLOT).sum().item())
-                st.num_kept = live
-                if live < len(prefix):
-                    self.counters.chain_hits_total += 1
-                    self.counters.chain_hit_tokens_total += len(prefix)
-                self.method.restore_state(st, None)
-            row_idx = req.req_pool_idx  # fixed while the state lives (retraction drops the state)
-            st.kept_loader = lambda: _retained(req_to_token[row_idx, : st.logical_len])
-            self.states[req.rid] = st
-        return st
+    def track(self, req: Any) -> Tracked:
+        """The request's record, created at its first forward step from its match view (admission)."""
+        t = self.tracked.get(req.rid)
+        if t is not None:
+            return t
+        from sgl_sparse.radix.tree import VIEW_ATTR
 
-    def drop(self, req: Any) -> None:
-        st = self.states.pop(req.rid, None)
-        self.window_q.pop(req.rid, None)
-        if st is not None:
-            self.method.on_finish(st)
+        st = self.method.new_state(req.rid)
+        n_prefix = len(req.prefix_indices)
+        view = getattr(req, VIEW_ATTR, None)
+        if n_prefix:
+            if view is not None and view.length == n_prefix:
+                st.set_kept(view.kept, logical_len=n_prefix)
+                record = view.record
+            else:  # no view (dense method or disabled tree): every matched position is resident
+                st.set_kept(torch.arange(n_prefix), logical_len=n_prefix)
+                record = None
+            if st.num_kept < n_prefix:
+                self.counters.chain_hits_total += 1
+                self.counters.chain_hit_tokens_total += n_prefix
+                self.counters.chain_hit_kept_tokens_total += st.num_kept
+            self.method.restore_state(st, record.payload if record is not None else None)
+        t = Tracked(st, int(req.req_pool_idx))
+        self.tracked[req.rid] = t
+        return t
+
+    def finish(self, req: Any) -> Any:
+        """The request finished, was aborted or retracted (tree callback): its kept set and payload for
+        the tree; drops every per-request structure."""
+        from sgl_sparse.radix.tree import FinishedState
+
+        self.capture.drop(req.rid)
+        t = self.tracked.pop(req.rid, None)
+        if t is None:
+            return None
+        payload = self.method.on_finish(t.state)
+        return FinishedState(kept=t.state.kept, payload=payload)
 
     @staticmethod
     def kv_slots_used(allocator: Any) -> int:
@@ -84,30 +121,33 @@ class SparseRuntime:
         return int(allocator.size - allocator.available_size())
 
     def logical_tokens_running(self) -> int:
-        return sum(s.logical_len for s in self.states.values())
+        return sum(t.state.logical_len for t in self.tracked.values())
 
     def kept_tokens_running(self) -> int:
-        return sum(s.num_kept for s in self.states.values())
+        return sum(t.state.num_kept for t in self.tracked.values())
 
     # -- attention-side capture ------------------------------------------------------------------
     def capture_queries(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int],
                         scale: float) -> None:
-        w = self.method.observation_window()
-        if w <= 0:
-            return
-        self.scale = scale
-        self.num_layers = max(self.num_layers, layer_id + 1)
-        start = 0
-        for rid, n in zip(rids, q_lens):
-            q_req = q[start:start + n]
-            start += n
-            per_layer = self.window_q.setdefault(rid, {})
-            prev = per_layer.get(layer_id)
-            cat = q_req if prev is None else torch.cat([prev, q_req])
-            per_layer[layer_id] = cat[-w:].clone()
+        self.capture.record(layer_id, q, rids, q_lens, scale)
 
-    # -- after the forward step ------------------------------------------------------------------
+    # -- around the forward step -----------------------------------------------------------------
+    def before_forward(self, batch: Any) -> None:
+        """Host-side inputs of the step: exact live lengths for the graph decode plan."""
+        self.frees.flush_late()
+        self.decode_live_lens = None
+        if not self.method.evicts or batch is None or not batch.reqs or not batch.forward_mode.is_decode():
+            return
+        lens = []
+        for req in batch.reqs:
+            t = self.tracked.get(req.rid)
+            if t is None:
+                return
+            lens.append(t.state.num_kept + 1)  # the retained set plus this step's token
+        self.decode_live_lens = torch.tensor(lens, dtype=torch.int32)
+
     def after_forward(self, batch: Any, model_runner: Any) -> None:
+        self.decode_live_lens = None
         self._evict_step(batch, model_runner)
         if self.metrics is not None:
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
@@ -118,71 +158,95 @@ class SparseRuntime:
         mode = batch.forward_mode
         if not (mode.is_extend() or mode.is_decode()):
             return
-        is_prefill = mode.is_extend()
-        req_to_token = model_runner.req_to_token_pool.req_to_token
         seq_lens = batch.seq_lens_cpu.tolist()
+        plans: list[tuple[Any, Tracked, torch.Tensor]] = []
         for i, req in enumerate(batch.reqs):
             if req.is_retracted or req.req_pool_idx is None:
                 continue
-            st = self.state_for(req, req_to_token)
+            t = self.track(req)
+            st = t.state
             seq_len = int(seq_lens[i])
             new_tokens = seq_len - st.logical_len
             if new_tokens <= 0:
                 continue
             st.advance(new_tokens)
+            # Per request, not per batch: a mixed step (--enable-mixed-chunk) carries prefill chunks
+            # and decode tokens of requests whose prompt is long done.
+            is_prefill = not t.prompt_done
             final = is_prefill and seq_len >= len(req.origin_input_ids) + len(req.output_ids)
             step = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)),
                             final_prefill=final)
-            if self.method.observation_window() > 0 and self.method.wants_observation(st, step):
+            if self.capture.window > 0 and self.method.wants_observation(st, step):
+                if not is_prefill and not self.capture.observes_decode:
+                    raise RuntimeError(f"sgl_sparse: {self.method.name}.wants_observation is true in decode but "
+                                       "observes_decode() is false, so no decode queries were captured")
                 self.method.on_observation(st, self._window(req, st, model_runner))
+            if final:
+                t.prompt_done = True
+                self.capture.prompt_done(req.rid)
             plan = self.method.on_step_end(st, step)
             if plan is not None:
-                self._apply(req, st, plan.keep, model_runner)
+                keep = check_keep_plan(self.method, plan, st.kept)
+                if keep.numel() < st.num_kept:
+                    plans.append((req, t, keep))
+        if plans:
+            self._apply(plans, model_runner)
 
     def _window(self, req: Any, st: RequestState, model_runner: Any) -> ObservationWindow:
-        queries = self.window_q.get(req.rid, {})
-        if len(queries) != self.num_layers or not queries:
+        queries = self.capture.get(req.rid)
+        n_layers = self.capture.num_layers
+        if not queries or len(queries) != n_layers:
             raise RuntimeError(f"sgl_sparse: {self.method.name} needs the last queries of every layer, but the "
                                f"attention backend captured {len(queries)} layer(s) for request {req.rid} "
                                "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
         n_w = queries[0].shape[0]
-        row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx, : st.logical_len]
-        positions = _retained(row).to(row.device)
-        slots = row[positions].long()
+        row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+        positions = st.kept
+        positions_dev = _to_device(positions, row.device)
+        slots = row[positions_dev].long()
         kv_pool = model_runner.token_to_kv_pool
 
         def keys(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             return kv_pool.get_key_buffer(layer)[slots], positions
 
         return ObservationWindow(queries=queries, q_pos=torch.arange(st.logical_len - n_w, st.logical_len),
-                                 keys=keys, num_layers=self.num_layers, scale=float(self.scale or 1.0))
+                                 keys=keys, num_layers=n_layers, scale=float(self.capture.scale or 1.0))
 
-    def _apply(self, req: Any, st: RequestState, keep: torch.Tensor, model_runner: Any) -> None:
-        """Free the request-owned retained slots not in ``keep``; hide tree-owned ones."""
-        row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
-        n = st.logical_len
-        device = row.device
-        keep_dev = keep.to(device)
-        if keep.numel() and (int(keep.max()) >= n or bool((row[keep_dev] == SENTINEL_SLOT).any())):
-            raise RuntimeError(f"{self.method.name}: KeepPlan keeps positions that are not retained")
-        drop = row[:n] != SENTINEL_SLOT
-        drop[keep_dev] = False
-        owned = drop.clone()
-        owned[: req.cache_protected_len] = False
-        freed = row[:n][owned].long()
-        if freed.numel():
-            model_runner.token_to_kv_pool_allocator.free(freed)
-        dropped = int(drop.sum().item())
-        row[:n][drop] = SENTINEL_SLOT
-        st.set_kept(keep.cpu())
-        logger.debug("sgl_sparse: %s evicted %d of %d logical (kept %d, protected %d)", req.rid, dropped, n,
-                     st.num_kept, req.cache_protected_len)
-        self.counters.evicted_tokens_total += dropped
-        self.counters.eviction_steps_total += 1
+    def _apply(self, plans: list[tuple[Any, Tracked, torch.Tensor]], model_runner: Any) -> None:
+        """Apply this step's plans at once: gather the slots to free, write the sentinels, free.
+
+        Host-side index lists (sizes known on the host), one gather and one scatter over
+        ``req_to_token`` for the whole step, no device sync. Only request-owned positions
+        (``>= cache_protected_len``) are freed; tree-owned ones are hidden in the row."""
+        req_to_token = model_runner.req_to_token_pool.req_to_token
+        rows, pos, own_rows, own_pos = [], [], [], []
+        for req, t, keep in plans:
+            st = t.state
+            kept = st.kept
+            drop = kept[~torch.isin(kept, keep)]
+            owned = drop[drop >= req.cache_protected_len]
+            rows.append(torch.full((drop.numel(),), t.pool_idx, dtype=torch.int64))
+            pos.append(drop)
+            own_rows.append(torch.full((owned.numel(),), t.pool_idx, dtype=torch.int64))
+            own_pos.append(owned)
+            logger.debug("sgl_sparse: %s evicted %d of %d logical (kept %d, protected %d)", req.rid, drop.numel(),
+                         st.logical_len, keep.numel(), req.cache_protected_len)
+            st.set_kept(keep)
+            self.counters.evicted_tokens_total += int(drop.numel())
+            self.counters.eviction_steps_total += 1
+        device = req_to_token.device
+        rows_d, pos_d = _to_device(torch.cat(rows), device), _to_device(torch.cat(pos), device)
+        own_rows_d, own_pos_d = _to_device(torch.cat(own_rows), device), _to_device(torch.cat(own_pos), device)
+        freed = req_to_token[own_rows_d, own_pos_d].long()  # before the sentinels overwrite them
+        req_to_token[rows_d, pos_d] = SENTINEL_SLOT
+        self.frees.free(model_runner.token_to_kv_pool_allocator, freed)
 
 
-def _retained(row: torch.Tensor) -> torch.Tensor:
-    return (row != SENTINEL_SLOT).nonzero().flatten().cpu()
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without blocking the host (pinned staging on CUDA)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 _runtime: SparseRuntime | None = None

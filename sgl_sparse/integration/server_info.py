@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import get_runtime
+
+
+def prefill_cuda_graph(scheduler: Any, hand: handoff.Handoff) -> str:
+    """Who decided the prefill CUDA graph and what it is: the launcher turns it off for methods that
+    capture prefill queries (and on CPU); otherwise it is SGLang's, as resolved in the scheduler's args."""
+    if hand.prefill_cuda_graph_off:
+        return f"disabled by sgl_sparse: {hand.prefill_cuda_graph_off}"
+    config = getattr(scheduler.server_args, "cuda_graph_config", None)
+    backend = getattr(getattr(config, "prefill", None), "backend", None)
+    return "sglang default" if backend is None else f"sglang: {backend}"
 
 
 def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
@@ -16,6 +27,7 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
     tree = scheduler.tree_cache
     runner = scheduler.tp_worker.model_runner
     total = int(scheduler.max_total_num_tokens)
+    hand = handoff.read()
     state: dict[str, Any] = {
         "method": rt.method.name,
         "family": rt.method.family.value,
@@ -23,6 +35,8 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "fingerprint": rt.fingerprint,
         "tree_class": type(tree).__name__,
         "attention_backend_class": type(runner.attn_backend).__name__,
+        "attention_base": hand.base,
+        "prefill_cuda_graph": prefill_cuda_graph(scheduler, hand),
         "kv_slots_total": total,
         "kv_slots_used": rt.kv_slots_used(scheduler.token_to_kv_pool_allocator),
         "logical_tokens_running": rt.logical_tokens_running(),

@@ -4,10 +4,14 @@ SGLang's Triton attention reads K/V through ``kv_indptr``/``kv_indices`` (one sl
 token). For a request whose row holds sentinels (evicted positions, slot 0), these kernels write only
 its live slots, in logical order, so attention cost follows the retained tokens:
 
-    counts[i]      = #live slots in row[req_pool_indices[i], :seq_lens[i]]   (at least 1 if seq_lens[i] > 0,
-                     so a CUDA-graph padding request, whose row is all padding, still reads one slot)
+    counts[i]      = #live slots in row[req_pool_indices[i], :seq_lens[i]]
     kv_indptr[1:]  = cumsum(counts)
     kv_indices[kv_indptr[i]:kv_indptr[i+1]] = the live slots
+
+An empty list (a matched prefix whose positions are all evicted) stays empty: FlashInfer and the
+Triton extend kernel handle a zero-length prefix. Only the Triton *decode* kernel needs one slot per
+row, for CUDA-graph padding rows (``req_pool_idx`` 0, all padding): ``min_one=True`` gives such a row
+the padding slot. A real decode row always holds its own new token, so it never takes that path.
 """
 
 from __future__ import annotations
@@ -16,27 +20,30 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_sparse.slots import SENTINEL_SLOT
+
 BLOCK = 1024
 
 
 @triton.jit
 def _count_live_kernel(req_to_token, req_pool_indices, seq_lens, counts, stride: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       SENTINEL: tl.constexpr, MIN_ONE: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     row = tl.load(req_pool_indices + pid).to(tl.int64)
     n = tl.load(seq_lens + pid)
     acc = tl.zeros((), dtype=tl.int32)
     for start in range(0, n, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=0)
-        acc += tl.sum((v != 0).to(tl.int32), axis=0)
-    acc = tl.maximum(acc, tl.minimum(n, 1).to(tl.int32))
+        v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
+        acc += tl.sum((v != SENTINEL).to(tl.int32), axis=0)
+    if MIN_ONE:
+        acc = tl.maximum(acc, tl.minimum(n, 1).to(tl.int32))
     tl.store(counts + pid, acc)
 
 
 @triton.jit
 def _compact_kernel(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices, stride: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    SENTINEL: tl.constexpr, MIN_ONE: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     row = tl.load(req_pool_indices + pid).to(tl.int64)
     n = tl.load(seq_lens + pid)
@@ -45,40 +52,42 @@ def _compact_kernel(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indi
     written = tl.zeros((), dtype=tl.int64)
     for start in range(0, n, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=0)
-        live = v != 0
+        v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
+        live = v != SENTINEL
         pos = tl.cumsum(live.to(tl.int32), axis=0) - 1
         tl.store(kv_indices + out + written + pos, v.to(kv_indices.dtype.element_ty), mask=live)
         written += tl.sum(live.to(tl.int32), axis=0).to(tl.int64)
-    # A row with no live slot but a non-empty range (CUDA-graph padding) reads the padding slot 0.
-    tl.store(kv_indices + out, tl.zeros((), dtype=kv_indices.dtype.element_ty), mask=(written == 0) & (end > out))
+    if MIN_ONE:  # a row with no live slot but a one-slot range (CUDA-graph padding) reads the padding slot
+        tl.store(kv_indices + out, tl.full((), SENTINEL, dtype=kv_indices.dtype.element_ty),
+                 mask=(written == 0) & (end > out))
 
 
 def fill_compact_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> torch.Tensor:
-    """Write ``kv_indptr[: bs + 1]`` and the compacted ``kv_indices``; returns ``kv_indptr[: bs + 1]``."""
+                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, min_one: bool = False) -> torch.Tensor:
+    """Write ``kv_indptr[: bs + 1]`` and the compacted ``kv_indices``; returns ``kv_indptr[: bs + 1]``.
+    No host sync: everything stays on the device (so it also runs inside CUDA-graph replays)."""
     bs = int(req_pool_indices.shape[0])
     counts = torch.empty(bs, dtype=torch.int32, device=req_to_token.device)
     if bs:
         _count_live_kernel[(bs,)](req_to_token, req_pool_indices, seq_lens, counts, req_to_token.stride(0),
-                                  BLOCK_N=BLOCK)
+                                  SENTINEL=SENTINEL_SLOT, MIN_ONE=min_one, BLOCK_N=BLOCK)
     indptr = kv_indptr[: bs + 1]
     indptr[0] = 0
     indptr[1:] = torch.cumsum(counts, dim=0)
     if bs:
         _compact_kernel[(bs,)](req_to_token, req_pool_indices, seq_lens, indptr, kv_indices,
-                               req_to_token.stride(0), BLOCK_N=BLOCK)
+                               req_to_token.stride(0), SENTINEL=SENTINEL_SLOT, MIN_ONE=min_one, BLOCK_N=BLOCK)
     return indptr
 
 
 def compact_kv_indices_reference(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                 seq_lens: torch.Tensor, min_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of :func:`fill_compact_kv_indices` (for tests)."""
     indptr, out = [0], []
     for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist()):
         row = req_to_token[r, :n]
-        live = row[row != 0]
-        if n > 0 and live.numel() == 0:
+        live = row[row != SENTINEL_SLOT]
+        if min_one and n > 0 and live.numel() == 0:
             live = torch.zeros(1, dtype=row.dtype)
         out.append(live)
         indptr.append(indptr[-1] + live.numel())

@@ -1,27 +1,36 @@
-"""``SparseRadixCache``: SGLang's radix tree whose node values may hold sentinel slots.
+"""``SparseRadixCache``: SGLang's radix tree whose node values may hold sentinel slots (Chain Cache).
 
-A node value holds one KV slot per logical token; an evicted position holds ``SENTINEL_SLOT`` (0,
-SGLang's padding slot, which the allocator never hands out). Versus the stock ``RadixCache``:
+A node value holds one KV slot per logical token; a position whose KV was evicted holds
+``SENTINEL_SLOT`` (a *hole*). Versus the stock ``RadixCache``:
 
-* every size (evictable, protected, total) counts *physical* slots (``node.phys``), so SGLang's idle
-  leak check ``available + evictable + protected == total`` holds;
-* every free skips sentinels (freeing slot 0 would put it into the free list, and SGLang would
-  hand it out and overwrite the padding slot);
-* keys are namespaced by the method fingerprint: compacted KV of one config is never matched by a
-  request under another config (or by a dense one);
-* for evicting methods, a request's KV enters the tree only when it finishes (``cache_finished_req``);
-  while it runs it owns its slots, so its method may free them. After insertion, positions of the
-  matched (tree-owned) prefix that the request hid are turned into sentinels too when no other
-  request holds that path (``_compact_path``): the next turn resumes from this turn's kept set
-  (Chain Cache).
+* every size (evictable, protected, total) counts *physical* slots (``node.phys``), so SGLang's
+  strict idle leak check ``available + evictable + protected == total`` holds; every free skips holes;
+* keys are namespaced by the method fingerprint (compacted KV of one config is never matched under
+  another);
+* with an evicting method a request's KV enters the tree only when it finishes, and Chain Cache is
+  **copy-on-write** (docs/architecture.md, "Chain Cache"):
 
-With a non-evicting method (``dense``) no sentinel ever exists and the behaviour is the stock one.
+  - holes are known on the host (``node.holes``, sorted relative positions): no device sync to
+    count, split, match or evict;
+  - a finishing request compacts in place only the nodes *exclusive* to its path (unlocked, no other
+    branch below them); nodes shared with other branches keep their KV;
+  - its kept set is stored as a :class:`ChainRecord` on the node that ends its sequence; a later
+    request that matches through that node is its continuation and sees exactly that kept set
+    (positions outside it are hidden in its view, even where the tree holds them);
+  - a request that is not a continuation of any valid record never sees a hole: its match stops at
+    the first one, and it recomputes the rest (then its KV fills the holes of the dense region it
+    shares, so the next conversation matches further). So one conversation's eviction never changes
+    what another conversation attends to.
+
+With a non-evicting method (``dense``) no hole ever exists and the behaviour is the stock one.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,29 +47,69 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_sparse.contract import SparseMethod
-from sgl_sparse.integration import SENTINEL_SLOT
+from sgl_sparse.contract import SparseMethod, TreePayload
+from sgl_sparse.slots import SENTINEL_SLOT, complement, live_slots, retained_positions
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+VIEW_ATTR = "_sgl_sparse_view"  # set on SGLang's Req by match_prefix: what the request may see
 
 
-def physical(value: torch.Tensor | None) -> int:
-    """Number of non-sentinel slots in a node value (one host sync on GPU)."""
-    if value is None or value.numel() == 0:
-        return 0
-    return int((value != SENTINEL_SLOT).sum().item())
+@dataclass
+class ChainRecord:
+    """What a finished request of an evicting method left for its continuations: the sorted logical
+    positions (CPU int64) it kept of its ``end`` tokens, and its method's :class:`TreePayload`."""
+
+    end: int
+    kept: torch.Tensor
+    payload: TreePayload | None = None
+    _hide_dev: torch.Tensor | None = field(default=None, repr=False)
+
+    def hide_on(self, device: torch.device) -> torch.Tensor:
+        """Positions of ``[0, end)`` outside the kept set, cached on the device (built once)."""
+        if self._hide_dev is None or self._hide_dev.device != device:
+            self._hide_dev = complement(self.kept, self.end).to(device)
+        return self._hide_dev
 
 
-def live(slots: torch.Tensor) -> torch.Tensor:
-    """``slots`` without sentinels: what may be handed back to the allocator."""
-    return slots[slots != SENTINEL_SLOT]
+@dataclass(frozen=True)
+class MatchView:
+    """What a request's match gives it (stashed on the request, read by the runtime at its first
+    step): ``length`` usable logical tokens of which ``kept`` (sorted CPU positions) hold visible KV,
+    and the record whose continuation it is (``None``: a dense prefix, ``kept`` is all of it)."""
+
+    length: int
+    kept: torch.Tensor
+    record: ChainRecord | None
+
+
+@dataclass(frozen=True)
+class FinishedState:
+    """What the runtime reports for a finishing request: its kept positions (sorted, CPU) and payload."""
+
+    kept: torch.Tensor
+    payload: TreePayload | None = None
+
+
+def _holes(node: TreeNode) -> torch.Tensor:
+    return getattr(node, "holes", _EMPTY)
+
+
+def _set_holes(node: TreeNode, holes: torch.Tensor) -> None:
+    node.holes = holes
+    node.phys = len(node.key) - int(holes.numel())
 
 
 class SparseRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, method: SparseMethod[Any], fingerprint: str,
-                 on_finish: Any = None) -> None:
+                 on_finish: Callable[[Any], FinishedState | None] | None = None) -> None:
         self.method = method
         self.fingerprint = fingerprint
         self.evicting = method.evicts
-        self._on_finish = on_finish  # runtime callback(req): drop per-request state
+        # Runtime callback(req) -> FinishedState (or None: the request never ran a step); it also drops
+        # the request's per-request state.
+        self._on_finish = on_finish
+        self._insert_holes: torch.Tensor | None = None  # absolute holes of the value being inserted
+        self._insert_len = 0
         super().__init__(params)
 
     # -- namespace -------------------------------------------------------------------------------
@@ -70,35 +119,38 @@ class SparseRadixCache(RadixCache):
         return RadixKey(key.token_ids, extra, is_bigram=key.is_bigram, limit=key.limit)
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        return super().match_prefix(MatchPrefixParams(key=self._ns(params.key), cow_mamba=params.cow_mamba,
-                                                      req=params.req))
+        res = super().match_prefix(_with_key(params, self._ns(params.key)))
+        if not self.evicting:
+            return res
+        return self._chain_view(res, params.req)
 
     def insert(self, params: InsertParams) -> InsertResult:
-        params.key = self._ns(params.key)
-        return super().insert(params)
+        return super().insert(_with_key(params, self._ns(params.key)))
 
-    # -- physical sizes --------------------------------------------------------------------------
-    def _phys_of(self, value: torch.Tensor | None) -> int:
-        # Without eviction there are no sentinels: skip the device->host sync.
-        if not self.evicting:
-            return 0 if value is None else int(value.numel())
-        return physical(value)
-
+    # -- physical sizes (host-side: no device sync) -----------------------------------------------
     def reset(self) -> None:
         super().reset()
         self.root_node.phys = 0
+        self.root_node.holes = _EMPTY
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        holes = _holes(child)
         new_node = super()._split_node(key, child, split_len)
-        new_node.phys = self._phys_of(new_node.value)
-        child.phys = self._phys_of(child.value)
+        _set_holes(new_node, holes[holes < split_len])
+        _set_holes(child, holes[holes >= split_len] - split_len)
+        new_node.chain = None  # a record stays with the node that ends its sequence (the child)
         return new_node
 
     def _insert_helper(self, node: TreeNode, key: RadixKey, value: torch.Tensor, priority: int = 0,
                        chunked: bool = False) -> tuple[int, TreeNode]:
+        remaining = len(key)
         prefix_len, last = super()._insert_helper(node, key, value, priority, chunked)
         if not hasattr(last, "phys"):  # a new leaf: the stock code counted len(key) slots
-            last.phys = self._phys_of(last.value)
+            start = self._insert_len - (remaining - prefix_len)
+            h = self._insert_holes
+            rel = _EMPTY if h is None else h[(h >= start) & (h < start + len(last.key))] - start
+            _set_holes(last, rel)
+            last.chain = None
             self.evictable_size_ -= len(last.key) - last.phys
         return prefix_len, last
 
@@ -134,6 +186,12 @@ class SparseRadixCache(RadixCache):
             node = node.parent
         return DecLockRefResult(delta=delta)
 
+    def _live_value(self, node: TreeNode) -> torch.Tensor:
+        holes = _holes(node)
+        if holes.numel() == 0:
+            return node.value
+        return node.value[complement(holes, len(node.key)).to(node.value.device)]
+
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
             return EvictResult()
@@ -143,7 +201,7 @@ class SparseRadixCache(RadixCache):
         num_evicted = 0
         while num_evicted < params.num_tokens and heap:
             _, x = heapq.heappop(heap)
-            self.token_to_kv_pool_allocator.free(live(x.value))
+            self.token_to_kv_pool_allocator.free(self._live_value(x))
             num_evicted += x.phys
             self._delete_leaf(x)
             if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
@@ -160,63 +218,184 @@ class SparseRadixCache(RadixCache):
             stack.extend(c for c in node.children.values() if not c.evicted)
         return total
 
+    # -- what a match may see (evicting methods) ---------------------------------------------------
+    def _path(self, last: TreeNode) -> list[TreeNode]:
+        path = []
+        while last is not None and last is not self.root_node:
+            path.append(last)
+            last = last.parent
+        return path[::-1]
+
+    def _chain_view(self, res: MatchResult, req: Any) -> MatchResult:
+        """Cut the stock match to what this request may see (module docstring): the end of the
+        deepest record on the path whose kept set is still fully resident, else the first hole."""
+        path = self._path(res.last_device_node)
+        starts, pos = [], 0
+        for node in path:
+            starts.append(pos)
+            pos += len(node.key)
+        holes = [_holes(n) + s for n, s in zip(path, starts) if _holes(n).numel()]
+        all_holes = torch.cat(holes) if holes else _EMPTY
+        record: ChainRecord | None = None
+        for node in reversed(path):
+            rec = getattr(node, "chain", None)
+            if rec is not None and not bool(torch.isin(rec.kept, all_holes).any()):
+                record = rec
+                break
+        if record is not None:
+            length, kept = record.end, record.kept
+        else:
+            length = int(all_holes.min()) if all_holes.numel() else pos
+            kept = torch.arange(length)
+        if req is not None:
+            setattr(req, VIEW_ATTR, MatchView(length, kept, record))
+        if length == pos and record is None:
+            return res  # a dense prefix, no hole: the stock result as it is
+        indices = res.device_indices[:length]
+        if record is not None:
+            indices = indices.clone()
+            indices[record.hide_on(indices.device)] = SENTINEL_SLOT
+        last = self._node_ending_at(path, starts, length)
+        return res._replace(device_indices=indices, last_device_node=last, last_host_node=last,
+                            best_match_node=last)
+
+    def _node_ending_at(self, path: list[TreeNode], starts: list[int], length: int) -> TreeNode:
+        """The path node that ends at logical position ``length`` (splitting one if needed)."""
+        if length == 0:
+            return self.root_node
+        for node, s in zip(path, starts):
+            end = s + len(node.key)
+            if end == length:
+                return node
+            if s < length < end:
+                return self._split_node(node.key, node, length - s)
+        raise AssertionError(f"no path node ends at {length}")
+
     # -- request lifecycle -----------------------------------------------------------------------
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
-        if self._on_finish is not None:
-            self._on_finish(req)
+        finished = self._on_finish(req) if self._on_finish is not None else None
         if not self.evicting:
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         alloc = self.token_to_kv_pool_allocator
-        if self.disable or self.disable_finished_insert:
-            is_insert = False
-        if self.disable:
-            alloc.free(live(row[req.cache_protected_len:kv_len_to_handle]))
-            return
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        kv_indices = row[: len(token_ids)]
-        key = RadixKey(token_ids, req.extra_key)
-        key_len = len(key)
-        freed_end = key_len
-        if is_insert:
-            values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
-            priority = getattr(req, "priority", 0) or 0
-            freed_end = self.insert(InsertParams(key=key, value=values, priority=priority)).prefix_len
-        alloc.free(live(torch.cat([kv_indices[req.cache_protected_len:freed_end], kv_indices[key_len:]])))
+        n = len(token_ids)
+        protected = req.cache_protected_len
+        kept = finished.kept if finished is not None else retained_positions(row[:n])
+        kept = kept[kept < n]
+        if self.disable or self.disable_finished_insert or not is_insert:
+            alloc.free(self._owned_live(row, kept, protected, n, kv_len_to_handle))
+            if not self.disable and req.last_node is not None:
+                self.dec_lock_ref(req.last_node)
+            return
+        key = self._ns(RadixKey(token_ids, req.extra_key))
+        hidden = complement(kept, n)
+        self._insert_holes, self._insert_len = hidden, n
+        try:
+            values = row[:n].to(dtype=torch.int64, copy=True)
+            prefix_len = super().insert(InsertParams(key=key, value=values,
+                                                     priority=getattr(req, "priority", 0) or 0)).prefix_len
+        finally:
+            self._insert_holes = None
+        path = self._path_of(key)
+        # Request-owned positions the tree already held: fill the tree's holes in its dense region,
+        # free the rest (duplicates). Then the tail beyond the key.
+        transferred = self._fill_holes(path, row, kept, protected, prefix_len)
+        dup = kept[(kept >= protected) & (kept < prefix_len)]
+        if transferred.numel():
+            dup = dup[~torch.isin(dup, transferred)]
+        alloc.free(row[dup.to(row.device)].long())
+        if kv_len_to_handle > n:
+            alloc.free(live_slots(row[n:kv_len_to_handle]).long())
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
-        if is_insert:
-            self._compact_path(self._ns(key), kv_indices[:key_len])
+        self._compact_exclusive(path, hidden)
+        if hidden.numel():
+            path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None)
+        else:
+            path[-1].chain = None  # a dense sequence: matches need no record
+
+    def _owned_live(self, row: torch.Tensor, kept: torch.Tensor, protected: int, n: int, end: int) -> torch.Tensor:
+        """Live request-owned slots of ``row[:end]`` (kept positions past ``protected``, and any
+        tail past the logical tokens), without a device sync."""
+        own = kept[kept >= protected]
+        slots = row[own.to(row.device)].long()
+        if end > n:
+            slots = torch.cat([slots, live_slots(row[n:end]).long()])
+        return slots
+
+    def _path_of(self, key: RadixKey) -> list[TreeNode]:
+        node, pos, path = self.root_node, 0, []
+        while pos < len(key):
+            node = node.children[key[pos:].child_key(self.page_size)]
+            path.append(node)
+            pos += len(node.key)
+        return path
+
+    def _fill_holes(self, path: list[TreeNode], row: torch.Tensor, kept: torch.Tensor, protected: int,
+                    prefix_len: int) -> torch.Tensor:
+        """Give the tree this request's live slots at positions where the tree has holes, in the part
+        of the path before the first record (there every resident KV was computed with a dense
+        view, as this request's was: it did not match past the first hole). Returns the positions
+        whose slots moved to the tree."""
+        moved, pos = [], 0
+        for node in path:
+            if pos >= prefix_len:
+                break
+            h = _holes(node)
+            if h.numel():
+                cand = h + pos
+                take = cand[torch.isin(cand, kept) & (cand >= protected)]
+                if take.numel():
+                    node.value[(take - pos).to(node.value.device)] = row[take.to(row.device)].long()
+                    _set_holes(node, h[~torch.isin(h, take - pos)])
+                    if node.lock_ref == 0:
+                        self.evictable_size_ += int(take.numel())
+                    else:
+                        self.protected_size_ += int(take.numel())
+                    moved.append(take)
+            if getattr(node, "chain", None) is not None:
+                break  # past the first record the resident KV was computed under that record's view
+            pos += len(node.key)
+        return torch.cat(moved) if moved else _EMPTY
+
+    def _compact_exclusive(self, path: list[TreeNode], hidden: torch.Tensor) -> None:
+        """Free the KV the finished request hid, on the nodes only its path reaches (no lock, no other
+        branch below them): bottom-up until the first shared node."""
+        if not hidden.numel():
+            return
+        starts, pos = [], 0
+        for node in path:
+            starts.append(pos)
+            pos += len(node.key)
+        below: TreeNode | None = None
+        for node, s in zip(reversed(path), reversed(starts)):
+            branches = len(node.children) - (1 if below is not None else 0)
+            if node.lock_ref > 0 or branches > 0:
+                return
+            below = node
+            h = hidden[(hidden >= s) & (hidden < s + len(node.key))] - s
+            if not h.numel():
+                continue
+            new = h[~torch.isin(h, _holes(node))]
+            if not new.numel():
+                continue
+            idx = new.to(node.value.device)
+            self.token_to_kv_pool_allocator.free(node.value[idx])
+            node.value[idx] = SENTINEL_SLOT
+            _set_holes(node, torch.cat([_holes(node), new]).sort().values)
+            self.evictable_size_ -= int(new.numel())
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        if not self.evicting:
+        if not self.evicting and not self.disable:
             return super().cache_unfinished_req(req, chunked)
-        # Defer insertion to finish: the prompt stays request-owned, so the method may free it. The
-        # next chunk continues after what is filled so far (as SGLang's ChunkCache does).
-        if self.disable:
-            return
+        # Evicting methods defer insertion to finish: the prompt stays request-owned, so the method
+        # may free it. With the tree disabled (--disable-radix-cache) nothing is inserted either. In
+        # both cases the next chunk continues after what is filled so far, as SGLang's ChunkCache
+        # does (the stock RadixCache returns early when disabled, so a chunked prompt would restart).
         fill_len = len(req.get_fill_ids())
         req.prefix_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :fill_len].to(
             dtype=torch.int64, copy=True)
-
-    def _compact_path(self, key: RadixKey, row: torch.Tensor) -> None:
-        """Turn tree-owned positions the finished request had hidden (sentinel in its row) into
-        sentinels in the tree too, on nodes no running request holds."""
-        node, pos = self.root_node, 0
-        while pos < len(key):
-            child = node.children.get(key[pos:].child_key(self.page_size))
-            if child is None:
-                return
-            n = len(child.key)
-            if child.lock_ref == 0 and child.phys > 0:
-                hide = (row[pos:pos + n] == SENTINEL_SLOT) & (child.value != SENTINEL_SLOT)
-                count = int(hide.sum().item())
-                if count:
-                    self.token_to_kv_pool_allocator.free(child.value[hide])
-                    child.value[hide] = SENTINEL_SLOT
-                    child.phys -= count
-                    self.evictable_size_ -= count
-            node, pos = child, pos + n
 
     def stats(self) -> dict[str, Any]:
         """Tree-side numbers for ``/server_info`` (physical slots)."""
@@ -224,3 +403,11 @@ class SparseRadixCache(RadixCache):
             "tree_evictable_slots": int(self.evictable_size()),
             "tree_protected_slots": int(self.protected_size()),
         }
+
+
+def _with_key(params: Any, key: RadixKey) -> Any:
+    """A copy of a params dataclass with another key (never mutate the caller's params, keep every
+    field a newer SGLang may add)."""
+    import dataclasses
+
+    return dataclasses.replace(params, key=key)
