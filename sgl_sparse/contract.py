@@ -15,19 +15,26 @@ Which physical pool slot holds a logical position is the runtime's business, nev
 see docs/architecture.md for the map. Hooks receive plain torch tensors and import nothing from
 SGLang, so a method is testable with :mod:`sgl_sparse.reference` alone.
 
-Hook order for one request (the runtime guarantees it; ``tests/test_contract.py`` checks it)::
+Hook order for one request (the server runtime, ``sgl_sparse/integration/runtime.py``, and the
+reference driver both follow it; ``tests/test_contract.py`` checks the reference, the CPU server tests
+check the runtime's counters)::
 
-    new_state (+ restore_state on a prefix hit) once, at admission
+    new_state (+ restore_state on a prefix hit) once, at admission (before its first forward)
     for each prefill chunk:
         on_prefill_chunk                       before the chunk's forward
-        for each layer: before_attention, after_attention
+        for each layer: before_attention, after_attention      (reference driver only, see below)
         on_observation                         if wants_observation (default: final chunk)
         on_step_end                            after the forward step (may shrink the keep-set)
     for each decode step:
-        for each layer: before_attention, after_attention
+        for each layer: before_attention, after_attention      (reference driver only)
         on_observation                         if wants_observation
         on_step_end
     on_finish                                  once: what the prefix tree stores for later turns
+
+The server does not drive the per-layer hooks (``needs_layer_hooks``) or a ``codec``: per-request
+Python per layer cannot run inside a CUDA-graph replay, so the selection and quantization families get
+batched device interfaces of their own. A method that declares either is refused at launch
+(:func:`served_hooks_problem`), never served with the hooks silently skipped.
 """
 
 from __future__ import annotations
@@ -177,6 +184,16 @@ class KeepPlan:
     """
 
     keep: torch.Tensor
+
+
+def served_hooks_problem(method: SparseMethod[Any]) -> str | None:
+    """Why the server runtime cannot serve ``method`` (``None``: it can)."""
+    if method.needs_layer_hooks:
+        return (f"{method.name} declares per-layer hooks (before/after_attention), which only the reference "
+                "driver runs; the server has no per-request per-layer path")
+    if method.codec is not None:
+        return f"{method.name} declares a KV codec, which the server's KV pool does not use yet"
+    return None
 
 
 def check_keep_plan(method: SparseMethod[Any], plan: KeepPlan, kept: torch.Tensor) -> torch.Tensor:

@@ -218,3 +218,31 @@ def test_snapkv_decode_reselection_bounds_kept_tokens(sparse_servers: dict) -> N
     # 500 + 100 logical tokens; re-selection every 16 decoded tokens keeps it near the budget.
     assert SNAPKV["budget"] <= used <= SNAPKV["budget"] + SNAPKV["decode_interval"], used
     assert after["eviction_steps_total"] - before["eviction_steps_total"] >= 1 + 100 // 16 - 1
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+def test_one_conversations_eviction_never_changes_anothers_answer(sparse_servers: dict, method: str) -> None:
+    """Two conversations on one shared system prompt. B's greedy output is the same whether or not A
+    ran first and evicted inside that prompt (copy-on-write Chain Cache), and A's next turn still
+    resumes from A's compacted KV."""
+    server = sparse_servers[method]
+    rng = random.Random(31)
+    system = _ids(rng, 500)
+    a_turn, b_turn = system + _ids(rng, 60), system + _ids(rng, 60)
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    b_alone = server.generate(input_ids=b_turn, max_new_tokens=30, ignore_eos=True)["output_ids"]
+
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    base = _assert_idle_and_sound(server)
+    a = server.generate(input_ids=a_turn, max_new_tokens=30, ignore_eos=True)
+    after_a = _assert_idle_and_sound(server)
+    assert after_a["evicted_tokens_total"] > base["evicted_tokens_total"]  # A really evicted
+    b = server.generate(input_ids=b_turn, max_new_tokens=30, ignore_eos=True)
+    assert b["output_ids"] == b_alone, "B's answer changed because A ran first"
+    # B matched only the part of the prompt that A left whole (before A's first evicted position).
+    assert b["meta_info"]["cached_tokens"] < len(system)
+    # A's next turn is still a Chain Cache hit over its whole previous sequence.
+    a2 = server.generate(input_ids=a_turn + a["output_ids"] + _ids(rng, 20), max_new_tokens=5, ignore_eos=True)
+    assert a2["meta_info"]["cached_tokens"] == len(a_turn) + 30
+    st = _assert_idle_and_sound(server)
+    assert st["chain_hits_total"] - after_a["chain_hits_total"] == 1

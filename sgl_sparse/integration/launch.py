@@ -153,7 +153,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
 def unsupported_combinations(args: argparse.Namespace, method: Any, device: str) -> list[str]:
     """What sgl_sparse cannot serve yet, as messages for argparse errors (file:line refer to sglang/srt/ of
     SGLang 0.5.17)."""
+    from sgl_sparse.contract import served_hooks_problem
+
     problems = []
+    if (why := served_hooks_problem(method)) is not None:
+        problems.append(f"--sparse-method {method.name}: {why}")
     if args.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
     if args.enable_session_radix_cache or args.enable_streaming_session:

@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, RequestState, SparseMethod, StepInfo, check_keep_plan
+from sgl_sparse.contract import (
+    ObservationWindow,
+    PrefillChunk,
+    RequestState,
+    SparseMethod,
+    StepInfo,
+    check_keep_plan,
+    served_hooks_problem,
+)
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
@@ -69,6 +77,8 @@ class SparseRuntime:
 
     def __post_init__(self) -> None:
         m = self.method
+        if (why := served_hooks_problem(m)) is not None:
+            raise ValueError(f"sgl_sparse: {why}")
         self.active = m.evicts or m.observation_window() > 0 or m.needs_layer_hooks
         self.capture = QueryCapture(m.observation_window(), m.observes_decode())
 
@@ -133,10 +143,18 @@ class SparseRuntime:
 
     # -- around the forward step -----------------------------------------------------------------
     def before_forward(self, batch: Any) -> None:
-        """Host-side inputs of the step: exact live lengths for the graph decode plan."""
+        """Before the step's forward: admission (``new_state``/``restore_state``) and
+        ``on_prefill_chunk`` of each prefill chunk; host-side inputs of a decode step (exact live
+        lengths for the graph decode plan)."""
         self.frees.flush_late()
         self.decode_live_lens = None
-        if not self.method.evicts or batch is None or not batch.reqs or not batch.forward_mode.is_decode():
+        if not self.active or batch is None or not batch.reqs:
+            return
+        mode = batch.forward_mode
+        if mode.is_extend():
+            self._before_prefill(batch)
+            return
+        if not self.method.evicts or not mode.is_decode():
             return
         lens = []
         for req in batch.reqs:
@@ -145,6 +163,17 @@ class SparseRuntime:
                 return
             lens.append(t.state.num_kept + 1)  # the retained set plus this step's token
         self.decode_live_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def _before_prefill(self, batch: Any) -> None:
+        seq_lens = batch.seq_lens_cpu.tolist()
+        for i, req in enumerate(batch.reqs):
+            if req.is_retracted or req.req_pool_idx is None:
+                continue
+            t = self.track(req)
+            if t.prompt_done:
+                continue  # a decode token inside a mixed step
+            total = len(req.origin_input_ids) + len(req.output_ids)
+            self.method.on_prefill_chunk(t.state, PrefillChunk(t.state.logical_len, int(seq_lens[i]), total))
 
     def after_forward(self, batch: Any, model_runner: Any) -> None:
         self.decode_live_lens = None

@@ -1,0 +1,91 @@
+"""SGLang flags that change how steps are formed, served with eviction on CPU (our launcher, tiny model).
+
+* ``--enable-mixed-chunk``: a step mixes prefill chunks with decode tokens of running requests. The
+  runtime decides prefill vs decode per request (the batch's mode is "mixed", an extend), so a decoding
+  request is never taken for a final prefill: SnapKV scores each prompt once, StreamingLLM keeps its
+  decode slack.
+* ``--disable-radix-cache``: SGLang still builds our tree (a registered backend wins), disabled; a
+  prompt longer than ``--chunked-prefill-size`` must continue chunk after chunk (the stock radix tree
+  returns early there and the prompt would restart at its first chunk forever).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+
+pytestmark = pytest.mark.server
+
+FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
+SNAPKV = {"budget": 200, "window_size": 16, "sink_tokens": 8}
+STREAMING = {"sink_tokens": 16, "recent_tokens": 128, "evict_interval": 32}
+
+
+@pytest.fixture(scope="module")
+def flag_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    procs = {
+        "mixed": ServerProcess(tiny_model, [*FLAGS, "--enable-mixed-chunk", "--sparse-method", "snapkv",
+                                            "--sparse-config", json.dumps(SNAPKV)]),
+        "no_radix": ServerProcess(tiny_model, [*FLAGS, "--disable-radix-cache", "--sparse-method", "streamingllm",
+                                               "--sparse-config", json.dumps(STREAMING)]),
+    }
+    with running(*procs.values()):
+        yield procs
+
+
+def _state(server: ServerProcess) -> dict:
+    return server.server_info()["internal_states"][0]["sgl_sparse"]
+
+
+def _idle(server: ServerProcess, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (st := _state(server))["requests_tracked"]:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert requests.get(f"{server.base_url}/health", timeout=30).status_code == 200, server.log_tail()
+    st = _state(server)
+    assert st["kv_slots_used"] == st["tree_evictable_slots"] + st["tree_protected_slots"], st
+    return st
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(8, 2048) for _ in range(n)]
+
+
+def test_mixed_chunk_scores_each_prompt_once(flag_servers: dict) -> None:
+    server = flag_servers["mixed"]
+    rng = random.Random(2)
+    before = _idle(server)
+    # A long decode, and while it runs, prompts whose chunks are mixed with its decode steps.
+    long_run = threading.Thread(target=server.generate, kwargs={
+        "input_ids": _ids(rng, 400), "max_new_tokens": 300, "ignore_eos": True})
+    long_run.start()
+    time.sleep(1.0)
+    for _ in range(3):
+        out = server.generate(input_ids=_ids(rng, 500), max_new_tokens=10, ignore_eos=True)
+        assert out["meta_info"]["completion_tokens"] == 10
+    long_run.join()
+    after = _idle(server)
+    # One selection per prompt over the budget (decode_interval is 0): 4 prompts, 4 eviction steps.
+    assert after["eviction_steps_total"] - before["eviction_steps_total"] == 4
+
+
+def test_disabled_radix_cache_serves_chunked_prompts_without_leaks(flag_servers: dict) -> None:
+    server = flag_servers["no_radix"]
+    rng = random.Random(3)
+    prompt = _ids(rng, 1000)  # ~8 chunks of 128
+    first = server.generate(input_ids=prompt, max_new_tokens=40, ignore_eos=True, timeout=300)
+    again = server.generate(input_ids=prompt, max_new_tokens=40, ignore_eos=True, timeout=300)
+    assert first["output_ids"] == again["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == 0  # nothing is cached with the tree disabled
+    st = _idle(server)
+    assert st["kv_slots_used"] == 0 and st["evicted_tokens_total"] > 0
