@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--server-args", default="", help="extra flags for both servers, one string")
     c.add_argument("--time-scale", type=float, default=1.0)
     c.add_argument("--skip-vanilla", action="store_true")
+    c.add_argument("--vanilla-backend", choices=["flashinfer", "triton"], default="flashinfer",
+                   help="vanilla's --attention-backend on GPU (default flashinfer; ours wraps flashinfer unless "
+                        "--server-args gives it --attention-backend triton); ignored with --cpu")
     c.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
 
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error("give one --sparse-config per --sparse-method")
         results = compare(args.model_path, trace, _tokenizer(args.model_path), list(zip(methods, configs)),
                           client=args.client, cpu=args.cpu, server_args=args.server_args.split(),
-                          out_dir=args.out, time_scale=args.time_scale, skip_vanilla=args.skip_vanilla)
+                          out_dir=args.out, time_scale=args.time_scale, skip_vanilla=args.skip_vanilla,
+                          vanilla_backend=args.vanilla_backend)
         summaries = report.save(results, args.out)
     print(report.table(summaries))
     print(json.dumps(summaries), file=sys.stderr)

@@ -11,17 +11,24 @@ from sgl_sparse.server_process import CPU_SERVER_FLAGS, VANILLA_CPU_FLAGS, Serve
 
 # Both servers report cached tokens in OpenAI usage only with --enable-cache-report.
 COMMON = ["--enable-cache-report"]
-GPU_VANILLA = ["--attention-backend", "triton"]
+# Vanilla's attention backend on GPU: FlashInfer (the fastest on the H200, and what ours wraps by default)
+# or Triton. It comes after --server-args, so it wins over an --attention-backend there.
+VANILLA_GPU_BACKENDS = ("flashinfer", "triton")
 
 
 def compare(model_path: str, trace: Trace, tokenizer: Any, methods: list[tuple[str, str]], client: str = "openai",
             cpu: bool = False, server_args: list[str] | None = None, out_dir: str | Path = "bench_out",
-            time_scale: float = 1.0, skip_vanilla: bool = False) -> list[RunResult]:
-    """``methods``: (sparse_method, sparse_config JSON) pairs replayed after vanilla."""
+            time_scale: float = 1.0, skip_vanilla: bool = False,
+            vanilla_backend: str = "flashinfer") -> list[RunResult]:
+    """``methods``: (sparse_method, sparse_config JSON) pairs replayed after vanilla. ``vanilla_backend``:
+    vanilla's ``--attention-backend`` on GPU (on CPU it is torch_native, as ours)."""
+    if vanilla_backend not in VANILLA_GPU_BACKENDS:
+        raise ValueError(f"vanilla_backend {vanilla_backend!r}: one of {', '.join(VANILLA_GPU_BACKENDS)}")
     base = [*COMMON, *(CPU_SERVER_FLAGS if cpu else []), *(server_args or [])]
     runs: list[tuple[str, str, list[str]]] = []
     if not skip_vanilla:
-        runs.append(("vanilla", "sglang.launch_server", [*base, *(VANILLA_CPU_FLAGS if cpu else GPU_VANILLA)]))
+        vanilla = VANILLA_CPU_FLAGS if cpu else ["--attention-backend", vanilla_backend]
+        runs.append(("vanilla", "sglang.launch_server", [*base, *vanilla]))
     for name, cfg in methods:
         runs.append((f"sgl_sparse:{name}", "sgl_sparse.launch_server",
                      [*base, "--sparse-method", name, "--sparse-config", cfg]))

@@ -1,0 +1,155 @@
+"""benchmarks/decode_throughput.py without a server: the log window, old result files, the tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("decode_throughput", ROOT / "benchmarks" / "decode_throughput.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["decode_throughput"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+dt = _load()
+
+
+def _prefill(ts: str, running: int, new: int = 16384) -> str:
+    return (f"[{ts}] Prefill batch, #new-seq: 1, #new-token: {new}, #cached-token: 0, token usage: 0.10, "
+            f"#running-req: {running}, #queue-req: 0, #pending-token: 0, cuda graph: False, "
+            f"input throughput (token/s): 9000.00")
+
+
+def _decode(ts: str, running: int, tokens: int, tput: float) -> str:
+    return (f"[{ts}] Decode batch, #running-req: {running}, #token: {tokens}, token usage: 0.50, "
+            f"cuda graph: True, gen throughput (token/s): {tput:.2f}, #queue-req: 0")
+
+
+# Warm-up prefills at start-up, then 4 requests prefilled one by one with decode steps in between, the
+# full batch decoding, one request finishing early (3 running), and the last ones at the end.
+LOG = "\n".join([
+    "[2026-12-01 10:00:00.000] server_args=ServerArgs(...)",
+    _prefill("2026-12-01 10:00:01.000", 0, new=23),
+    _prefill("2026-12-01 10:00:02.000", 1, new=1),
+    _decode("2026-12-01 10:00:05.000", 4, 10, 999.0),  # a full batch *before* the last prefill: not in the window
+    _prefill("2026-12-01 10:00:10.000", 0),
+    _decode("2026-12-01 10:00:11.000", 1, 16400, 50.0),
+    _prefill("2026-12-01 10:00:12.000", 1),
+    _decode("2026-12-01 10:00:13.000", 2, 32800, 90.0),
+    _prefill("2026-12-01 10:00:14.000", 2),
+    "[2026-12-01 10:00:14.500] INFO:     127.0.0.1:5555 - \"POST /generate HTTP/1.1\" 200 OK",
+    _prefill("2026-12-01 10:00:15.000", 3),
+    _decode("2026-12-01 10:00:15.250", 4, 65600, 20.0),  # dropped: its interval holds the last prefill
+    _decode("2026-12-01 10:00:15.750", 4, 65640, 80.0),
+    _decode("2026-12-01 10:00:16.250", 4, 65680, 82.0),
+    _decode("2026-12-01 10:00:16.750", 4, 65720, 81.0),
+    _decode("2026-12-01 10:00:17.250", 4, 65760, 79.0),
+    _decode("2026-12-01 10:00:17.500", 3, 49300, 200.0),  # a request finished: not the full batch
+    _decode("2026-12-01 10:00:17.750", 1, 16420, 30.0),
+])
+
+
+def test_window_is_full_batch_decode_after_the_last_prefill_less_its_first_line() -> None:
+    w = dt.decode_window(LOG, batch=4, interval=10)
+    assert (w.lines, w.interval, w.steps) == (4, 10, 40)
+    assert w.median_tok_s == pytest.approx(80.5)  # of 80, 82, 81, 79; not 20 (dropped) nor 999 (before)
+    assert w.kv_tokens_in_use == 65760
+    assert (w.first_ts, w.last_ts) == ("2026-12-01 10:00:15.250", "2026-12-01 10:00:17.250")
+    assert w.window_s == pytest.approx(2.0)
+    assert w.window_tok_s == pytest.approx(4 * 40 / 2.0)
+    assert w.last_prefill_ts == "2026-12-01 10:00:15.000"
+
+
+def test_prefills_logged_after_the_batch_finished_do_not_empty_the_window() -> None:
+    later = LOG + "\n" + _prefill("2026-12-01 10:01:00.000", 0, new=1)  # e.g. a health check afterwards
+    assert dt.decode_window(later, batch=4) == dt.decode_window(LOG, batch=4)
+
+
+def test_seconds_only_timestamps_a_process_prefix_and_no_timestamps() -> None:
+    secs = "\n".join([
+        "[2026-11-30 11:53:40 TP0] Prefill batch, #new-seq: 1, #new-token: 5, #cached-token: 0, token usage: 0.1, "
+        "#running-req: 1, #queue-req: 0, cuda graph: False, input throughput (token/s): 1.00",
+        *[_decode(f"2026-11-30 11:53:{41 + i}", 2, 100 + i, 10.0 + i).replace("]", " TP0]", 1) for i in range(4)],
+    ])
+    w = dt.decode_window(secs, batch=2)
+    assert (w.lines, w.steps, w.median_tok_s, w.kv_tokens_in_use) == (3, 30, 12.0, 103)
+    assert w.window_s == pytest.approx(3.0) and w.last_prefill_ts == "2026-11-30 11:53:40"
+    bare = "\n".join(line.split("] ", 1)[1] for line in LOG.splitlines())
+    w = dt.decode_window(bare, batch=4)
+    assert (w.lines, w.median_tok_s) == (4, pytest.approx(80.5))
+    assert w.first_ts is None and w.window_s is None and w.window_tok_s is None
+
+
+def test_windows_that_cannot_be_measured_say_why() -> None:
+    with pytest.raises(ValueError, match="#running-req: 8"):
+        dt.decode_window(LOG, batch=8)
+    short = "\n".join([_prefill("2026-12-01 10:00:00.000", 1), _decode("2026-12-01 10:00:01.000", 2, 10, 5.0)])
+    with pytest.raises(ValueError, match="longer --output-len"):
+        dt.decode_window(short, batch=2)
+
+
+def test_floor() -> None:
+    cfg = json.loads((ROOT / "sgl_sparse" / "assets" / "quality-large" / "config.json").read_text())
+    weight_b, kv_b = dt.model_bytes(cfg)
+    assert kv_b == 6 * 2 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
+    floor = dt.floor_tok_s(4, weight_b, kv_b, 10_000, 4.3)
+    assert floor == pytest.approx(4 / ((weight_b + 10_000 * kv_b) / 4.3e12))
+
+
+def _row(**kw):  # type: ignore[no-untyped-def]
+    base = dict(server="vanilla", attention_backend="flashinfer", batch=4, decode_tok_s=100.0,
+                decode_steps_at_full_batch=40, kv_tokens_in_use=65760, kv_token_capacity=788603, wall_s=10.0,
+                floor_tok_s=200.0)
+    return dt.Result(**{**base, **kw})
+
+
+def test_old_result_files_load_with_defaults(tmp_path: Path) -> None:
+    old = [{"server": "vanilla", "batch": 16, "decode_tok_s": 505.11, "decode_steps_at_full_batch": 103,
+            "kv_tokens_in_use": 540640, "kv_token_capacity": 788603, "wall_s": 71.7, "floor_tok_s": 791.5,
+            "a_field_from_the_future": 1}]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (r,) = dt.load_results(tmp_path / "old.json")
+    assert r.attention_backend == "?" and r.window_lines is None and r.prefill_phase_s is None
+    table = dt.detail_table([r])
+    assert "103 full-batch log lines (older run: no window)" in table and "| 71.7 | - |" in table
+
+
+def test_json_round_trip_and_tables(tmp_path: Path) -> None:
+    ours = _row(server="sgl_sparse:snapkv", attention_backend="SparseFlashInferBackend", attention_base="flashinfer",
+                config='snapkv {"budget": 2048}', batch=6, decode_tok_s=250.0, floor_tok_s=500.0, input_len=16384,
+                output_len=256, decode_log_interval=10, window_lines=4, window_first_ts="2026-12-01 10:00:15.250",
+                window_last_ts="2026-12-01 10:00:17.250", window_s=2.0, window_tok_s=120.0,
+                wall_output_tok_s=153.6, prefill_phase_s=4.5)
+    vanilla = _row(attention_base="flashinfer", input_len=16384, output_len=256, wall_output_tok_s=102.4)
+    (tmp_path / "r.json").write_text(json.dumps([asdict(vanilla), asdict(ours)]))
+    assert dt.load_results(tmp_path / "r.json") == [vanilla, ours]
+    comparison = dt.comparison_table([vanilla, ours]).splitlines()
+    assert len(comparison) == 3  # header, rule, one row: ours against vanilla
+    row = comparison[2]
+    assert row.startswith('| snapkv {"budget": 2048}, 16384 in / 256 out | 6 / 4 | 250.0 | 100.0 (flashinfer) |')
+    assert "| 2.500 |" in row
+    assert "| 500 (50%) | 200 (50%) | 10.0 / 10.0 | 153.6 / 102.4 |" in row
+    detail = dt.detail_table([vanilla, ours])
+    assert "| 4 x 10 = 40 | 2026-12-01 10:00:15.250 -> 2026-12-01 10:00:17.250 (2.00 s) | 120.0 |" in detail
+    assert "| SparseFlashInferBackend (flashinfer) |" in detail and "| 4.5 | 10.0 | 153.6 |" in detail
+
+
+def test_each_run_is_compared_with_its_own_vanilla() -> None:
+    v1, o1 = _row(decode_tok_s=100.0), _row(server="sgl_sparse:dense", decode_tok_s=100.0)
+    v2, o2 = _row(decode_tok_s=200.0), _row(server="sgl_sparse:snapkv", decode_tok_s=600.0)
+    rows = dt.comparison_table([v1, o1, v2, o2]).splitlines()[2:]
+    assert [r.split(" | ")[4] for r in rows] == ["1.000", "3.000"]
+    # --only runs given ours first: the vanilla row after it is its baseline.
+    (row,) = dt.comparison_table([o2, v2]).splitlines()[2:]
+    assert row.split(" | ")[4] == "3.000"
