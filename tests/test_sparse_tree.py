@@ -244,3 +244,28 @@ def test_unfinished_chunks(method: str, disable: bool) -> None:
     assert tree.total_size() == (8 if method == "dense" and not disable else 0)
     tree.cache_finished_req(a, kv_len_to_handle=20)
     assert tree.total_size() == (0 if disable else 20) and _invariant(tree, alloc) == 0
+
+
+def test_turn_after_an_abandoned_branch_recomputes_and_leaves_a_valid_record() -> None:
+    """A branch (e.g. an aborted turn) compacts the conversation's nodes in place and voids the record
+    it continued; the next turn recomputes past the first hole, its slots fill the tree's holes, and
+    the turn after it resumes from its record over the whole sequence."""
+    tree, req_pool, alloc = _make()
+    t0 = FakeReq("t0", list(range(800, 820)))
+    _admit(tree, req_pool, alloc, t0, 1)
+    _evict_positions(req_pool, alloc, t0, [10, 11])
+    tree.cache_finished_req(t0, kv_len_to_handle=20)
+    aborted = FakeReq("x", list(range(800, 820)) + [1, 2])
+    _admit(tree, req_pool, alloc, aborted, 2)
+    _evict_positions(req_pool, alloc, aborted, [3, 4, 5])
+    tree.cache_finished_req(aborted, kv_len_to_handle=22)
+    assert len(_match(tree, list(range(800, 820)) + [7]).device_indices) == 3  # t0's record is void
+
+    t1 = FakeReq("t1", list(range(800, 820)) + [7, 7, 7])
+    _admit(tree, req_pool, alloc, t1, 3)
+    assert len(t1.prefix_indices) == 3
+    _evict_positions(req_pool, alloc, t1, [12, 21])
+    tree.cache_finished_req(t1, kv_len_to_handle=23)
+    m = _match(tree, list(range(800, 820)) + [7, 7, 7, 9])
+    assert len(m.device_indices) == 23 and _holes_in(m.device_indices) == [12, 21]
+    assert _invariant(tree, alloc) == 0

@@ -312,8 +312,8 @@ class SparseRadixCache(RadixCache):
         self._compact_exclusive(path, hidden)
         if hidden.numel():
             path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None)
-        else:
-            path[-1].chain = None  # a dense sequence: matches need no record
+        # A request that hid nothing leaves an existing record of the same sequence in place: positions
+        # past it were computed under that record's view.
 
     def _owned_live(self, row: torch.Tensor, kept: torch.Tensor, protected: int, n: int, end: int) -> torch.Tensor:
         """Live request-owned slots of ``row[:end]`` (kept positions past ``protected``, and any
@@ -334,10 +334,9 @@ class SparseRadixCache(RadixCache):
 
     def _fill_holes(self, path: list[TreeNode], row: torch.Tensor, kept: torch.Tensor, protected: int,
                     prefix_len: int) -> torch.Tensor:
-        """Give the tree this request's live slots at positions where the tree has holes, in the part
-        of the path before the first record (there every resident KV was computed with a dense
-        view, as this request's was: it did not match past the first hole). Returns the positions
-        whose slots moved to the tree."""
+        """Give the tree this request's live slots at positions where the tree has holes (positions it
+        recomputed because its match stopped before them): its record needs them resident, and in the
+        dense region the next conversation matches further. Returns the positions whose slots moved."""
         moved, pos = [], 0
         for node in path:
             if pos >= prefix_len:
@@ -354,8 +353,6 @@ class SparseRadixCache(RadixCache):
                     else:
                         self.protected_size_ += int(take.numel())
                     moved.append(take)
-            if getattr(node, "chain", None) is not None:
-                break  # past the first record the resident KV was computed under that record's view
             pos += len(node.key)
         return torch.cat(moved) if moved else _EMPTY
 
@@ -369,10 +366,11 @@ class SparseRadixCache(RadixCache):
             starts.append(pos)
             pos += len(node.key)
         below: TreeNode | None = None
+        freed_abs: list[torch.Tensor] = []
         for node, s in zip(reversed(path), reversed(starts)):
             branches = len(node.children) - (1 if below is not None else 0)
             if node.lock_ref > 0 or branches > 0:
-                return
+                break
             below = node
             h = hidden[(hidden >= s) & (hidden < s + len(node.key))] - s
             if not h.numel():
@@ -385,6 +383,15 @@ class SparseRadixCache(RadixCache):
             node.value[idx] = SENTINEL_SLOT
             _set_holes(node, torch.cat([_holes(node), new]).sort().values)
             self.evictable_size_ -= int(new.numel())
+            freed_abs.append(new + s)
+        # Records (of this conversation's earlier turns) that kept a position freed here are void:
+        # drop them rather than test them at every match.
+        if freed_abs:
+            gone = torch.cat(freed_abs)
+            for node in path:
+                rec = getattr(node, "chain", None)
+                if rec is not None and bool(torch.isin(rec.kept, gone).any()):
+                    node.chain = None
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
         if not self.evicting and not self.disable:
