@@ -33,8 +33,9 @@ CPU_SERVER_FLAGS = [
 ]
 # The stock launcher needs these to match what ours selects on CPU.
 VANILLA_CPU_FLAGS = ["--attention-backend", "torch_native", "--disable-cuda-graph"]
-# The known-good flags on the lent H200 (../shared/device/README.md; piecewise CUDA graphs would add
-# ~70 s of start-up). Ours picks its attention backend itself: vanilla adds `--attention-backend triton`.
+# Known-good flags on an H200 (the piecewise prefill CUDA graph would add ~70 s of start-up and is off
+# for SnapKV anyway). Ours picks its attention backend itself (FlashInfer on CUDA); a vanilla server
+# gets `--attention-backend flashinfer` from its caller.
 GPU_SERVER_FLAGS = ["--sampling-backend", "pytorch", "--disable-piecewise-cuda-graph",
                     "--chunked-prefill-size", "16384"]
 

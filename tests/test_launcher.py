@@ -151,6 +151,12 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     *[(["--disaggregation-mode", mode], "PD disaggregation is not supported") for mode in ("prefill", "decode")],
     (["--enable-dp-attention"], "DP attention is not supported"),
     (["--enable-mis"], "multi-item scoring is not supported"),
+    (["--enable-hisparse"], "hierarchical sparse attention"),
+    (["--enable-pdmux"], "PD multiplexing"),
+    (["--enable-two-batch-overlap"], "micro-batch overlap"),
+    *[(["--sparse-method", m, flag], "external KV stores") for m in ("snapkv", "streamingllm")
+      for flag in ("--enable-lmcache", "--enable-flexkv")],
+    (["--sparse-method", "streamingllm", "--num-continuous-decode-steps", "4"], "once per scheduled batch"),
     *[([*m, "--kv-cache-dtype", dtype], "FP4 KV is not supported")
       for m in ([], ["--sparse-method", "streamingllm"]) for dtype in ("nvfp4", "fp4_mx_block16", "fp4_e2m1")],
     (["--kv-cache-dtype", "mxfp8"], "only SGLang's fa4 backend reads MXFP8 KV"),

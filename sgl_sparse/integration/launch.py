@@ -199,6 +199,22 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its scores read the raw FP8 keys and "
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
+    if args.enable_hisparse:
+        problems.append("--enable-hisparse: SGLang's hierarchical sparse attention manages its own KV layout and "
+                        "index lists; it cannot be combined with sgl_sparse's backends")
+    if args.enable_pdmux:
+        problems.append("--enable-pdmux: PD multiplexing builds its own attention backend groups per stream, "
+                        "around our backend and runtime; not supported with sgl_sparse")
+    if args.enable_two_batch_overlap or args.enable_single_batch_overlap:
+        problems.append("--enable-two-batch-overlap / --enable-single-batch-overlap: micro-batch overlap splits "
+                        "a forward into parts our per-step runtime does not see; not supported with sgl_sparse")
+    if method.evicts:
+        if args.enable_lmcache or args.enable_flexkv:
+            problems.append(f"--enable-lmcache / --enable-flexkv with {method.name}: external KV stores copy KV "
+                            "by req_to_token slots, which hold sentinel slots after eviction")
+        if (args.num_continuous_decode_steps or 1) > 1:
+            problems.append(f"--num-continuous-decode-steps {args.num_continuous_decode_steps} with {method.name}: "
+                            "the eviction step and its host counters run once per scheduled batch; use 1")
     if method.evicts and (args.tp_size or 1) > 1:
         problems.append(f"--tp-size {args.tp_size} with {method.name}: eviction needs one token set across TP "
                         "ranks, which is not implemented yet (--dp-size replicas are untested with sgl_sparse)")
