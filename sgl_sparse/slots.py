@@ -28,3 +28,13 @@ def complement(kept: torch.Tensor, n: int) -> torch.Tensor:
     mask = torch.ones(n, dtype=torch.bool)
     mask[kept[kept < n]] = False
     return mask.nonzero().flatten()
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host -> device without blocking the host: a plain ``.to(cuda)`` of pageable memory waits for
+    the stream (``cudaStreamSynchronize``), which would stall overlap scheduling; pinned staging with
+    ``non_blocking`` does not (the caching host allocator keeps the staging buffer until the copy ran)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

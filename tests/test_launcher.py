@@ -157,6 +157,7 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     *[(["--sparse-method", m, flag], "external KV stores") for m in ("snapkv", "streamingllm")
       for flag in ("--enable-lmcache", "--enable-flexkv")],
     (["--sparse-method", "streamingllm", "--num-continuous-decode-steps", "4"], "once per scheduled batch"),
+    (["--sparse-method", "snapkv", "--strip-thinking-cache"], "frees the output part of the row"),
     *[([*m, "--kv-cache-dtype", dtype], "FP4 KV is not supported")
       for m in ([], ["--sparse-method", "streamingllm"]) for dtype in ("nvfp4", "fp4_mx_block16", "fp4_e2m1")],
     (["--kv-cache-dtype", "mxfp8"], "only SGLang's fa4 backend reads MXFP8 KV"),

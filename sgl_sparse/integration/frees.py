@@ -1,4 +1,4 @@
-"""Slots an eviction step frees, ordered against SGLang's schedule stream.
+"""Slots an eviction step frees, and its row writes, ordered against SGLang's schedule stream.
 
 With overlap scheduling (the default on CUDA) the forward of batch N runs on the forward stream while
 the scheduler prepares batch N+1 on its schedule stream, whose allocator calls read
@@ -8,7 +8,11 @@ to the allocator from the forward stream would race the schedule stream's next `
 tree reads of the rows), so the slots wait here with an event recorded after our writes; SGLang's
 ``Scheduler._apply_war_barrier`` runs right after each launch on the schedule stream, and our AFTER
 hook on it makes the schedule stream wait for that event (a GPU-side wait, no host sync) and frees
-the slots there. Without overlap (or on CPU) there is one stream and slots are freed at once.
+the slots there. The event is recorded for every step that wrote sentinels, also when it freed
+nothing (all dropped positions tree-owned): SGLang's barrier may wait only for the decode graph's
+reads, and a row released after this step can be handed to the next request, whose prefix the
+schedule stream writes into it. Without overlap (or on CPU) there is one stream and slots are freed
+at once.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ class PendingFrees:
     allocator: Any = None
     _warned: bool = False
 
-    def free(self, allocator: Any, slots: torch.Tensor) -> None:
-        if slots.numel() == 0:
-            return
+    def after_writes(self, allocator: Any, slots: torch.Tensor) -> None:
+        """The step wrote sentinels and frees ``slots`` (maybe none)."""
         self.allocator = allocator
         if not self.deferred or not slots.is_cuda:
-            allocator.free(slots)
+            if slots.numel():
+                allocator.free(slots)
             return
         event = torch.cuda.Event()
         event.record()
@@ -47,8 +51,9 @@ class PendingFrees:
         stream = torch.cuda.current_stream()
         for slots, event in self.pending:
             stream.wait_event(event)
-            slots.record_stream(stream)  # allocated on the forward stream, read here
-            self.allocator.free(slots)
+            if slots.numel():
+                slots.record_stream(stream)  # allocated on the forward stream, read here
+                self.allocator.free(slots)
         self.pending.clear()
 
     def flush_late(self) -> None:

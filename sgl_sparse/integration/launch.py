@@ -212,6 +212,10 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         if args.enable_lmcache or args.enable_flexkv:
             problems.append(f"--enable-lmcache / --enable-flexkv with {method.name}: external KV stores copy KV "
                             "by req_to_token slots, which hold sentinel slots after eviction")
+        if getattr(args, "strip_thinking_cache", False):
+            problems.append(f"--strip-thinking-cache with {method.name}: SGLang then frees the output part of "
+                            "the row itself, raw (mem_cache/common.py L178-201), which holds sentinel slots after "
+                            "eviction")
         if (args.num_continuous_decode_steps or 1) > 1:
             problems.append(f"--num-continuous-decode-steps {args.num_continuous_decode_steps} with {method.name}: "
                             "the eviction step and its host counters run once per scheduled batch; use 1")

@@ -35,7 +35,7 @@ from sgl_sparse.integration import handoff
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.registry import create_method
-from sgl_sparse.slots import SENTINEL_SLOT
+from sgl_sparse.slots import SENTINEL_SLOT, retained_positions, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,18 @@ class SparseRuntime:
         n_prefix = len(req.prefix_indices)
         view = getattr(req, VIEW_ATTR, None)
         if n_prefix:
+            record = None
             if view is not None and view.length == n_prefix:
                 st.set_kept(view.kept, logical_len=n_prefix)
                 record = view.record
-            else:  # no view (dense method or disabled tree): every matched position is resident
+            elif self.method.evicts:
+                # No view for this prefix (the tree always leaves one: an SGLang path we do not know).
+                # The row may hold holes: read the truth from the device once rather than guess.
+                logger.warning("sgl_sparse: request %s has no match view for its %d-token prefix; reading its "
+                               "retained positions from the device", req.rid, n_prefix)
+                st.set_kept(retained_positions(req.prefix_indices[:n_prefix]), logical_len=n_prefix)
+            else:  # dense: no hole can exist
                 st.set_kept(torch.arange(n_prefix), logical_len=n_prefix)
-                record = None
             if st.num_kept < n_prefix:
                 self.counters.chain_hits_total += 1
                 self.counters.chain_hit_tokens_total += n_prefix
@@ -231,7 +237,7 @@ class SparseRuntime:
         n_w = queries[0].shape[0]
         row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
         positions = st.kept
-        positions_dev = _to_device(positions, row.device)
+        positions_dev = to_device(positions, row.device)
         slots = row[positions_dev].long()
         kv_pool = model_runner.token_to_kv_pool
 
@@ -264,18 +270,13 @@ class SparseRuntime:
             self.counters.evicted_tokens_total += int(drop.numel())
             self.counters.eviction_steps_total += 1
         device = req_to_token.device
-        rows_d, pos_d = _to_device(torch.cat(rows), device), _to_device(torch.cat(pos), device)
-        own_rows_d, own_pos_d = _to_device(torch.cat(own_rows), device), _to_device(torch.cat(own_pos), device)
+        rows_d, pos_d = to_device(torch.cat(rows), device), to_device(torch.cat(pos), device)
+        own_rows_d, own_pos_d = to_device(torch.cat(own_rows), device), to_device(torch.cat(own_pos), device)
         freed = req_to_token[own_rows_d, own_pos_d].long()  # before the sentinels overwrite them
         req_to_token[rows_d, pos_d] = SENTINEL_SLOT
-        self.frees.free(model_runner.token_to_kv_pool_allocator, freed)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without blocking the host (pinned staging on CUDA)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        # Ordered against the schedule stream even when nothing is freed: its next writes to a reused
+        # row (and the tree's reads of these rows) must come after the sentinel scatter.
+        self.frees.after_writes(model_runner.token_to_kv_pool_allocator, freed)
 
 
 _runtime: SparseRuntime | None = None

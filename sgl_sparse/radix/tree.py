@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_sparse.contract import SparseMethod, TreePayload
-from sgl_sparse.slots import SENTINEL_SLOT, complement, live_slots, retained_positions
+from sgl_sparse.slots import SENTINEL_SLOT, complement, live_slots, retained_positions, to_device
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 VIEW_ATTR = "_sgl_sparse_view"  # set on SGLang's Req by match_prefix: what the request may see
@@ -67,7 +67,7 @@ class ChainRecord:
     def hide_on(self, device: torch.device) -> torch.Tensor:
         """Positions of ``[0, end)`` outside the kept set, cached on the device (built once)."""
         if self._hide_dev is None or self._hide_dev.device != device:
-            self._hide_dev = complement(self.kept, self.end).to(device)
+            self._hide_dev = to_device(complement(self.kept, self.end), device)
         return self._hide_dev
 
 
@@ -190,7 +190,7 @@ class SparseRadixCache(RadixCache):
         holes = _holes(node)
         if holes.numel() == 0:
             return node.value
-        return node.value[complement(holes, len(node.key)).to(node.value.device)]
+        return node.value[to_device(complement(holes, len(node.key)), node.value.device)]
 
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
@@ -304,7 +304,7 @@ class SparseRadixCache(RadixCache):
         dup = kept[(kept >= protected) & (kept < prefix_len)]
         if transferred.numel():
             dup = dup[~torch.isin(dup, transferred)]
-        alloc.free(row[dup.to(row.device)].long())
+        alloc.free(row[to_device(dup, row.device)].long())
         if kv_len_to_handle > n:
             alloc.free(live_slots(row[n:kv_len_to_handle]).long())
         if req.last_node is not None:
@@ -319,7 +319,7 @@ class SparseRadixCache(RadixCache):
         """Live request-owned slots of ``row[:end]`` (kept positions past ``protected``, and any
         tail past the logical tokens), without a device sync."""
         own = kept[kept >= protected]
-        slots = row[own.to(row.device)].long()
+        slots = row[to_device(own, row.device)].long()
         if end > n:
             slots = torch.cat([slots, live_slots(row[n:end]).long()])
         return slots
@@ -346,7 +346,7 @@ class SparseRadixCache(RadixCache):
                 cand = h + pos
                 take = cand[torch.isin(cand, kept) & (cand >= protected)]
                 if take.numel():
-                    node.value[(take - pos).to(node.value.device)] = row[take.to(row.device)].long()
+                    node.value[to_device(take - pos, node.value.device)] = row[to_device(take, row.device)].long()
                     _set_holes(node, h[~torch.isin(h, take - pos)])
                     if node.lock_ref == 0:
                         self.evictable_size_ += int(take.numel())
@@ -378,7 +378,7 @@ class SparseRadixCache(RadixCache):
             new = h[~torch.isin(h, _holes(node))]
             if not new.numel():
                 continue
-            idx = new.to(node.value.device)
+            idx = to_device(new, node.value.device)
             self.token_to_kv_pool_allocator.free(node.value[idx])
             node.value[idx] = SENTINEL_SLOT
             _set_holes(node, torch.cat([_holes(node), new]).sort().values)

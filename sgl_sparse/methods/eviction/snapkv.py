@@ -109,10 +109,13 @@ class SnapKV(SparseMethod[SnapKVConfig]):
     def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
         total: torch.Tensor | None = None
         positions: torch.Tensor | None = None
+        on_device: tuple[torch.Tensor, torch.Tensor] | None = None  # copied once, not per layer
         for layer in range(window.num_layers):
             k, positions = window.keys(layer)
-            s = window_scores(window.queries[layer], k, window.q_pos.to(k.device), positions.to(k.device),
-                              window.scale, self.config.kernel_size, self.config.pooling)
+            if on_device is None:
+                on_device = (window.q_pos.to(k.device), positions.to(k.device))
+            s = window_scores(window.queries[layer], k, *on_device, window.scale, self.config.kernel_size,
+                              self.config.pooling)
             total = s if total is None else total + s
         assert total is not None and positions is not None
         state.extra["scores"] = (positions.cpu(), total.cpu())
