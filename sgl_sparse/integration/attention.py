@@ -64,6 +64,15 @@ class _SparseBackendMixin:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
         super().init_forward_metadata_out_graph(forward_batch, in_capture)  # type: ignore[misc]
 
+    # Every base: capture the window queries, then the stock attention (each base's own signature).
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._capture(q, layer, forward_batch, is_decode=False)
+        return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
+
+    def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._capture(q, layer, forward_batch, is_decode=True)
+        return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
+
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
         if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
             return
@@ -78,14 +87,6 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
         self._bind_runtime()
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
-        self._capture(q, layer, forward_batch, is_decode=False)
-        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
-        self._capture(q, layer, forward_batch, is_decode=True)
-        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,  # type: ignore[no-untyped-def]
                                  seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
@@ -150,14 +151,6 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
 
         return fill_compact_kv_indices(self.req_to_token, req_pool_indices[:bs], seq_lens[:bs], self.kv_indptr,
                                        kv_indices, min_one=self.decode_lists)
-
-    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self._capture(q, layer, forward_batch, is_decode=False)
-        return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self._capture(q, layer, forward_batch, is_decode=True)
-        return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
 
 
 class _CompactingIndexLauncher:
@@ -251,14 +244,6 @@ def _flashinfer_backend_cls() -> type:
             lens[:raw_bs] = live.to(lens.dtype)
             fb.seq_lens_cpu = lens
             return fb
-
-        def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self._capture(q, layer, forward_batch, is_decode=False)
-            return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
-
-        def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self._capture(q, layer, forward_batch, is_decode=True)
-            return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)
 
     return SparseFlashInferBackend
 

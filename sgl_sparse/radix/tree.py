@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -415,6 +415,4 @@ class SparseRadixCache(RadixCache):
 def _with_key(params: Any, key: RadixKey) -> Any:
     """A copy of a params dataclass with another key (never mutate the caller's params, keep every
     field a newer SGLang may add)."""
-    import dataclasses
-
-    return dataclasses.replace(params, key=key)
+    return replace(params, key=key)
