@@ -141,15 +141,23 @@ class ObservationWindow:
     """The end of a prompt, for methods that score the prompt with its last queries (SnapKV).
 
     ``queries[layer]``: post-RoPE queries of the last ``w`` prompt tokens, ``[w, n_heads, head_dim]``,
-    at logical positions ``q_pos``. ``keys(layer)`` returns that layer's retained keys
-    ``[n, n_kv_heads, head_dim]`` and their sorted logical positions ``[n]`` (the window included).
+    at logical positions ``q_pos``. The retained keys (the window included) are rows ``key_rows``
+    (``[n]`` int64, on the buffer's device) of ``key_buffer(layer)`` (``[N, n_kv_heads, head_dim]``;
+    on a server the KV pool's whole key buffer, so a kernel reads them in place), at sorted logical
+    positions ``k_pos`` (``[n]``, CPU). ``keys(layer)`` gathers them, for plain-torch methods.
     """
 
     queries: dict[int, torch.Tensor]
     q_pos: torch.Tensor
-    keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    key_buffer: Callable[[int], torch.Tensor]
+    key_rows: torch.Tensor
+    k_pos: torch.Tensor
     num_layers: int
     scale: float  # the attention softmax scale (1/sqrt(head_dim) for Llama)
+
+    def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """That layer's retained keys ``[n, n_kv_heads, head_dim]`` (a copy) and their positions."""
+        return self.key_buffer(layer)[self.key_rows], self.k_pos
 
 
 @dataclass(frozen=True)

@@ -110,10 +110,10 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         step = StepInfo(is_prefill, end - start, decoded, final_prefill=is_prefill and chunk.is_final)
         if w and method.wants_observation(state, step):
             n_w = window_q[0].shape[0]
+            positions = retained.nonzero().flatten()
             window = ObservationWindow(
-                queries=dict(window_q), q_pos=torch.arange(end - n_w, end),
-                keys=lambda layer: (keys[layer][retained], retained.nonzero().flatten()),
-                num_layers=model.n_layers, scale=model.head_dim**-0.5)
+                queries=dict(window_q), q_pos=torch.arange(end - n_w, end), key_buffer=lambda layer: keys[layer],
+                key_rows=positions, k_pos=positions, num_layers=model.n_layers, scale=model.head_dim**-0.5)
             method.on_observation(state, window)
         plan = method.on_step_end(state, step)
         if plan is not None:

@@ -76,9 +76,12 @@ def test_snapkv_selection_equals_plain_reference(pooling: str) -> None:
     m = create_method("snapkv", {"budget": 20, "window_size": w, "sink_tokens": 3, "kernel_size": 5,
                                  "pooling": pooling})
     state = RequestState(rid="r", logical_len=n, num_kept=n)
+    # The keys sit at scattered rows of a larger buffer, as retained slots do in a KV pool.
+    rows = torch.randperm(3 * n, generator=g)[:n]
+    buffers = [torch.zeros(3 * n, 2, 8).index_copy_(0, rows, k) for k in keys]
     window = ObservationWindow(queries=dict(enumerate(q_win)), q_pos=torch.arange(n - w, n),
-                               keys=lambda layer: (keys[layer], torch.arange(n)), num_layers=layers,
-                               scale=8**-0.5)
+                               key_buffer=lambda layer: buffers[layer], key_rows=rows, k_pos=torch.arange(n),
+                               num_layers=layers, scale=8**-0.5)
     step = StepInfo(is_prefill=True, new_tokens=n, decoded_tokens=0, final_prefill=True)
     assert m.wants_observation(state, step)
     m.on_observation(state, window)

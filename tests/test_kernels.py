@@ -41,6 +41,26 @@ def test_compact_kv_indices_matches_reference() -> None:
                 ref_ptr, ref_idx = compact.compact_kv_indices_reference(req_to_token, rpi_t, lens_t, min_one)
                 assert got_ptr.tolist() == ref_ptr.tolist(), (rpi, got_ptr, ref_ptr)
                 assert indices[: int(ref_ptr[-1])].tolist() == ref_idx.tolist(), rpi
+                # The same lists in one pass from known counts (the decode path's device table).
+                counts = (ref_ptr[1:] - ref_ptr[:-1]).to(torch.int32)
+                indices2 = torch.full_like(indices, -1)
+                got2 = compact.fill_compact_kv_indices(req_to_token, rpi_t, lens_t, torch.zeros_like(indptr),
+                                                       indices2, min_one, counts=counts)
+                assert got2.tolist() == ref_ptr.tolist() and indices2.tolist() == indices.tolist(), rpi
+        # A wrong count never writes outside its row's range: too small truncates, too large pads
+        # with the padding slot.
+        rpi_t = torch.tensor([3, 1], dtype=torch.int64); lens_t = torch.tensor([80, 30], dtype=torch.int32)
+        ref_ptr, ref_idx = compact.compact_kv_indices_reference(req_to_token, rpi_t, lens_t)
+        n3, n1 = int(ref_ptr[1]), int(ref_ptr[2] - ref_ptr[1])
+        for c3 in (n3 - 5, n3 + 7):
+            indices = torch.full((200,), -1, dtype=torch.int64)
+            ptr = compact.fill_compact_kv_indices(req_to_token, rpi_t, lens_t, torch.zeros(3, dtype=torch.int32),
+                                                  indices, counts=torch.tensor([c3, n1], dtype=torch.int32))
+            assert ptr.tolist() == [0, c3, c3 + n1]
+            want3 = ref_idx[:n3].tolist()[:c3] + [0] * max(0, c3 - n3)
+            assert indices[:c3].tolist() == want3, c3
+            assert indices[c3:c3 + n1].tolist() == req_to_token[1, :30].tolist()
+            assert (indices[c3 + n1:] == -1).all()
         # An all-evicted prefix is an empty list (it must not attend the padding slot); a padding
         # row gets one slot only for the Triton decode kernel.
         one = torch.tensor([4], dtype=torch.int64); ten = torch.tensor([10], dtype=torch.int32)
@@ -85,6 +105,11 @@ def test_window_scores_kernel_matches_plain_softmax() -> None:
             ref = plain(q, k, q_pos, k_pos, D ** -0.5)
             assert got.shape == (Hkv, n)
             assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-4), (w, H, (got.double() - ref).abs().max())
+            # Read in place through row indices, as from a KV pool's buffer (the keys at scattered slots).
+            rows = torch.randperm(3 * n + 7, generator=g)[:n]
+            buf = torch.randn(3 * n + 7, Hkv, D, generator=g).index_copy_(0, rows, k)
+            got_rows = ws.window_scores_per_head(q, buf, q_pos, k_pos, D ** -0.5, k_rows=rows)
+            assert torch.allclose(got_rows, got), w
             # SnapKV's CPU path (the dense einsum) agrees too
             from sgl_sparse.methods.eviction.snapkv import per_head_scores_torch
             assert torch.allclose(per_head_scores_torch(q, k, q_pos, k_pos, D ** -0.5).double(), ref, atol=1e-5)
@@ -108,19 +133,19 @@ def test_kernels_compile_for_the_h200() -> None:
 
         scalars = "n w stride_qw stride_qh stride_kn stride_kh"
         cases = [
-            (ws._row_stats_kernel, sig({"*bf16": "q k", "*i64": "q_pos k_pos", "*fp32": "m_out l_out",
+            (ws._row_stats_kernel, sig({"*bf16": "q k", "*i64": "k_rows q_pos k_pos", "*fp32": "m_out l_out",
                                         "i32": scalars + " num_splits", "fp32": "scale"},
                                        "G R D D_P SPLIT BLOCK"),
              dict(G=4, R=128, D=128, D_P=128, SPLIT=ws.SPLIT_N, BLOCK=ws.BLOCK_N)),
-            (ws._prob_sum_kernel, sig({"*bf16": "q k", "*i64": "q_pos k_pos", "*fp32": "m_in l_in out",
+            (ws._prob_sum_kernel, sig({"*bf16": "q k", "*i64": "k_rows q_pos k_pos", "*fp32": "m_in l_in out",
                                        "i32": scalars, "fp32": "scale"}, "G R D D_P BLOCK"),
              dict(G=4, R=128, D=128, D_P=128, BLOCK=ws.BLOCK_N)),
             (compact._count_live_kernel, sig({"*i32": "req_to_token seq_lens counts", "*i64": "req_pool_indices"},
                                              "stride SENTINEL MIN_ONE BLOCK_N"),
              dict(stride=131072, SENTINEL=0, MIN_ONE=False, BLOCK_N=compact.BLOCK)),
             (compact._compact_kernel, sig({"*i32": "req_to_token seq_lens kv_indptr",
-                                           "*i64": "req_pool_indices kv_indices"}, "stride SENTINEL MIN_ONE BLOCK_N"),
-             dict(stride=131072, SENTINEL=0, MIN_ONE=True, BLOCK_N=compact.BLOCK)),
+                                           "*i64": "req_pool_indices kv_indices"}, "stride SENTINEL BLOCK_N"),
+             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
         ]
         for fn, signature, consts in cases:
             order = fn.arg_names

@@ -1,5 +1,6 @@
-"""The GPU attention path (SparseTritonBackend + the compaction kernel) served on CPU under
-TRITON_INTERPRET=1, against the torch path, with evicting StreamingLLM and Chain Cache."""
+"""The GPU attention path (SparseTritonBackend + the compaction kernel, decode lists from the device
+live-count table) served on CPU under TRITON_INTERPRET=1, against the torch path, with evicting
+StreamingLLM and Chain Cache."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ CONFIG = json.dumps({"sink_tokens": 8, "recent_tokens": 40, "evict_interval": 8}
 def paths(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
     flags = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "64", "--sparse-method", "streamingllm",
              "--sparse-config", CONFIG]
-    triton = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "triton", "TRITON_INTERPRET": "1"})
+    # SGLSPARSE_CHECK_TABLES: every decode step checks the device live counts against the rows.
+    triton = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "triton", "TRITON_INTERPRET": "1",
+                                                   "SGLSPARSE_CHECK_TABLES": "1"})
     torch_ = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "torch"})
     with running(triton, torch_):
         yield {"triton": triton, "torch": torch_, "dense": servers["ours"]}

@@ -18,7 +18,8 @@ wraps (the launcher's choice, ``handoff.base``):
   and masks by logical position (``kpos <= qpos``).
 
 Decode lists give a row with no live slot one padding slot (``min_one``): only CUDA-graph padding rows
-have none, and the kernels expect one slot there; extend prefix lists may be empty (a fully evicted
+have none, and the kernels expect one slot there; they are built in one pass from the live counts of
+the runtime's device table (``integration/tables.py``). Extend prefix lists may be empty (a fully evicted
 prefix attends nothing, on every base). Methods with an observation window (SnapKV) also get their
 requests' last post-RoPE queries here.
 """
@@ -63,6 +64,12 @@ class _SparseBackendMixin:
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
         super().init_forward_metadata_out_graph(forward_batch, in_capture)  # type: ignore[misc]
+
+    def _decode_counts(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """Live counts of a decode list build from the runtime's device table (None: count them)."""
+        if not self.decode_lists:
+            return None
+        return self.runtime.tables.decode_counts(req_pool_indices, seq_lens, min_one=True)
 
     # Every base: capture the window queries, then the stock attention (each base's own signature).
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -150,7 +157,8 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
         from sgl_sparse.kernels.compact import fill_compact_kv_indices
 
         return fill_compact_kv_indices(self.req_to_token, req_pool_indices[:bs], seq_lens[:bs], self.kv_indptr,
-                                       kv_indices, min_one=self.decode_lists)
+                                       kv_indices, min_one=self.decode_lists,
+                                       counts=self._decode_counts(req_pool_indices[:bs], seq_lens[:bs]))
 
 
 class _CompactingIndexLauncher:
@@ -174,7 +182,8 @@ class _CompactingIndexLauncher:
 
             bs = int(grid[0])
             fill_compact_kv_indices(req_to_token, req_pool_indices[:bs], lens[:bs], kv_indptr, kv_indices,
-                                    min_one=backend.decode_lists)
+                                    min_one=backend.decode_lists,
+                                    counts=backend._decode_counts(req_pool_indices[:bs], lens[:bs]))
 
         return launch
 

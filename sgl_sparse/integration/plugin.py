@@ -72,7 +72,7 @@ def _around_forward(original, worker, batch=None, *args, **kwargs):  # type: ign
     rt = get_runtime()
     if not rt.serving:  # only in servers whose tree is ours
         return original(worker, batch, *args, **kwargs)
-    rt.before_forward(batch)
+    rt.before_forward(batch, worker.model_runner)
     result = original(worker, batch, *args, **kwargs)
     rt.after_forward(batch, worker.model_runner)
     return result

@@ -34,6 +34,7 @@ from sgl_sparse.contract import (
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
+from sgl_sparse.integration.tables import DeviceTables
 from sgl_sparse.registry import create_method
 from sgl_sparse.slots import SENTINEL_SLOT, retained_positions, to_device
 
@@ -68,6 +69,7 @@ class SparseRuntime:
     metrics: Any = None  # SparseMetrics with --enable-metrics
     capture: QueryCapture = field(init=False)
     frees: PendingFrees = field(default_factory=PendingFrees)
+    tables: DeviceTables = field(default_factory=DeviceTables)
     # Exact live KV lengths of the decode batch about to run (CPU int32, batch order), for the graph
     # decode plan; None when unknown (the backend then lets FlashInfer read them from the device).
     decode_live_lens: torch.Tensor | None = None
@@ -148,12 +150,13 @@ class SparseRuntime:
         self.capture.record(layer_id, q, rids, q_lens, scale)
 
     # -- around the forward step -----------------------------------------------------------------
-    def before_forward(self, batch: Any) -> None:
+    def before_forward(self, batch: Any, model_runner: Any) -> None:
         """Before the step's forward: admission (``new_state``/``restore_state``) and
-        ``on_prefill_chunk`` of each prefill chunk; host-side inputs of a decode step (exact live
-        lengths for the graph decode plan)."""
+        ``on_prefill_chunk`` of each prefill chunk; inputs of a decode step: exact live lengths for
+        the graph decode plan (host) and for the KV list build (device table)."""
         self.frees.flush_late()
         self.decode_live_lens = None
+        self.tables.done()
         if not self.active or batch is None or not batch.reqs:
             return
         mode = batch.forward_mode
@@ -169,6 +172,8 @@ class SparseRuntime:
                 return
             lens.append(t.state.num_kept + 1)  # the retained set plus this step's token
         self.decode_live_lens = torch.tensor(lens, dtype=torch.int32)
+        self.tables.set_decode(model_runner.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                               self.decode_live_lens, batch.seq_lens_cpu.tolist() if self.tables.check else [])
 
     def _before_prefill(self, batch: Any) -> None:
         seq_lens = batch.seq_lens_cpu.tolist()
@@ -183,6 +188,7 @@ class SparseRuntime:
 
     def after_forward(self, batch: Any, model_runner: Any) -> None:
         self.decode_live_lens = None
+        self.tables.done()
         self._evict_step(batch, model_runner)
         if self.metrics is not None:
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
@@ -236,16 +242,11 @@ class SparseRuntime:
                                "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
         n_w = queries[0].shape[0]
         row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
-        positions = st.kept
-        positions_dev = to_device(positions, row.device)
-        slots = row[positions_dev].long()
-        kv_pool = model_runner.token_to_kv_pool
-
-        def keys(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return kv_pool.get_key_buffer(layer)[slots], positions
-
+        slots = row[to_device(st.kept, row.device)].long()
+        # The pool's key buffers and the request's slots: the scoring kernel reads keys in place.
         return ObservationWindow(queries=queries, q_pos=torch.arange(st.logical_len - n_w, st.logical_len),
-                                 keys=keys, num_layers=n_layers, scale=float(self.capture.scale or 1.0))
+                                 key_buffer=model_runner.token_to_kv_pool.get_key_buffer, key_rows=slots,
+                                 k_pos=st.kept, num_layers=n_layers, scale=float(self.capture.scale or 1.0))
 
     def _apply(self, plans: list[tuple[Any, Tracked, torch.Tensor]], model_runner: Any) -> None:
         """Apply this step's plans at once: gather the slots to free, write the sentinels, free.

@@ -14,7 +14,10 @@ Here two passes over the keys stream them in blocks instead:
 2. ``_prob_sum_kernel``, grid (Hkv, key blocks): ``exp(logit - max) / sum`` for every row, summed over
    the rows, written to ``per_head[h, block]``.
 
-Rows are (window query, group member) pairs, padded to a power of two and masked.
+Rows are (window query, group member) pairs, padded to a power of two and masked. Keys are read
+through row indices ``k_rows`` (key ``i`` is ``k[k_rows[i]]``): on a server ``k`` is the KV pool's
+whole key buffer of the layer and ``k_rows`` the request's retained slots, so the retained keys are
+never gathered into a copy (266 MB per layer at 130K keys).
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ def _load_q(q, q_pos, h, stride_qw, stride_qh, w, G: tl.constexpr, R: tl.constex
 
 
 @triton.jit
-def _logits(qb, k, k_pos, q_pos_r, n, start, h, stride_kn, stride_kh, scale, D: tl.constexpr, D_P: tl.constexpr,
-            BLOCK: tl.constexpr):
+def _logits(qb, k, k_rows, k_pos, q_pos_r, n, start, h, stride_kn, stride_kh, scale, D: tl.constexpr,
+            D_P: tl.constexpr, BLOCK: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     d = tl.arange(0, D_P)
-    kb = tl.load(k + offs[:, None] * stride_kn + h * stride_kh + d[None, :],
+    rk = tl.load(k_rows + offs, mask=offs < n, other=0)
+    kb = tl.load(k + rk[:, None] * stride_kn + h * stride_kh + d[None, :],
                  mask=(offs < n)[:, None] & (d < D)[None, :], other=0.0)
     kp = tl.load(k_pos + offs, mask=offs < n, other=0)
     s = tl.dot(qb, tl.trans(kb)).to(tl.float32) * scale  # [R, BLOCK]
@@ -55,8 +59,8 @@ def _logits(qb, k, k_pos, q_pos_r, n, start, h, stride_kn, stride_kh, scale, D: 
 
 
 @triton.jit
-def _row_stats_kernel(q, k, q_pos, k_pos, m_out, l_out, n, w, stride_qw, stride_qh, stride_kn, stride_kh, scale,
-                      num_splits, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+def _row_stats_kernel(q, k, k_rows, q_pos, k_pos, m_out, l_out, n, w, stride_qw, stride_qh, stride_kn, stride_kh,
+                      scale, num_splits, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(0)
     sp = tl.program_id(1)
@@ -64,7 +68,7 @@ def _row_stats_kernel(q, k, q_pos, k_pos, m_out, l_out, n, w, stride_qw, stride_
     m = tl.full((R,), float("-inf"), dtype=tl.float32)
     acc = tl.zeros((R,), dtype=tl.float32)
     for start in range(sp * SPLIT, tl.minimum(sp * SPLIT + SPLIT, n), BLOCK):
-        s, _ = _logits(qb, k, k_pos, q_pos_r, n, start, h, stride_kn, stride_kh, scale, D, D_P, BLOCK)
+        s, _ = _logits(qb, k, k_rows, k_pos, q_pos_r, n, start, h, stride_kn, stride_kh, scale, D, D_P, BLOCK)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         acc = acc * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
@@ -75,25 +79,32 @@ def _row_stats_kernel(q, k, q_pos, k_pos, m_out, l_out, n, w, stride_qw, stride_
 
 
 @triton.jit
-def _prob_sum_kernel(q, k, q_pos, k_pos, m_in, l_in, out, n, w, stride_qw, stride_qh, stride_kn, stride_kh, scale,
-                     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr):
+def _prob_sum_kernel(q, k, k_rows, q_pos, k_pos, m_in, l_in, out, n, w, stride_qw, stride_qh, stride_kn, stride_kh,
+                     scale, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(0)
     blk = tl.program_id(1)
     qb, rows, q_pos_r = _load_q(q, q_pos, h, stride_qw, stride_qh, w, G, R, D, D_P)
     m = tl.load(m_in + h * R + rows)
     inv_l = tl.load(l_in + h * R + rows)  # 1 / sum (0 for rows that see no key)
-    s, offs = _logits(qb, k, k_pos, q_pos_r, n, blk * BLOCK, h, stride_kn, stride_kh, scale, D, D_P, BLOCK)
+    s, offs = _logits(qb, k, k_rows, k_pos, q_pos_r, n, blk * BLOCK, h, stride_kn, stride_kh, scale, D, D_P, BLOCK)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp(s - m_safe[:, None]) * inv_l[:, None]
     tl.store(out + h * n + offs, tl.sum(p, axis=0), mask=offs < n)
 
 
 def window_scores_per_head(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """``[Hkv, n]`` float32: each key's softmax probability summed over window queries and GQA group."""
+                           scale: float, k_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[Hkv, n]`` float32: each key's softmax probability summed over window queries and GQA group.
+    Key ``i`` is ``k[k_rows[i]]`` (``k[i]`` without ``k_rows``); ``n = len(k_pos)``."""
     w, n_heads, d = q.shape
-    n, n_kv, _ = k.shape
+    n = int(k_pos.numel())
+    n_kv = k.shape[1]
     assert n_heads % n_kv == 0 and k.shape[2] == d and q.stride(2) == 1 and k.stride(2) == 1
+    if k_rows is None:
+        assert k.shape[0] == n
+        k_rows = torch.arange(n, device=k.device)
+    if k.dtype != q.dtype:  # converting a whole pool buffer would cost more than the gather
+        k, k_rows = k[k_rows].to(q.dtype), torch.arange(n, device=k.device)
     group = n_heads // n_kv
     rows = max(16, triton.next_power_of_2(w * group))  # tl.dot needs >= 16
     d_p = max(16, triton.next_power_of_2(d))
@@ -102,18 +113,18 @@ def window_scores_per_head(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor
         return out
     q_pos = q_pos.to(device=k.device, dtype=torch.int64).contiguous()
     k_pos = k_pos.to(device=k.device, dtype=torch.int64).contiguous()
-    k = k if k.dtype == q.dtype else k.to(q.dtype)
+    k_rows = k_rows.to(device=k.device, dtype=torch.int64).contiguous()
     splits = triton.cdiv(n, SPLIT_N)
     m = torch.empty((n_kv, splits, rows), dtype=torch.float32, device=k.device)
     l_part = torch.empty_like(m)
-    _row_stats_kernel[(n_kv, splits)](q, k, q_pos, k_pos, m, l_part, n, w, q.stride(0), q.stride(1), k.stride(0),
-                                      k.stride(1), scale, splits, G=group, R=rows, D=d, D_P=d_p, SPLIT=SPLIT_N,
-                                      BLOCK=BLOCK_N)
+    _row_stats_kernel[(n_kv, splits)](q, k, k_rows, q_pos, k_pos, m, l_part, n, w, q.stride(0), q.stride(1),
+                                      k.stride(0), k.stride(1), scale, splits, G=group, R=rows, D=d, D_P=d_p,
+                                      SPLIT=SPLIT_N, BLOCK=BLOCK_N)
     m_all = m.amax(dim=1)  # [Hkv, R]
     m_safe = torch.where(torch.isinf(m_all), torch.zeros_like(m_all), m_all)
     l_all = (l_part * torch.exp(m - m_safe[:, None, :]).nan_to_num(0.0)).sum(dim=1)
     inv_l = torch.where(l_all > 0, 1.0 / l_all.clamp_min(1e-30), torch.zeros_like(l_all)).contiguous()
-    _prob_sum_kernel[(n_kv, triton.cdiv(n, BLOCK_N))](q, k, q_pos, k_pos, m_all.contiguous(), inv_l, out, n, w,
-                                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), scale,
-                                                      G=group, R=rows, D=d, D_P=d_p, BLOCK=BLOCK_N)
+    _prob_sum_kernel[(n_kv, triton.cdiv(n, BLOCK_N))](q, k, k_rows, q_pos, k_pos, m_all.contiguous(), inv_l, out,
+                                                      n, w, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                                      scale, G=group, R=rows, D=d, D_P=d_p, BLOCK=BLOCK_N)
     return out

@@ -64,18 +64,19 @@ def per_head_scores_torch(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     return logits.softmax(-1).nan_to_num(0.0).sum(dim=(1, 2))
 
 
-def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
-                  kernel_size: int, pooling: str) -> torch.Tensor:
+def window_scores(q: torch.Tensor, k_buffer: torch.Tensor, k_rows: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor, scale: float, kernel_size: int, pooling: str) -> torch.Tensor:
     """Score of each key position for one layer: ``[n]`` (float32).
 
-    q ``[w, H, D]``, k ``[n, Hkv, D]``. Causal by logical position (a window query never sees a
-    later key). On GPU a Triton kernel streams the keys (:mod:`sgl_sparse.kernels.window_scores`)."""
-    if k.is_cuda:
+    q ``[w, H, D]``; key ``i`` is ``k_buffer[k_rows[i]]`` (``[Hkv, D]``) at position ``k_pos[i]``.
+    Causal by logical position (a window query never sees a later key). On GPU a Triton kernel
+    streams the keys from the buffer in place (:mod:`sgl_sparse.kernels.window_scores`)."""
+    if k_buffer.is_cuda:
         from sgl_sparse.kernels.window_scores import window_scores_per_head
 
-        per_head = window_scores_per_head(q, k, q_pos, k_pos, scale)
+        per_head = window_scores_per_head(q, k_buffer, q_pos, k_pos, scale, k_rows=k_rows)
     else:
-        per_head = per_head_scores_torch(q, k, q_pos, k_pos, scale)
+        per_head = per_head_scores_torch(q, k_buffer[k_rows], q_pos, k_pos, scale)
     pad = kernel_size // 2
     if kernel_size > 1:
         pool = F.avg_pool1d if pooling == "avgpool" else F.max_pool1d
@@ -108,17 +109,16 @@ class SnapKV(SparseMethod[SnapKVConfig]):
 
     def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
         total: torch.Tensor | None = None
-        positions: torch.Tensor | None = None
-        on_device: tuple[torch.Tensor, torch.Tensor] | None = None  # copied once, not per layer
+        on_device: tuple[torch.Tensor, ...] | None = None  # copied once, not per layer
         for layer in range(window.num_layers):
-            k, positions = window.keys(layer)
+            buf = window.key_buffer(layer)
             if on_device is None:
-                on_device = (window.q_pos.to(k.device), positions.to(k.device))
-            s = window_scores(window.queries[layer], k, *on_device, window.scale, self.config.kernel_size,
+                on_device = (window.key_rows.to(buf.device), window.q_pos.to(buf.device), window.k_pos.to(buf.device))
+            s = window_scores(window.queries[layer], buf, *on_device, window.scale, self.config.kernel_size,
                               self.config.pooling)
             total = s if total is None else total + s
-        assert total is not None and positions is not None
-        state.extra["scores"] = (positions.cpu(), total.cpu())
+        assert total is not None
+        state.extra["scores"] = (window.k_pos.cpu(), total.cpu())
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
         scored = state.extra.pop("scores", None)
