@@ -8,6 +8,12 @@
 #                                                one-GPU machine): vanilla, then sgl_sparse SnapKV 8192 at
 #                                                SPARSE_BATCH (default 28) requests, ~24 min. Nothing else
 #                                                may use that GPU meanwhile: a job beside it halves prefill.
+#   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
+#                                                40), ours only, on HEADLINE_GPU (the vanilla row: headline's).
+#   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 30): what vanilla
+#                                                reaches at SnapKV 8,192's per-request KV (its % of the floor).
+#   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
+#                                                .toml: vanilla FlashInfer, snapkv 8192, dense (~12 min).
 #   bash benchmarks/device_session.sh train      the quality models side by side, each for TRAIN_S seconds
 #                                                (default 1150): large on LARGE_GPU from LARGE_FROM (a
 #                                                carried model dir; from scratch when unset) at
@@ -22,7 +28,8 @@
 #                                                STOP_AT=1.0 stops one once every task reaches it.
 #   bash benchmarks/device_session.sh quality DIR TOKENS...
 #                                                the suite through our server on GPU QUALITY_GPU (default
-#                                                0): dense, n=50, each size; /root/bench/quality-NAME.*
+#                                                0): QUALITY_METHODS (default dense), n=QUALITY_N (50), each
+#                                                size; /root/bench/quality-NAME[-QUALITY_TAG].*
 #   bash benchmarks/device_session.sh status     one line per part, the logs' tails; packs the logs into
 #                                                $OUT/bench.tar.xz (so each poll brings them back).
 #   bash benchmarks/device_session.sh collect    packs results into $OUT as at most 8 files (the limit on
@@ -47,6 +54,29 @@ headline)
       --sparse-method snapkv --sparse-config '{"budget": 8192}' \
       --log-dir /root/bench/headline --json /root/bench/headline.json \
       > /root/bench/headline.txt 2>&1 < /dev/null &
+  ;;
+streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 40); ours only
+  install
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 benchmarks/decode_throughput.py \
+      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${STREAM_BATCH:-40}" --output-len 256 \
+      --only sgl_sparse --sparse-method streamingllm --sparse-config '{}' \
+      --log-dir /root/bench/streamingllm --json /root/bench/streamingllm.json \
+      > /root/bench/streamingllm.txt 2>&1 < /dev/null &
+  ;;
+floorref)  # vanilla at SnapKV 8,192's per-request KV (8,448 in, 256 out) x FLOOR_BATCH (default 30)
+  install
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 benchmarks/decode_throughput.py \
+      --model-path $MODEL --input-len 8448 --batch "${FLOOR_BATCH:-30}" --output-len 256 --only vanilla \
+      --log-dir /root/bench/floorref --json /root/bench/floorref.json > /root/bench/floorref.txt 2>&1 < /dev/null &
+  ;;
+agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer, snapkv 8192, dense
+  install
+  python3 -m bench_agent generate --config bench_agent/configs/agent_overflow_h200.toml --out /root/bench/agent.jsonl
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 -m bench_agent compare --model-path $MODEL \
+      --trace /root/bench/agent.jsonl --time-scale 0.5 --out /root/bench/agent \
+      --sparse-method snapkv --sparse-config '{"budget": 8192}' --sparse-method dense --sparse-config '{}' \
+      --server-args='--load-format dummy --mem-fraction-static 0.80 --context-length 131072 --sampling-backend pytorch --disable-piecewise-cuda-graph --chunked-prefill-size 16384 --cuda-graph-max-bs 32' \
+      > /root/bench/agent.txt 2>&1 < /dev/null &
   ;;
 train)
   install
@@ -77,17 +107,20 @@ train)
 quality)
   install
   dir="${2:?quality DIR TOKENS...}"; shift 2
-  name=$(basename "$dir")
+  name=$(basename "$dir")${QUALITY_TAG:+-$QUALITY_TAG}
+  # QUALITY_METHODS: e.g. 'dense snapkv:{"budget":2048} snapkv:{"budget":4096} streamingllm' (default dense)
+  read -r -a methods <<< "${QUALITY_METHODS:-dense}"
   CUDA_VISIBLE_DEVICES="${QUALITY_GPU:-0}" python3 benchmarks/quality_suite.py --device cuda --model-dir "$dir" \
-      --tokens "${@:-2048}" --n 50 --parallel 32 --json "/root/bench/quality-$name.json" --log-dir /root/bench \
+      --tokens "${@:-2048}" --n "${QUALITY_N:-50}" --parallel 32 --methods "${methods[@]}" \
+      --json "/root/bench/quality-$name.json" --log-dir /root/bench \
       2>&1 | tee "/root/bench/quality-$name.txt" | tail -n 15
   ;;
 status)
   for name in decode_throughput.py "train.py.*--out /root/train/large" "train.py.*--out /root/train/small" \
-      quality_suite.py; do
+      quality_suite.py "bench_agent compare"; do
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
-  for f in /root/bench/headline/*.log; do
+  for f in /root/bench/{headline,streamingllm,floorref}/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
@@ -115,5 +148,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|train|quality DIR TOKENS...|status|wait [S]|collect" >&2; exit 2 ;;
+  echo "usage: $0 headline|streamingllm|floorref|agent|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  exit 2 ;;
 esac

@@ -140,11 +140,12 @@ def test_kernels_compile_for_the_h200() -> None:
             (ws._prob_sum_kernel, sig({"*bf16": "q k", "*i64": "k_rows q_pos k_pos", "*fp32": "m_in l_in out",
                                        "i32": scalars, "fp32": "scale"}, "G R D D_P BLOCK"),
              dict(G=4, R=128, D=128, D_P=128, BLOCK=ws.BLOCK_N)),
-            (compact._count_live_kernel, sig({"*i32": "req_to_token seq_lens counts", "*i64": "req_pool_indices"},
-                                             "stride SENTINEL MIN_ONE BLOCK_N"),
-             dict(stride=131072, SENTINEL=0, MIN_ONE=False, BLOCK_N=compact.BLOCK)),
-            (compact._compact_kernel, sig({"*i32": "req_to_token seq_lens kv_indptr",
-                                           "*i64": "req_pool_indices kv_indices"}, "stride SENTINEL BLOCK_N"),
+            (compact._block_count_kernel, sig({"*i32": "req_to_token seq_lens block_counts", "*i64": "req_pool_indices",
+                                               "i32": "nblk"}, "stride SENTINEL BLOCK_N"),
+             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
+            (compact._block_compact_kernel, sig({"*i32": "req_to_token seq_lens kv_indptr block_offsets row_live",
+                                                 "*i64": "req_pool_indices kv_indices", "i32": "nblk"},
+                                                "stride SENTINEL BLOCK_N"),
              dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
         ]
         for fn, signature, consts in cases:

@@ -13,10 +13,11 @@ Triton extend kernel handle a zero-length prefix. Only the Triton *decode* kerne
 row, for CUDA-graph padding rows (``req_pool_idx`` 0, all padding): ``min_one=True`` gives such a row
 the padding slot. A real decode row always holds its own new token, so it never takes that path.
 
-Decode steps know every row's live count already (the runtime's device table ``live_len``, see
-``integration/tables.py``): given ``counts``, the counting pass is skipped and the lists are built in
-one pass. The writing pass never leaves a row's ``[indptr[i], indptr[i+1])`` range and pads a range it
-could not fill with the padding slot, so even a wrong count cannot make attention read out of bounds.
+Decode steps know every row's list length already (the runtime's device table ``live_len``, see
+``integration/tables.py``, from the same host counters as FlashInfer's host-side plan): given
+``counts``, ``kv_indptr`` is built from them, so the device lists and the host plan agree by
+construction. The writing pass never leaves a row's ``[indptr[i], indptr[i+1])`` range and pads a range
+it could not fill with the padding slot, so even a wrong count cannot make attention read out of bounds.
 """
 
 from __future__ import annotations
@@ -27,69 +28,76 @@ import triton.language as tl
 
 from sgl_sparse.slots import SENTINEL_SLOT
 
-BLOCK = 1024
+BLOCK = 1024  # row positions per program
 
 
 @triton.jit
-def _count_live_kernel(req_to_token, req_pool_indices, seq_lens, counts, stride: tl.constexpr,
-                       SENTINEL: tl.constexpr, MIN_ONE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _block_count_kernel(req_to_token, req_pool_indices, seq_lens, block_counts, nblk, stride: tl.constexpr,
+                        SENTINEL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (rows, blocks): live slots in block ``blk`` of a row's first ``seq_len`` positions."""
     pid = tl.program_id(0)
+    blk = tl.program_id(1)
     row = tl.load(req_pool_indices + pid).to(tl.int64)
     n = tl.load(seq_lens + pid)
-    acc = tl.zeros((), dtype=tl.int32)
-    for start in range(0, n, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
-        acc += tl.sum((v != SENTINEL).to(tl.int32), axis=0)
-    if MIN_ONE:
-        acc = tl.maximum(acc, tl.minimum(n, 1).to(tl.int32))
-    tl.store(counts + pid, acc)
+    offs = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
+    tl.store(block_counts + pid * nblk + blk, tl.sum((v != SENTINEL).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _compact_kernel(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices, stride: tl.constexpr,
-                    SENTINEL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _block_compact_kernel(req_to_token, req_pool_indices, seq_lens, kv_indptr, block_offsets, row_live, kv_indices,
+                          nblk, stride: tl.constexpr, SENTINEL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (rows, blocks): block ``blk``'s live slots, in order, at the row's list start plus the live
+    slots of the blocks before it; never past the row's range. Block 0 also pads the rest of the
+    range (beyond the row's live slots) with the padding slot."""
     pid = tl.program_id(0)
+    blk = tl.program_id(1)
     row = tl.load(req_pool_indices + pid).to(tl.int64)
     n = tl.load(seq_lens + pid)
     out = tl.load(kv_indptr + pid).to(tl.int64)
     end = tl.load(kv_indptr + pid + 1).to(tl.int64)
-    written = tl.zeros((), dtype=tl.int64)
-    for start in range(0, n, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
-        live = v != SENTINEL
-        pos = tl.cumsum(live.to(tl.int32), axis=0) - 1
-        dst = out + written + pos
-        tl.store(kv_indices + dst, v.to(kv_indices.dtype.element_ty), mask=live & (dst < end))
-        written += tl.sum(live.to(tl.int32), axis=0).to(tl.int64)
-    # The rest of the range (a padding row's one slot under MIN_ONE; none when the count was right)
-    # reads the padding slot.
-    for start in range(out + written, end, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        tl.store(kv_indices + offs, tl.full((BLOCK_N,), SENTINEL, dtype=kv_indices.dtype.element_ty),
-                 mask=offs < end)
+    offs = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
+    live = v != SENTINEL
+    dst = out + tl.load(block_offsets + pid * nblk + blk).to(tl.int64) + tl.cumsum(live.to(tl.int32), axis=0) - 1
+    tl.store(kv_indices + dst, v.to(kv_indices.dtype.element_ty), mask=live & (dst < end))
+    if blk == 0:
+        # A CUDA-graph padding row's one slot (min_one); nothing when the count was right.
+        for start in range(out + tl.load(row_live + pid).to(tl.int64), end, BLOCK_N):
+            pad = start + tl.arange(0, BLOCK_N)
+            tl.store(kv_indices + pad, tl.full((BLOCK_N,), SENTINEL, dtype=kv_indices.dtype.element_ty),
+                     mask=pad < end)
 
 
 def fill_compact_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                             kv_indptr: torch.Tensor, kv_indices: torch.Tensor, min_one: bool = False,
                             counts: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``kv_indptr[: bs + 1]`` and the compacted ``kv_indices``; returns ``kv_indptr[: bs + 1]``.
-    ``counts`` (device, ``[bs]``): each row's live count when the caller knows it (the count kernel's
-    output otherwise, ``min_one`` included). No host sync: everything stays on the device (so it also
-    runs inside CUDA-graph replays)."""
+
+    ``counts`` (device, ``[bs]``): each row's list length when the caller knows it (the decode step's
+    live counts, which the host plan uses too), else the live slots counted here (``min_one``: at
+    least one for a non-empty row). One program per block of 1024 row positions (a 130K row is 128
+    programs, not one program looping 128 times), blocks past a row's length return at once. No host
+    sync: everything stays on the device (so it also runs inside CUDA-graph replays)."""
     bs = int(req_pool_indices.shape[0])
-    if counts is None:
-        counts = torch.empty(bs, dtype=torch.int32, device=req_to_token.device)
-        if bs:
-            _count_live_kernel[(bs,)](req_to_token, req_pool_indices, seq_lens, counts, req_to_token.stride(0),
-                                      SENTINEL=SENTINEL_SLOT, MIN_ONE=min_one, BLOCK_N=BLOCK)
     indptr = kv_indptr[: bs + 1]
     indptr[0] = 0
+    if bs == 0:
+        return indptr
+    device = req_to_token.device
+    nblk = triton.cdiv(req_to_token.shape[1], BLOCK)
+    block_counts = torch.empty((bs, nblk), dtype=torch.int32, device=device)
+    _block_count_kernel[(bs, nblk)](req_to_token, req_pool_indices, seq_lens, block_counts, nblk,
+                                    req_to_token.stride(0), SENTINEL=SENTINEL_SLOT, BLOCK_N=BLOCK)
+    ends = torch.cumsum(block_counts, dim=1, dtype=torch.int32)
+    row_live = ends[:, -1].contiguous()
+    block_offsets = ends - block_counts
+    if counts is None:
+        counts = torch.maximum(row_live, torch.clamp(seq_lens, max=1).to(torch.int32)) if min_one else row_live
     indptr[1:] = torch.cumsum(counts, dim=0)
-    if bs:
-        _compact_kernel[(bs,)](req_to_token, req_pool_indices, seq_lens, indptr, kv_indices,
-                               req_to_token.stride(0), SENTINEL=SENTINEL_SLOT, BLOCK_N=BLOCK)
+    _block_compact_kernel[(bs, nblk)](req_to_token, req_pool_indices, seq_lens, indptr, block_offsets, row_live,
+                                      kv_indices, nblk, req_to_token.stride(0), SENTINEL=SENTINEL_SLOT,
+                                      BLOCK_N=BLOCK)
     return indptr
 
 
