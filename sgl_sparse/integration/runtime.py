@@ -10,8 +10,11 @@ slot, or ``SENTINEL_SLOT`` once evicted. The runtime keeps the same set on the h
 the per-step decision, the plan checks and the graph-decode plan lengths need no device sync. Jobs:
 
 * :mod:`.capture` - window queries of observing methods;
+* :mod:`.tables` - per-request device tables indexed by ``req_pool_idx`` (decode live counts);
+* :mod:`.step` - the after-forward step planner: observe, plan, one batched apply per step;
 * :mod:`.frees` - slots freed by eviction, ordered against the schedule stream;
-* this module - states, the after-forward step (observe, plan, one batched apply per step).
+* :mod:`.metrics` - Prometheus gauges and counters (``--enable-metrics``);
+* this module - request states and the hooks around each forward step.
 """
 
 from __future__ import annotations
@@ -22,21 +25,13 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import (
-    ObservationWindow,
-    PrefillChunk,
-    RequestState,
-    SparseMethod,
-    StepInfo,
-    check_keep_plan,
-    served_hooks_problem,
-)
-from sgl_sparse.integration import handoff
+from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod, served_hooks_problem
+from sgl_sparse.integration import handoff, step
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.tables import DeviceTables
 from sgl_sparse.registry import create_method
-from sgl_sparse.slots import SENTINEL_SLOT, retained_positions, to_device
+from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)
 
@@ -189,96 +184,10 @@ class SparseRuntime:
     def after_forward(self, batch: Any, model_runner: Any) -> None:
         self.decode_live_lens = None
         self.tables.done()
-        self._evict_step(batch, model_runner)
+        if self.active and batch is not None and batch.reqs:
+            step.run(self, batch, model_runner)
         if self.metrics is not None:
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
-
-    def _evict_step(self, batch: Any, model_runner: Any) -> None:
-        if not self.active or batch is None or not batch.reqs:
-            return
-        mode = batch.forward_mode
-        if not (mode.is_extend() or mode.is_decode()):
-            return
-        seq_lens = batch.seq_lens_cpu.tolist()
-        plans: list[tuple[Any, Tracked, torch.Tensor]] = []
-        for i, req in enumerate(batch.reqs):
-            if req.is_retracted or req.req_pool_idx is None:
-                continue
-            t = self.track(req)
-            st = t.state
-            seq_len = int(seq_lens[i])
-            new_tokens = seq_len - st.logical_len
-            if new_tokens <= 0:
-                continue
-            st.advance(new_tokens)
-            # Per request, not per batch: a mixed step (--enable-mixed-chunk) carries prefill chunks
-            # and decode tokens of requests whose prompt is long done.
-            is_prefill = not t.prompt_done
-            final = is_prefill and seq_len >= len(req.origin_input_ids) + len(req.output_ids)
-            step = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)),
-                            final_prefill=final)
-            if self.capture.window > 0 and self.method.wants_observation(st, step):
-                if not is_prefill and not self.capture.observes_decode:
-                    raise RuntimeError(f"sgl_sparse: {self.method.name}.wants_observation is true in decode but "
-                                       "observes_decode() is false, so no decode queries were captured")
-                self.method.on_observation(st, self._window(req, st, model_runner))
-            if final:
-                t.prompt_done = True
-                self.capture.prompt_done(req.rid)
-            plan = self.method.on_step_end(st, step)
-            if plan is not None:
-                keep = check_keep_plan(self.method, plan, st.kept)
-                if keep.numel() < st.num_kept:
-                    plans.append((req, t, keep))
-        if plans:
-            self._apply(plans, model_runner)
-
-    def _window(self, req: Any, st: RequestState, model_runner: Any) -> ObservationWindow:
-        queries = self.capture.get(req.rid)
-        n_layers = self.capture.num_layers
-        if not queries or len(queries) != n_layers:
-            raise RuntimeError(f"sgl_sparse: {self.method.name} needs the last queries of every layer, but the "
-                               f"attention backend captured {len(queries)} layer(s) for request {req.rid} "
-                               "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
-        n_w = queries[0].shape[0]
-        row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
-        slots = row[to_device(st.kept, row.device)].long()
-        # The pool's key buffers and the request's slots: the scoring kernel reads keys in place.
-        return ObservationWindow(queries=queries, q_pos=torch.arange(st.logical_len - n_w, st.logical_len),
-                                 key_buffer=model_runner.token_to_kv_pool.get_key_buffer, key_rows=slots,
-                                 k_pos=st.kept, num_layers=n_layers, scale=float(self.capture.scale or 1.0))
-
-    def _apply(self, plans: list[tuple[Any, Tracked, torch.Tensor]], model_runner: Any) -> None:
-        """Apply this step's plans at once: gather the slots to free, write the sentinels, free.
-
-        Host-side index lists (sizes known on the host), one gather and one scatter over
-        ``req_to_token`` for the whole step, no device sync. Only request-owned positions
-        (``>= cache_protected_len``) are freed; tree-owned ones are hidden in the row."""
-        req_to_token = model_runner.req_to_token_pool.req_to_token
-        rows, pos, own_rows, own_pos = [], [], [], []
-        for req, t, keep in plans:
-            st = t.state
-            kept = st.kept
-            drop = kept[~torch.isin(kept, keep)]
-            owned = drop[drop >= req.cache_protected_len]
-            rows.append(torch.full((drop.numel(),), t.pool_idx, dtype=torch.int64))
-            pos.append(drop)
-            own_rows.append(torch.full((owned.numel(),), t.pool_idx, dtype=torch.int64))
-            own_pos.append(owned)
-            logger.debug("sgl_sparse: %s evicted %d of %d logical (kept %d, protected %d)", req.rid, drop.numel(),
-                         st.logical_len, keep.numel(), req.cache_protected_len)
-            st.set_kept(keep)
-            self.counters.evicted_tokens_total += int(drop.numel())
-            self.counters.eviction_steps_total += 1
-        device = req_to_token.device
-        rows_d, pos_d = to_device(torch.cat(rows), device), to_device(torch.cat(pos), device)
-        own_rows_d, own_pos_d = to_device(torch.cat(own_rows), device), to_device(torch.cat(own_pos), device)
-        freed = req_to_token[own_rows_d, own_pos_d].long()  # before the sentinels overwrite them
-        req_to_token[rows_d, pos_d] = SENTINEL_SLOT
-        # Ordered against the schedule stream even when nothing is freed: its next writes to a reused
-        # row (and the tree's reads of these rows) must come after the sentinel scatter.
-        self.frees.after_writes(model_runner.token_to_kv_pool_allocator, freed)
-
 
 _runtime: SparseRuntime | None = None
 

@@ -1,0 +1,110 @@
+"""The after-forward step of an evicting or observing method: per request, advance the host
+counters, hand the method its observation window (SnapKV), take its plan and check it (the same
+``check_keep_plan`` as the reference driver); then apply every plan of the step at once.
+
+Per request, not per batch: a mixed step (``--enable-mixed-chunk``) carries prefill chunks and decode
+tokens of requests whose prompt is long done. The apply is one gather of the slots to free and one
+sentinel scatter over ``req_to_token`` for the whole step, from host-side index lists (sizes known on
+the host), no device sync; the frees are ordered against the schedule stream by :mod:`.frees`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo, check_keep_plan
+from sgl_sparse.slots import SENTINEL_SLOT, to_device
+
+if TYPE_CHECKING:
+    from sgl_sparse.integration.runtime import SparseRuntime, Tracked
+
+logger = logging.getLogger(__name__)
+
+
+def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
+    """The eviction step after ``batch``'s forward: every request's observation and plan, then all
+    plans applied at once."""
+    mode = batch.forward_mode
+    if not (mode.is_extend() or mode.is_decode()):
+        return
+    seq_lens = batch.seq_lens_cpu.tolist()
+    plans: list[tuple[Any, Tracked, torch.Tensor]] = []
+    for i, req in enumerate(batch.reqs):
+        if req.is_retracted or req.req_pool_idx is None:
+            continue
+        t = rt.track(req)
+        st = t.state
+        seq_len = int(seq_lens[i])
+        new_tokens = seq_len - st.logical_len
+        if new_tokens <= 0:
+            continue
+        st.advance(new_tokens)
+        is_prefill = not t.prompt_done
+        final = is_prefill and seq_len >= len(req.origin_input_ids) + len(req.output_ids)
+        info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final)
+        if rt.capture.window > 0 and rt.method.wants_observation(st, info):
+            if not is_prefill and not rt.capture.observes_decode:
+                raise RuntimeError(f"sgl_sparse: {rt.method.name}.wants_observation is true in decode but "
+                                   "observes_decode() is false, so no decode queries were captured")
+            rt.method.on_observation(st, _window(rt, req, st, model_runner))
+        if final:
+            t.prompt_done = True
+            rt.capture.prompt_done(req.rid)
+        plan = rt.method.on_step_end(st, info)
+        if plan is not None:
+            keep = check_keep_plan(rt.method, plan, st.kept)
+            if keep.numel() < st.num_kept:
+                plans.append((req, t, keep))
+    if plans:
+        _apply(rt, plans, model_runner)
+
+
+def _window(rt: SparseRuntime, req: Any, st: RequestState, model_runner: Any) -> ObservationWindow:
+    queries = rt.capture.get(req.rid)
+    n_layers = rt.capture.num_layers
+    if not queries or len(queries) != n_layers:
+        raise RuntimeError(f"sgl_sparse: {rt.method.name} needs the last queries of every layer, but the "
+                           f"attention backend captured {len(queries)} layer(s) for request {req.rid} "
+                           "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
+    n_w = queries[0].shape[0]
+    row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+    slots = row[to_device(st.kept, row.device)].long()
+    # The pool's key buffers and the request's slots: the scoring kernel reads keys in place.
+    return ObservationWindow(queries=queries, q_pos=torch.arange(st.logical_len - n_w, st.logical_len),
+                             key_buffer=model_runner.token_to_kv_pool.get_key_buffer, key_rows=slots,
+                             k_pos=st.kept, num_layers=n_layers, scale=float(rt.capture.scale or 1.0))
+
+
+def _apply(rt: SparseRuntime, plans: list[tuple[Any, Tracked, torch.Tensor]], model_runner: Any) -> None:
+    """Apply this step's plans at once: gather the slots to free, write the sentinels, free.
+
+    Host-side index lists (sizes known on the host), one gather and one scatter over
+    ``req_to_token`` for the whole step, no device sync. Only request-owned positions
+    (``>= cache_protected_len``) are freed; tree-owned ones are hidden in the row."""
+    req_to_token = model_runner.req_to_token_pool.req_to_token
+    rows, pos, own_rows, own_pos = [], [], [], []
+    for req, t, keep in plans:
+        st = t.state
+        kept = st.kept
+        drop = kept[~torch.isin(kept, keep)]
+        owned = drop[drop >= req.cache_protected_len]
+        rows.append(torch.full((drop.numel(),), t.pool_idx, dtype=torch.int64))
+        pos.append(drop)
+        own_rows.append(torch.full((owned.numel(),), t.pool_idx, dtype=torch.int64))
+        own_pos.append(owned)
+        logger.debug("sgl_sparse: %s evicted %d of %d logical (kept %d, protected %d)", req.rid, drop.numel(),
+                     st.logical_len, keep.numel(), req.cache_protected_len)
+        st.set_kept(keep)
+        rt.counters.evicted_tokens_total += int(drop.numel())
+        rt.counters.eviction_steps_total += 1
+    device = req_to_token.device
+    rows_d, pos_d = to_device(torch.cat(rows), device), to_device(torch.cat(pos), device)
+    own_rows_d, own_pos_d = to_device(torch.cat(own_rows), device), to_device(torch.cat(own_pos), device)
+    freed = req_to_token[own_rows_d, own_pos_d].long()  # before the sentinels overwrite them
+    req_to_token[rows_d, pos_d] = SENTINEL_SLOT
+    # Ordered against the schedule stream even when nothing is freed: its next writes to a reused
+    # row (and the tree's reads of these rows) must come after the sentinel scatter.
+    rt.frees.after_writes(model_runner.token_to_kv_pool_allocator, freed)
