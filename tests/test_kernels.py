@@ -44,9 +44,11 @@ def test_compact_kv_indices_matches_reference() -> None:
                 # The same lists in one pass from known counts (the decode path's device table).
                 counts = (ref_ptr[1:] - ref_ptr[:-1]).to(torch.int32)
                 indices2 = torch.full_like(indices, -1)
+                none_wrong = torch.zeros(1, dtype=torch.int64)
                 got2 = compact.fill_compact_kv_indices(req_to_token, rpi_t, lens_t, torch.zeros_like(indptr),
-                                                       indices2, min_one, counts=counts)
+                                                       indices2, min_one, counts=counts, mismatches=none_wrong)
                 assert got2.tolist() == ref_ptr.tolist() and indices2.tolist() == indices.tolist(), rpi
+                assert none_wrong.item() == 0
         # A wrong count never writes outside its row's range: too small truncates, too large pads
         # with the padding slot.
         rpi_t = torch.tensor([3, 1], dtype=torch.int64); lens_t = torch.tensor([80, 30], dtype=torch.int32)
@@ -54,13 +56,20 @@ def test_compact_kv_indices_matches_reference() -> None:
         n3, n1 = int(ref_ptr[1]), int(ref_ptr[2] - ref_ptr[1])
         for c3 in (n3 - 5, n3 + 7):
             indices = torch.full((200,), -1, dtype=torch.int64)
+            mismatches = torch.zeros(1, dtype=torch.int64)
             ptr = compact.fill_compact_kv_indices(req_to_token, rpi_t, lens_t, torch.zeros(3, dtype=torch.int32),
-                                                  indices, counts=torch.tensor([c3, n1], dtype=torch.int32))
-            assert ptr.tolist() == [0, c3, c3 + n1]
+                                                  indices, counts=torch.tensor([c3, n1], dtype=torch.int32),
+                                                  mismatches=mismatches)
+            assert ptr.tolist() == [0, c3, c3 + n1] and mismatches.item() == 1  # row 3's count is wrong
             want3 = ref_idx[:n3].tolist()[:c3] + [0] * max(0, c3 - n3)
             assert indices[:c3].tolist() == want3, c3
             assert indices[c3:c3 + n1].tolist() == req_to_token[1, :30].tolist()
             assert (indices[c3 + n1:] == -1).all()
+        # A count beyond the row's logical length is capped there (kv_indices is sized by seq_lens).
+        ptr = compact.fill_compact_kv_indices(req_to_token, rpi_t, lens_t, torch.zeros(3, dtype=torch.int32),
+                                              torch.full((110,), -1, dtype=torch.int64),
+                                              counts=torch.tensor([500, n1], dtype=torch.int32))
+        assert ptr.tolist() == [0, 80, 80 + n1]
         # An all-evicted prefix is an empty list (it must not attend the padding slot); a padding
         # row gets one slot only for the Triton decode kernel.
         one = torch.tensor([4], dtype=torch.int64); ten = torch.tensor([10], dtype=torch.int32)
@@ -145,6 +154,14 @@ def test_kernels_compile_for_the_h200() -> None:
              dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
             (compact._block_compact_kernel, sig({"*i32": "req_to_token seq_lens kv_indptr block_offsets row_live",
                                                  "*i64": "req_pool_indices kv_indices", "i32": "nblk"},
+                                                "stride SENTINEL BLOCK_N"),
+             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
+            # As FlashInfer calls them: int64 seq_lens, int32 kv_indices.
+            (compact._block_count_kernel, sig({"*i32": "req_to_token block_counts", "*i64": "req_pool_indices seq_lens",
+                                               "i32": "nblk"}, "stride SENTINEL BLOCK_N"),
+             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
+            (compact._block_compact_kernel, sig({"*i32": "req_to_token kv_indptr block_offsets row_live kv_indices",
+                                                 "*i64": "req_pool_indices seq_lens", "i32": "nblk"},
                                                 "stride SENTINEL BLOCK_N"),
              dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
         ]

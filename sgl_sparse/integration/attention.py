@@ -158,7 +158,8 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
 
         return fill_compact_kv_indices(self.req_to_token, req_pool_indices[:bs], seq_lens[:bs], self.kv_indptr,
                                        kv_indices, min_one=self.decode_lists,
-                                       counts=self._decode_counts(req_pool_indices[:bs], seq_lens[:bs]))
+                                       counts=self._decode_counts(req_pool_indices[:bs], seq_lens[:bs]),
+                                       mismatches=self.runtime.tables.mismatches)
 
 
 class _CompactingIndexLauncher:
@@ -183,7 +184,8 @@ class _CompactingIndexLauncher:
             bs = int(grid[0])
             fill_compact_kv_indices(req_to_token, req_pool_indices[:bs], lens[:bs], kv_indptr, kv_indices,
                                     min_one=backend.decode_lists,
-                                    counts=backend._decode_counts(req_pool_indices[:bs], lens[:bs]))
+                                    counts=backend._decode_counts(req_pool_indices[:bs], lens[:bs]),
+                                    mismatches=backend.runtime.tables.mismatches)
 
         return launch
 

@@ -42,6 +42,9 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "logical_tokens_running": rt.logical_tokens_running(),
         "kept_tokens_running": rt.kept_tokens_running(),
         "requests_tracked": len(rt.states),
+        # Decode rows whose host live count disagreed with their row (a bug if ever non-zero; read
+        # back without a sync, so it may trail by a step).
+        "decode_count_mismatches": rt.tables.mismatches_seen,
         **vars(rt.counters),
     }
     if hasattr(tree, "stats"):

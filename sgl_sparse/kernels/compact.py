@@ -13,11 +13,13 @@ Triton extend kernel handle a zero-length prefix. Only the Triton *decode* kerne
 row, for CUDA-graph padding rows (``req_pool_idx`` 0, all padding): ``min_one=True`` gives such a row
 the padding slot. A real decode row always holds its own new token, so it never takes that path.
 
-Decode steps know every row's list length already (the runtime's device table ``live_len``, see
+Decode steps fix every row's list length (the runtime's device table ``live_len``, see
 ``integration/tables.py``, from the same host counters as FlashInfer's host-side plan): given
 ``counts``, ``kv_indptr`` is built from them, so the device lists and the host plan agree by
-construction. The writing pass never leaves a row's ``[indptr[i], indptr[i+1])`` range and pads a range
-it could not fill with the padding slot, so even a wrong count cannot make attention read out of bounds.
+construction, and a count that disagrees with the row is counted in ``mismatches`` (reported, not
+silently served). The writing pass never leaves a row's ``[indptr[i], indptr[i+1])`` range, pads a
+range it could not fill with the padding slot, and counts are capped at ``seq_lens`` (what the stock
+code sizes ``kv_indices`` by), so even a wrong count cannot make attention read out of bounds.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _block_count_kernel(req_to_token, req_pool_indices, seq_lens, block_counts, 
     row = tl.load(req_pool_indices + pid).to(tl.int64)
     n = tl.load(seq_lens + pid)
     offs = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
+    v = tl.load(req_to_token + row * stride + offs, mask=(offs < n) & (offs < stride), other=SENTINEL)
     tl.store(block_counts + pid * nblk + blk, tl.sum((v != SENTINEL).to(tl.int32), axis=0))
 
 
@@ -57,7 +59,7 @@ def _block_compact_kernel(req_to_token, req_pool_indices, seq_lens, kv_indptr, b
     out = tl.load(kv_indptr + pid).to(tl.int64)
     end = tl.load(kv_indptr + pid + 1).to(tl.int64)
     offs = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    v = tl.load(req_to_token + row * stride + offs, mask=offs < n, other=SENTINEL)
+    v = tl.load(req_to_token + row * stride + offs, mask=(offs < n) & (offs < stride), other=SENTINEL)
     live = v != SENTINEL
     dst = out + tl.load(block_offsets + pid * nblk + blk).to(tl.int64) + tl.cumsum(live.to(tl.int32), axis=0) - 1
     tl.store(kv_indices + dst, v.to(kv_indices.dtype.element_ty), mask=live & (dst < end))
@@ -71,14 +73,18 @@ def _block_compact_kernel(req_to_token, req_pool_indices, seq_lens, kv_indptr, b
 
 def fill_compact_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                             kv_indptr: torch.Tensor, kv_indices: torch.Tensor, min_one: bool = False,
-                            counts: torch.Tensor | None = None) -> torch.Tensor:
+                            counts: torch.Tensor | None = None,
+                            mismatches: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``kv_indptr[: bs + 1]`` and the compacted ``kv_indices``; returns ``kv_indptr[: bs + 1]``.
 
-    ``counts`` (device, ``[bs]``): each row's list length when the caller knows it (the decode step's
-    live counts, which the host plan uses too), else the live slots counted here (``min_one``: at
-    least one for a non-empty row). One program per block of 1024 row positions (a 130K row is 128
-    programs, not one program looping 128 times), blocks past a row's length return at once. No host
-    sync: everything stays on the device (so it also runs inside CUDA-graph replays)."""
+    The list lengths are the live slots counted here (``min_one``: at least one for a non-empty row),
+    or ``counts`` (device, ``[bs]``) when the caller fixes them (a decode step's live counts, which
+    FlashInfer's host-side plan uses too), capped at ``seq_lens`` so the lists never outgrow a buffer
+    sized by them; then ``mismatches`` (device, one element) gains the number of rows whose given count
+    differs from the counted one, a bookkeeping error the caller reports without a sync. One program
+    per block of 1024 row positions (a 130K row is 128 programs, not one program looping 128 times;
+    blocks past a row's length load nothing). No host sync: everything stays on the device (so it
+    also runs inside CUDA-graph replays)."""
     bs = int(req_pool_indices.shape[0])
     indptr = kv_indptr[: bs + 1]
     indptr[0] = 0
@@ -92,8 +98,13 @@ def fill_compact_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.
     ends = torch.cumsum(block_counts, dim=1, dtype=torch.int32)
     row_live = ends[:, -1].contiguous()
     block_offsets = ends - block_counts
+    counted = torch.maximum(row_live, torch.clamp(seq_lens, max=1).to(torch.int32)) if min_one else row_live
     if counts is None:
-        counts = torch.maximum(row_live, torch.clamp(seq_lens, max=1).to(torch.int32)) if min_one else row_live
+        counts = counted
+    else:
+        counts = torch.minimum(counts.to(torch.int32), seq_lens.to(torch.int32))
+        if mismatches is not None:
+            mismatches += (counts != counted).sum().to(mismatches.dtype)
     indptr[1:] = torch.cumsum(counts, dim=0)
     _block_compact_kernel[(bs, nblk)](req_to_token, req_pool_indices, seq_lens, indptr, block_offsets, row_live,
                                       kv_indices, nblk, req_to_token.stride(0), SENTINEL=SENTINEL_SLOT,

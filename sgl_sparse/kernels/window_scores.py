@@ -103,6 +103,7 @@ def window_scores_per_head(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor
     if k_rows is None:
         assert k.shape[0] == n
         k_rows = torch.arange(n, device=k.device)
+    assert k_rows.numel() == n, (k_rows.shape, n)
     if k.dtype != q.dtype:  # converting a whole pool buffer would cost more than the gather
         k, k_rows = k[k_rows].to(q.dtype), torch.arange(n, device=k.device)
     group = n_heads // n_kv
