@@ -4,8 +4,8 @@
 # released 30 s after a command ends, and detached work dies with it). Run from the project root after
 # the bootstrap commands (benchmarks/device_site_parts.sh; benchmarks/README.md lists them).
 #
-#   bash benchmarks/device_session.sh headline   the 130K headline on GPU HEADLINE_GPU (default 1; 0 on a
-#                                                one-GPU machine): vanilla, then sgl_sparse SnapKV 8192 at
+#   bash benchmarks/device_session.sh headline   the 130K headline on GPU HEADLINE_GPU (default 1 on a
+#                                                two-GPU machine, else 0): vanilla, then sgl_sparse SnapKV 8192 at
 #                                                SPARSE_BATCH (default 28) requests, ~24 min. Nothing else
 #                                                may use that GPU meanwhile: a job beside it halves prefill.
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
@@ -14,6 +14,11 @@
 #                                                reaches at SnapKV 8,192's per-request KV (its % of the floor).
 #   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
 #                                                .toml: vanilla FlashInfer, snapkv 8192, dense (~12 min).
+#   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (~10 min on a fresh machine).
+#   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
+#   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
+#                                                (e.g. `queue gputests headline floorref`); its progress
+#                                                and each step's failure, if any, in /root/bench/queue.txt.
 #   bash benchmarks/device_session.sh train      the quality models side by side, each for TRAIN_S seconds
 #                                                (default 1150): large on LARGE_GPU from LARGE_FROM (a
 #                                                carried model dir; from scratch when unset) at
@@ -41,42 +46,68 @@
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 MODEL=.device-site/models/llama3-8b-shape
+# GPU 1 on a two-GPU machine (GPU 0 trains or runs quality beside it), else GPU 0.
+DEFAULT_GPU=$([ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ] && echo 1 || echo 0)
 mkdir -p /root/bench /root/train
 
 install() { python3 -m pip install -q --no-deps --no-build-isolation -e .; }
+# launch LOG CMD...: detached (one part per command), or in the foreground inside a queue.
+launch() {
+  local log=$1; shift
+  if [ -n "${FOREGROUND:-}" ]; then
+    "$@" > "$log" 2>&1 < /dev/null || echo "$(date +%T) rc=$? from $*" >> /root/bench/queue.txt
+  else
+    setsid nohup "$@" > "$log" 2>&1 < /dev/null &
+  fi
+}
 pack_logs() { (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt); }
 
 case "${1:-}" in
 headline)
   install
-  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 benchmarks/decode_throughput.py \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/headline.txt python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${SPARSE_BATCH:-28}" --output-len 256 \
       --sparse-method snapkv --sparse-config '{"budget": 8192}' \
-      --log-dir /root/bench/headline --json /root/bench/headline.json \
-      > /root/bench/headline.txt 2>&1 < /dev/null &
+      --log-dir /root/bench/headline --json /root/bench/headline.json
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 40); ours only
   install
-  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 benchmarks/decode_throughput.py \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/streamingllm.txt python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${STREAM_BATCH:-40}" --output-len 256 \
       --only sgl_sparse --sparse-method streamingllm --sparse-config '{}' \
-      --log-dir /root/bench/streamingllm --json /root/bench/streamingllm.json \
-      > /root/bench/streamingllm.txt 2>&1 < /dev/null &
+      --log-dir /root/bench/streamingllm --json /root/bench/streamingllm.json
   ;;
 floorref)  # vanilla at SnapKV 8,192's per-request KV (8,448 in, 256 out) x FLOOR_BATCH (default 30)
   install
-  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 benchmarks/decode_throughput.py \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/floorref.txt python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 8448 --batch "${FLOOR_BATCH:-30}" --output-len 256 --only vanilla \
-      --log-dir /root/bench/floorref --json /root/bench/floorref.json > /root/bench/floorref.txt 2>&1 < /dev/null &
+      --log-dir /root/bench/floorref --json /root/bench/floorref.json
   ;;
 agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer, snapkv 8192, dense
   install
   python3 -m bench_agent generate --config bench_agent/configs/agent_overflow_h200.toml --out /root/bench/agent.jsonl
-  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-1}" setsid nohup python3 -m bench_agent compare --model-path $MODEL \
-      --trace /root/bench/agent.jsonl --time-scale 0.5 --out /root/bench/agent \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/agent.txt python3 -m bench_agent compare \
+      --model-path $MODEL --trace /root/bench/agent.jsonl --time-scale 0.5 --out /root/bench/agent \
       --sparse-method snapkv --sparse-config '{"budget": 8192}' --sparse-method dense --sparse-config '{}' \
-      --server-args='--load-format dummy --mem-fraction-static 0.80 --context-length 131072 --sampling-backend pytorch --disable-piecewise-cuda-graph --chunked-prefill-size 16384 --cuda-graph-max-bs 32' \
-      > /root/bench/agent.txt 2>&1 < /dev/null &
+      --server-args='--load-format dummy --mem-fraction-static 0.80 --context-length 131072 --sampling-backend pytorch --disable-piecewise-cuda-graph --chunked-prefill-size 16384 --cuda-graph-max-bs 32'
+  ;;
+gputests)  # the GPU test suite; server logs in /root/bench/gpu-logs
+  install
+  SGL_SPARSE_GPU_LOG_DIR=/root/bench/gpu-logs CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" \
+      launch /root/bench/gpu-tests.txt python3 -m pytest tests/gpu -v
+  ;;
+quality16k)  # quality-large at 16K under QUALITY_METHODS (default: dense, snapkv 2048 and 4096, streamingllm)
+  eviction='dense snapkv:{"budget":2048} snapkv:{"budget":4096} streamingllm'
+  QUALITY_METHODS="${QUALITY_METHODS:-$eviction}" QUALITY_TAG="${QUALITY_TAG:-eviction}" \
+      QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
+  ;;
+queue)  # queue STEP...: run the steps one after another, detached; progress in /root/bench/queue.txt
+  shift
+  install
+  echo "$(date +%T) queue $*" >> /root/bench/queue.txt
+  FOREGROUND=1 setsid nohup bash -c 'for s in "$@"; do echo "$(date +%T) begin $s" >> /root/bench/queue.txt
+      bash benchmarks/device_session.sh "$s"; echo "$(date +%T) end $s" >> /root/bench/queue.txt; done' \
+      _ "$@" > /root/bench/queue.log 2>&1 < /dev/null &
   ;;
 train)
   install
@@ -117,9 +148,10 @@ quality)
   ;;
 status)
   for name in decode_throughput.py "train.py.*--out /root/train/large" "train.py.*--out /root/train/small" \
-      quality_suite.py "bench_agent compare"; do
+      quality_suite.py "bench_agent compare" "pytest tests/gpu"; do
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
+  [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt
   for f in /root/bench/{headline,streamingllm,floorref}/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
@@ -148,6 +180,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|streamingllm|floorref|agent|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|streamingllm|floorref|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
