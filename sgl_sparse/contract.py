@@ -90,6 +90,13 @@ class RequestState:
             return self._base
         return torch.cat([self._base, torch.arange(self._tail_start, self.logical_len)])
 
+    @property
+    def tail_start(self) -> int:
+        """The logical length when the kept set was last set (a plan applied, or the matched prefix
+        restored): every position from there on is retained, so for any ``d >= tail_start`` the kept
+        set restricted to ``[0, d)`` is exactly the state this request had at length ``d``."""
+        return self._tail_start
+
     def advance(self, new_tokens: int) -> None:
         """Runtime: ``new_tokens`` were appended and are retained."""
         self.logical_len += new_tokens

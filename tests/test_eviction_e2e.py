@@ -129,6 +129,28 @@ def test_chain_branches_two_continuations_of_one_prefix(sparse_servers: dict) ->
     _assert_idle_and_sound(server)
 
 
+def test_next_turn_leaving_the_previous_answer_resumes_after_its_last_eviction(sparse_servers: dict) -> None:
+    """An agent's next turn whose history differs inside the previous answer (re-tokenized text does
+    that) still resumes from the previous turn's kept KV, cut where it leaves, once it is past that
+    turn's last eviction: SnapKV here re-selects at 16 decoded tokens (decode_interval)."""
+    server = sparse_servers["snapkv"]
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    base = _assert_idle_and_sound(server)
+    rng = random.Random(21)
+    prompt = _ids(rng, 600)
+    answer = server.generate(input_ids=prompt, max_new_tokens=20, ignore_eos=True)["output_ids"]
+    _assert_idle_and_sound(server)
+    late = server.generate(input_ids=prompt + answer[:18] + _ids(rng, 30), max_new_tokens=4, ignore_eos=True)
+    assert late["meta_info"]["cached_tokens"] == 618, late["meta_info"]
+    st = _assert_idle_and_sound(server)
+    assert st["chain_hits_total"] - base["chain_hits_total"] == 1
+    # Left before the re-selection at 616: the kept set cut there is no state the first turn had, so
+    # the match stops at the first hole (inside the prompt, after SnapKV's 8 sink tokens).
+    early = server.generate(input_ids=prompt + answer[:10] + _ids(rng, 30), max_new_tokens=4, ignore_eos=True)
+    assert SNAPKV["sink_tokens"] <= early["meta_info"]["cached_tokens"] < 600, early["meta_info"]
+    _assert_idle_and_sound(server)
+
+
 def _abort_after(server: ServerProcess, rid: str, delay: float) -> None:
     time.sleep(delay)
     requests.post(f"{server.base_url}/abort_request", json={"rid": rid}, timeout=30)

@@ -63,7 +63,7 @@ def _invariant(tree: Any, alloc: Any) -> int:
 
 def _admit(tree: Any, req_pool: ReqToTokenPool, alloc: Any, req: FakeReq, row: int) -> None:
     """What SGLang does at admission: match, lock, allocate the rest, write the row."""
-    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids), req.extra_key)))
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids), req.extra_key), req=req))
     req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
     req.cache_protected_len = len(req.prefix_indices)
     tree.inc_lock_ref(req.last_node)
@@ -269,3 +269,47 @@ def test_turn_after_an_abandoned_branch_recomputes_and_leaves_a_valid_record() -
     m = _match(tree, list(range(800, 820)) + [7, 7, 7, 9])
     assert len(m.device_indices) == 23 and _holes_in(m.device_indices) == [12, 21]
     assert _invariant(tree, alloc) == 0
+
+
+def test_next_turn_that_leaves_the_previous_answer_resumes_from_its_record() -> None:
+    """An agent's next turn whose history differs inside the previous answer (re-tokenized text) is
+    still that conversation's continuation once its match covers the finished request's prompt and
+    last eviction: it sees the kept set cut at its match. A request that leaves earlier (another
+    conversation sharing part of the prompt, or one inside the span the last eviction decided) still
+    stops at the first hole."""
+    from sgl_sparse.radix.tree import FinishedState
+
+    tree, req_pool, alloc = _make()
+    prompt, answer = list(range(900, 920)), [1, 2, 3, 4, 5, 6]
+    hidden = [3, 4, 5, 9, 10]
+    kept = torch.tensor([p for p in range(26) if p not in hidden])
+    tails = {"a": 20, "s": 23}  # a: evicted at the end of its prompt (SnapKV); s: at decode length 23
+    tree._on_finish = lambda req: FinishedState(kept=kept, tail_start=tails[req.rid]) if req.rid in tails else None
+    a = FakeReq("a", prompt, output_ids=answer)
+    _admit(tree, req_pool, alloc, a, 1)
+    _evict_positions(req_pool, alloc, a, hidden)
+    tree.cache_finished_req(a, kv_len_to_handle=26)
+    assert _invariant(tree, alloc) == 0
+
+    b = FakeReq("b", prompt + answer[:2] + [77, 78])  # leaves a's answer at 22
+    _admit(tree, req_pool, alloc, b, 2)
+    assert len(b.prefix_indices) == 22 and _holes_in(b.prefix_indices) == hidden
+    assert b._sgl_sparse_view.kept.tolist() == [p for p in range(22) if p not in hidden]
+    assert b._sgl_sparse_view.payload is None  # the payload describes a at 26 tokens
+    for other in (prompt[:15] + [5, 5], prompt[:19] + [6]):  # leaves before a's prompt ends
+        assert len(_match(tree, other).device_indices) == 3  # the first hole
+    tree.cache_finished_req(b, kv_len_to_handle=24)
+    assert _invariant(tree, alloc) == 0
+    # a's record is untouched by b's branch, and a's own continuation still resumes at its end.
+    m = _match(tree, prompt + answer + [9])
+    assert len(m.device_indices) == 26 and _holes_in(m.device_indices) == hidden
+
+    tree2, req_pool2, alloc2 = _make()
+    tree2._on_finish = lambda req: FinishedState(kept=kept, tail_start=tails[req.rid])
+    s = FakeReq("s", prompt, output_ids=answer)
+    _admit(tree2, req_pool2, alloc2, s, 1)
+    _evict_positions(req_pool2, alloc2, s, hidden)
+    tree2.cache_finished_req(s, kv_len_to_handle=26)
+    assert len(_match(tree2, prompt + answer[:2] + [7]).device_indices) == 3  # 22 < s's last eviction
+    m = _match(tree2, prompt + answer[:4] + [7])
+    assert len(m.device_indices) == 24 and _holes_in(m.device_indices) == hidden

@@ -95,10 +95,10 @@ class SparseRuntime:
         n_prefix = len(req.prefix_indices)
         view = getattr(req, VIEW_ATTR, None)
         if n_prefix:
-            record = None
+            payload = None
             if view is not None and view.length == n_prefix:
                 st.set_kept(view.kept, logical_len=n_prefix)
-                record = view.record
+                payload = view.payload
             elif self.method.evicts:
                 # No view for this prefix (the tree always leaves one: an SGLang path we do not know).
                 # The row may hold holes: read the truth from the device once rather than guess.
@@ -111,7 +111,7 @@ class SparseRuntime:
                 self.counters.chain_hits_total += 1
                 self.counters.chain_hit_tokens_total += n_prefix
                 self.counters.chain_hit_kept_tokens_total += st.num_kept
-            self.method.restore_state(st, record.payload if record is not None else None)
+            self.method.restore_state(st, payload)
         t = Tracked(st, int(req.req_pool_idx))
         self.tracked[req.rid] = t
         return t
@@ -126,7 +126,7 @@ class SparseRuntime:
         if t is None:
             return None
         payload = self.method.on_finish(t.state)
-        return FinishedState(kept=t.state.kept, payload=payload)
+        return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start)
 
     @staticmethod
     def kv_slots_used(allocator: Any) -> int:

@@ -16,7 +16,11 @@ A node value holds one KV slot per logical token; a position whose KV was evicte
     branch below them); nodes shared with other branches keep their KV;
   - its kept set is stored as a :class:`ChainRecord` on the node that ends its sequence; a later
     request that matches through that node is its continuation and sees exactly that kept set
-    (positions outside it are hidden in its view, even where the tree holds them);
+    (positions outside it are hidden in its view, even where the tree holds them); so is a request
+    that leaves the sequence after the record's ``since`` (past the finished request's whole prompt
+    and its last eviction), e.g. an agent's next turn whose re-tokenized history differs inside the
+    previous answer: it sees the kept set cut at its match, exactly the state the finished request
+    had at that length;
   - a request that is not a continuation of any valid record never sees a hole: its match stops at
     the first one, and it recomputes the rest (then its KV fills the holes of the dense region it
     shares, so the next conversation matches further). So one conversation's eviction never changes
@@ -57,12 +61,23 @@ VIEW_ATTR = "_sgl_sparse_view"  # set on SGLang's Req by match_prefix: what the 
 @dataclass
 class ChainRecord:
     """What a finished request of an evicting method left for its continuations: the sorted logical
-    positions (CPU int64) it kept of its ``end`` tokens, and its method's :class:`TreePayload`."""
+    positions (CPU int64) it kept of its ``end`` tokens, and its method's :class:`TreePayload`.
+
+    ``since``: the shortest match that may resume from it without reaching ``end``: the finished
+    request's whole prompt (so only its own conversation qualifies, never another one that shares a
+    system prompt) and its last eviction (``RequestState.tail_start``: from there on it only
+    appended, so ``kept`` cut at any ``d >= since`` is the state it had at length ``d``). ``end``
+    when unknown."""
 
     end: int
     kept: torch.Tensor
     payload: TreePayload | None = None
+    since: int | None = None
     _hide_dev: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.since is None or not 0 <= self.since <= self.end:
+            self.since = self.end
 
     def hide_on(self, device: torch.device) -> torch.Tensor:
         """Positions of ``[0, end)`` outside the kept set, cached on the device (built once)."""
@@ -75,19 +90,24 @@ class ChainRecord:
 class MatchView:
     """What a request's match gives it (stashed on the request, read by the runtime at its first
     step): ``length`` usable logical tokens of which ``kept`` (sorted CPU positions) hold visible KV,
-    and the record whose continuation it is (``None``: a dense prefix, ``kept`` is all of it)."""
+    the record whose continuation it is (``None``: a dense prefix, ``kept`` is all of it), and the
+    payload to restore (the record's when the match reaches its end; a payload describes the
+    finished request at ``end``, so a continuation from inside its tail gets none)."""
 
     length: int
     kept: torch.Tensor
     record: ChainRecord | None
+    payload: TreePayload | None = None
 
 
 @dataclass(frozen=True)
 class FinishedState:
-    """What the runtime reports for a finishing request: its kept positions (sorted, CPU) and payload."""
+    """What the runtime reports for a finishing request: its kept positions (sorted, CPU), payload, and
+    the logical length at its last eviction (``RequestState.tail_start``)."""
 
     kept: torch.Tensor
     payload: TreePayload | None = None
+    tail_start: int | None = None
 
 
 def _holes(node: TreeNode) -> torch.Tensor:
@@ -242,22 +262,46 @@ class SparseRadixCache(RadixCache):
             if rec is not None and not bool(torch.isin(rec.kept, all_holes).any()):
                 record = rec
                 break
+        payload = record.payload if record is not None else None
         if record is not None:
             length, kept = record.end, record.kept
         else:
             length = int(all_holes.min()) if all_holes.numel() else pos
             kept = torch.arange(length)
+        if length < pos:  # a hole or a record ends the view early: resume inside a record's tail?
+            inner = self._record_below(res.last_device_node, pos, all_holes)
+            if inner is not None:
+                record, payload, length = inner, None, pos
+                kept = inner.kept[inner.kept < pos]
         if req is not None:
-            setattr(req, VIEW_ATTR, MatchView(length, kept, record))
+            setattr(req, VIEW_ATTR, MatchView(length, kept, record, payload))
         if length == pos and record is None:
             return res  # a dense prefix, no hole: the stock result as it is
         indices = res.device_indices[:length]
         if record is not None:
             indices = indices.clone()
-            indices[record.hide_on(indices.device)] = SENTINEL_SLOT
+            hide = record.hide_on(indices.device) if length == record.end else to_device(complement(kept, length),
+                                                                                         indices.device)
+            indices[hide] = SENTINEL_SLOT
         last = self._node_ending_at(path, starts, length)
         return res._replace(device_indices=indices, last_device_node=last, last_host_node=last,
                             best_match_node=last)
+
+    def _record_below(self, node: TreeNode, pos: int, holes: torch.Tensor, limit: int = 256) -> ChainRecord | None:
+        """A record on a sequence that runs through ``node`` (the match ends at ``pos``) from which a
+        match of ``pos`` tokens may resume: ``since <= pos``, and its kept positions before ``pos`` all
+        resident. Deepest ``since`` first (the latest decision). Looks at ``limit`` nodes at most."""
+        best: ChainRecord | None = None
+        stack, seen = list(node.children.values()), 0
+        while stack and seen < limit:
+            child = stack.pop()
+            seen += 1
+            rec = getattr(child, "chain", None)
+            if rec is not None and rec.since <= pos < rec.end and (best is None or rec.since > best.since):
+                if not bool(torch.isin(rec.kept[rec.kept < pos], holes).any()):
+                    best = rec
+            stack.extend(child.children.values())
+        return best
 
     def _node_ending_at(self, path: list[TreeNode], starts: list[int], length: int) -> TreeNode:
         """The path node that ends at logical position ``length`` (splitting one if needed)."""
@@ -311,7 +355,10 @@ class SparseRadixCache(RadixCache):
             self.dec_lock_ref(req.last_node)
         self._compact_exclusive(path, hidden)
         if hidden.numel():
-            path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None)
+            since = None  # unknown without the runtime's state: only a match through the end resumes
+            if finished is not None and finished.tail_start is not None:
+                since = max(finished.tail_start, len(req.origin_input_ids))
+            path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None, since=since)
         # A request that hid nothing leaves an existing record of the same sequence in place: positions
         # past it were computed under that record's view.
 
