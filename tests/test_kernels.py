@@ -149,22 +149,19 @@ def test_kernels_compile_for_the_h200() -> None:
             (ws._prob_sum_kernel, sig({"*bf16": "q k", "*i64": "k_rows q_pos k_pos", "*fp32": "m_in l_in out",
                                        "i32": scalars, "fp32": "scale"}, "G R D D_P BLOCK"),
              dict(G=4, R=128, D=128, D_P=128, BLOCK=ws.BLOCK_N)),
-            (compact._block_count_kernel, sig({"*i32": "req_to_token seq_lens block_counts", "*i64": "req_pool_indices",
-                                               "i32": "nblk"}, "stride SENTINEL BLOCK_N"),
-             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
-            (compact._block_compact_kernel, sig({"*i32": "req_to_token seq_lens kv_indptr block_offsets row_live",
-                                                 "*i64": "req_pool_indices kv_indices", "i32": "nblk"},
-                                                "stride SENTINEL BLOCK_N"),
-             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
-            # As FlashInfer calls them: int64 seq_lens, int32 kv_indices.
-            (compact._block_count_kernel, sig({"*i32": "req_to_token block_counts", "*i64": "req_pool_indices seq_lens",
-                                               "i32": "nblk"}, "stride SENTINEL BLOCK_N"),
-             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
-            (compact._block_compact_kernel, sig({"*i32": "req_to_token kv_indptr block_offsets row_live kv_indices",
-                                                 "*i64": "req_pool_indices seq_lens", "i32": "nblk"},
-                                                "stride SENTINEL BLOCK_N"),
-             dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)),
         ]
+        # The compaction kernels with each dtype pair they are called with: (seq_lens, kv_indices) as the
+        # tests pass them, and as FlashInfer does (int64 seq_lens, int32 kv_indices).
+        consts = dict(stride=131072, SENTINEL=0, BLOCK_N=compact.BLOCK)
+        for lens_t, idx_t in (("*i32", "*i64"), ("*i64", "*i32")):
+            common = {"*i32": "req_to_token", "*i64": "req_pool_indices", "i32": "nblk"}
+            cases += [
+                (compact._block_count_kernel, {**sig(common, "stride SENTINEL BLOCK_N"), "seq_lens": lens_t,
+                                               "block_counts": "*i32"}, consts),
+                (compact._block_compact_kernel, {**sig(common, "stride SENTINEL BLOCK_N"), "seq_lens": lens_t,
+                                                 **sig({"*i32": "kv_indptr block_offsets row_live"}, ""),
+                                                 "kv_indices": idx_t}, consts),
+            ]
         for fn, signature, consts in cases:
             order = fn.arg_names
             assert sorted(order) == sorted(signature), (fn.__name__, order)

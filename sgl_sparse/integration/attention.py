@@ -18,8 +18,9 @@ wraps (the launcher's choice, ``handoff.base``):
   and masks by logical position (``kpos <= qpos``).
 
 Decode lists give a row with no live slot one padding slot (``min_one``): only CUDA-graph padding rows
-have none, and the kernels expect one slot there; they are built in one pass from the live counts of
-the runtime's device table (``integration/tables.py``). Extend prefix lists may be empty (a fully evicted
+have none, and the kernels expect one slot there; their lengths come from the live counts of the
+runtime's device table (``integration/tables.py``), the ones the host-side plan uses. Extend prefix
+lists may be empty (a fully evicted
 prefix attends nothing, on every base). Methods with an observation window (SnapKV) also get their
 requests' last post-RoPE queries here.
 """
@@ -65,11 +66,17 @@ class _SparseBackendMixin:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
         super().init_forward_metadata_out_graph(forward_batch, in_capture)  # type: ignore[misc]
 
-    def _decode_counts(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        """Live counts of a decode list build from the runtime's device table (None: count them)."""
-        if not self.decode_lists:
-            return None
-        return self.runtime.tables.decode_counts(req_pool_indices, seq_lens, min_one=True)
+    def _fill_lists(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> torch.Tensor:
+        """Compacted lists of these rows (every base's list builder calls this): decode lists take
+        their lengths from the runtime's live counts (one padding slot for an empty row), extend lists
+        count them."""
+        from sgl_sparse.kernels.compact import fill_compact_kv_indices
+
+        tables = self.runtime.tables
+        counts = tables.decode_counts(req_pool_indices) if self.decode_lists else None
+        return fill_compact_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+                                       min_one=self.decode_lists, counts=counts, mismatches=tables.mismatches)
 
     # Every base: capture the window queries, then the stock attention (each base's own signature).
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -154,12 +161,7 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
                                     kv_indices: torch.Tensor) -> torch.Tensor:
         if not self.skip_sentinels:
             return super()._fill_kv_indptr_and_indices(bs, seq_lens, req_pool_indices, kv_indices)
-        from sgl_sparse.kernels.compact import fill_compact_kv_indices
-
-        return fill_compact_kv_indices(self.req_to_token, req_pool_indices[:bs], seq_lens[:bs], self.kv_indptr,
-                                       kv_indices, min_one=self.decode_lists,
-                                       counts=self._decode_counts(req_pool_indices[:bs], seq_lens[:bs]),
-                                       mismatches=self.runtime.tables.mismatches)
+        return self._fill_lists(self.req_to_token, req_pool_indices[:bs], seq_lens[:bs], self.kv_indptr, kv_indices)
 
 
 class _CompactingIndexLauncher:
@@ -179,13 +181,8 @@ class _CompactingIndexLauncher:
             if backend is None or kv_start_idx is not None:
                 self.stock[grid](req_to_token, req_pool_indices, lens, kv_indptr, kv_start_idx, kv_indices, stride)
                 return
-            from sgl_sparse.kernels.compact import fill_compact_kv_indices
-
             bs = int(grid[0])
-            fill_compact_kv_indices(req_to_token, req_pool_indices[:bs], lens[:bs], kv_indptr, kv_indices,
-                                    min_one=backend.decode_lists,
-                                    counts=backend._decode_counts(req_pool_indices[:bs], lens[:bs]),
-                                    mismatches=backend.runtime.tables.mismatches)
+            backend._fill_lists(req_to_token, req_pool_indices[:bs], lens[:bs], kv_indptr, kv_indices)
 
         return launch
 

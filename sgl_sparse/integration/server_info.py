@@ -44,7 +44,7 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "requests_tracked": len(rt.states),
         # Decode rows whose host live count disagreed with their row (a bug if ever non-zero; read
         # back without a sync, so it may trail by a step).
-        "decode_count_mismatches": rt.tables.mismatches_seen,
+        "decode_count_mismatches": rt.tables.read_mismatches(),
         **vars(rt.counters),
     }
     if hasattr(tree, "stats"):

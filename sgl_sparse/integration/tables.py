@@ -12,7 +12,7 @@ The host keeps the same counts (``RequestState.num_kept``) and decides from them
 ``set_decode`` copies the decode batch's counts once per step (pinned, non-blocking) on the stream the
 forward runs on, so they are in place before the step's metadata build reads them. Row 0 is SGLang's
 padding row (the request pool never hands it out): it counts 0, and ``min_one`` gives a CUDA-graph
-padding row its single padding slot, as the counting kernel would.
+padding row its single padding slot, as it does to a counted row.
 
 The list build still counts each row's live slots (it needs them to place the slots) and adds every
 row whose table count differs to ``mismatches``, on the device. After each decode step that counter
@@ -51,7 +51,7 @@ class DeviceTables:
                    seq_lens: list[int]) -> None:
         """``lens`` (CPU int32, batch order): live counts of the batch's rows for this decode step;
         ``seq_lens``: their logical lengths (only for the check)."""
-        self._read_mismatches()
+        self.read_mismatches()
         if self.live_len is None or self.live_len.device != req_to_token.device:
             self.live_len = torch.zeros(req_to_token.shape[0], dtype=torch.int32, device=req_to_token.device)
             self.mismatches = torch.zeros(1, dtype=torch.int64, device=req_to_token.device)
@@ -61,15 +61,11 @@ class DeviceTables:
         if self.check:
             self._check(req_to_token, rows, lens, seq_lens)
 
-    def decode_counts(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                      min_one: bool) -> torch.Tensor | None:
-        """Counts for a decode list build (``[bs]``, device), or None when this step has none."""
+    def decode_counts(self, req_pool_indices: torch.Tensor) -> torch.Tensor | None:
+        """Live counts of a decode list build's rows (``[bs]``, device), or None when this step has none."""
         if not self.decode_ready or self.live_len is None:
             return None
-        counts = self.live_len[req_pool_indices.long()]
-        if min_one:
-            counts = torch.maximum(counts, torch.clamp(seq_lens, max=1).to(counts.dtype))
-        return counts
+        return self.live_len[req_pool_indices.long()]
 
     def done(self) -> None:
         """After the step's forward: start the non-blocking read-back of the mismatch counter."""
@@ -83,12 +79,13 @@ class DeviceTables:
             self._readback = (host, event)
         self.decode_ready = False
 
-    def _read_mismatches(self) -> None:
+    def read_mismatches(self) -> int:
+        """The mismatch count read back so far (takes in a completed read-back; never waits)."""
         if self._readback is None:
-            return
+            return self.mismatches_seen
         host, event = self._readback
         if event is not None and not event.query():
-            return  # not there yet: read it at a later step
+            return self.mismatches_seen  # not there yet: read it at a later step
         self._readback = None
         n = int(host[0])
         if n > self.mismatches_seen:
@@ -96,6 +93,7 @@ class DeviceTables:
                          "(%d in all); their attention read a truncated or padded KV list. This is a bug: please "
                          "report it with the server log", n - self.mismatches_seen, n)
             self.mismatches_seen = n
+        return self.mismatches_seen
 
     def _check(self, req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, seq_lens: list[int]) -> None:
         for row, n, seq_len in zip(rows.tolist(), lens.tolist(), seq_lens):

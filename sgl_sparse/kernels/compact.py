@@ -77,10 +77,10 @@ def fill_compact_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.
                             mismatches: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``kv_indptr[: bs + 1]`` and the compacted ``kv_indices``; returns ``kv_indptr[: bs + 1]``.
 
-    The list lengths are the live slots counted here (``min_one``: at least one for a non-empty row),
-    or ``counts`` (device, ``[bs]``) when the caller fixes them (a decode step's live counts, which
-    FlashInfer's host-side plan uses too), capped at ``seq_lens`` so the lists never outgrow a buffer
-    sized by them; then ``mismatches`` (device, one element) gains the number of rows whose given count
+    The list lengths are the live slots counted here, or ``counts`` (device, ``[bs]``) when the caller
+    fixes them (a decode step's live counts, which FlashInfer's host-side plan uses too), capped at
+    ``seq_lens`` so the lists never outgrow a buffer sized by them; ``min_one``: at least one for a
+    non-empty row, either way; then ``mismatches`` (device, one element) gains the number of rows whose given count
     differs from the counted one, a bookkeeping error the caller reports without a sync. One program
     per block of 1024 row positions (a 130K row is 128 programs, not one program looping 128 times;
     blocks past a row's length load nothing). No host sync: everything stays on the device (so it
@@ -98,11 +98,15 @@ def fill_compact_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.
     ends = torch.cumsum(block_counts, dim=1, dtype=torch.int32)
     row_live = ends[:, -1].contiguous()
     block_offsets = ends - block_counts
-    counted = torch.maximum(row_live, torch.clamp(seq_lens, max=1).to(torch.int32)) if min_one else row_live
+    floor = torch.clamp(seq_lens, max=1).to(torch.int32) if min_one else None
+    counted = row_live if floor is None else torch.maximum(row_live, floor)
     if counts is None:
         counts = counted
     else:
-        counts = torch.minimum(counts.to(torch.int32), seq_lens.to(torch.int32))
+        counts = counts.to(torch.int32)
+        if floor is not None:
+            counts = torch.maximum(counts, floor)
+        counts = torch.minimum(counts, seq_lens.to(torch.int32))
         if mismatches is not None:
             mismatches += (counts != counted).sum().to(mismatches.dtype)
     indptr[1:] = torch.cumsum(counts, dim=0)
