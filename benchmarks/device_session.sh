@@ -10,12 +10,14 @@
 #                                                may use that GPU meanwhile: a job beside it halves prefill.
 #   bash benchmarks/device_session.sh vanilla130k | dense130k | snapkv130k | table130k
 #                                                the headline one server per step (vanilla x 6, ours dense
-#                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 52), so one vanilla
+#                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60), so one vanilla
 #                                                run serves both comparisons; table130k prints the table.
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
-#                                                40), ours only, on HEADLINE_GPU (the vanilla row: headline's).
-#   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 30): what vanilla
+#                                                24), ours only, on HEADLINE_GPU (the vanilla row: headline's).
+#   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
 #                                                reaches at SnapKV 8,192's per-request KV (its % of the floor).
+#   bash benchmarks/device_session.sh layout     benchmarks/attention_layout.py: FlashInfer decode over contiguous,
+#                                                SnapKV-like and random slot layouts (LAYOUT_BATCH, default 60).
 #   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
 #                                                .toml: vanilla FlashInfer, snapkv 8192, dense (~12 min).
 #   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (~10 min on a fresh machine).
@@ -75,11 +77,11 @@ headline)
       --log-dir /root/bench/headline --json /root/bench/headline.json
   ;;
 vanilla130k|dense130k|snapkv130k)  # the 130K table one server per step: vanilla x 6, ours dense x 6, SnapKV 8192
-  install                            # x SPARSE_BATCH (default 52); then `table130k` prints them together
+  install                            # x SPARSE_BATCH (default 60); then `table130k` prints them together
   case "$1" in
   vanilla130k) only=(--only vanilla) batch=6 cfg=(--sparse-method dense) ;;
   dense130k) only=(--only sgl_sparse) batch=6 cfg=(--sparse-method dense --sparse-config '{}') ;;
-  snapkv130k) only=(--only sgl_sparse) batch="${SPARSE_BATCH:-52}" cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
+  snapkv130k) only=(--only sgl_sparse) batch="${SPARSE_BATCH:-60}" cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
   esac
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$batch" --output-len 256 "${only[@]}" "${cfg[@]}" \
@@ -89,18 +91,24 @@ table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
       $(ls /root/bench/dense130k.json /root/bench/snapkv130k.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
-streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 40); ours only
+streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/streamingllm.txt python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${STREAM_BATCH:-40}" --output-len 256 \
+      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${STREAM_BATCH:-24}" --output-len 256 \
       --only sgl_sparse --sparse-method streamingllm --sparse-config '{}' \
       --log-dir /root/bench/streamingllm --json /root/bench/streamingllm.json
   ;;
-floorref)  # vanilla at SnapKV 8,192's per-request KV (8,448 in, 256 out) x FLOOR_BATCH (default 30)
+floorref)  # vanilla at SnapKV 8,192's per-request KV (8,448 in, 256 out) x FLOOR_BATCH (default 60)
   install
-  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/floorref.txt python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 8448 --batch "${FLOOR_BATCH:-30}" --output-len 256 --only vanilla \
-      --log-dir /root/bench/floorref --json /root/bench/floorref.json
+  b="${FLOOR_BATCH:-60}"
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/floorref-$b.txt" python3 benchmarks/decode_throughput.py \
+      --model-path $MODEL --input-len 8448 --batch "$b" --output-len 256 --only vanilla \
+      --log-dir "/root/bench/floorref-$b" --json "/root/bench/floorref-$b.json"
+  ;;
+layout)  # FlashInfer decode on contiguous vs SnapKV-like vs random slot layouts, LAYOUT_BATCH (default 60) x 8,448
+  install
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/layout.txt python3 benchmarks/attention_layout.py \
+      --batch "${LAYOUT_BATCH:-60}" --kept 8448 --region 130000
   ;;
 agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer, snapkv 8192, dense
   install
@@ -167,11 +175,11 @@ quality)
   ;;
 status)
   for name in decode_throughput.py "train.py.*--out /root/train/large" "train.py.*--out /root/train/small" \
-      quality_suite.py "bench_agent compare" "pytest tests/gpu"; do
+      quality_suite.py "bench_agent compare" "pytest tests/gpu" attention_layout.py; do
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
   [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt
-  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,streamingllm,floorref}/*.log; do
+  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,streamingllm,floorref-*}/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
@@ -199,6 +207,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|table130k|streamingllm|floorref|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|table130k|streamingllm|floorref|layout|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
