@@ -23,6 +23,10 @@ timestamps give), KV tokens in use, the bandwidth floor (the tok/s at which one 
 KV token in use plus all weights at ``--hbm-tbps``) and the % of it reached, the wall-clock output tok/s
 of the whole run (batch x output-len / wall) and the prefill phase (from the first request sent to the
 last ``Prefill batch`` line, which SGLang prints after that prefill ran).
+
+``--profile-dir DIR`` also records ``--profile-steps`` decode steps with SGLang's torch profiler
+(``/start_profile``, CPU and GPU) once the whole batch decodes; ``benchmarks/profile_summary.py``
+summarises the trace. Profiled steps run slower: a profiled run is for diagnosis, not for the tables.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -187,6 +192,8 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
     with ServerProcess(args.model_path, flags, module=module, startup_timeout=600, log_path=str(log),
                        env=SERVER_ENV) as srv:
         t0_epoch, t0 = time.time(), time.monotonic()
+        if args.profile_dir:
+            threading.Thread(target=_profile_when_full, args=(srv, log, batch, name, args), daemon=True).start()
         with ThreadPoolExecutor(batch) as pool:
             outs = list(pool.map(lambda ids: srv.generate(input_ids=ids, max_new_tokens=args.output_len,
                                                           ignore_eos=True, timeout=args.request_timeout), prompts))
@@ -212,6 +219,25 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
         wall_output_tok_s=batch * args.output_len / wall if wall > 0 else None,
         prefill_phase_s=last_prefill - t0_epoch if last_prefill is not None else None,
     )
+
+
+def _profile_when_full(srv: ServerProcess, log: Path, batch: int, name: str, args: argparse.Namespace) -> None:
+    """Start SGLang's profiler at the third full-batch decode log line (the whole batch decoding)."""
+    import requests
+
+    deadline = time.monotonic() + args.request_timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        full = [m for m in DECODE_RE.finditer(text) if int(m.group(1)) == batch]
+        if len(full) >= 3:
+            out = Path(args.profile_dir).resolve() / name.replace(":", "-")
+            out.mkdir(parents=True, exist_ok=True)
+            r = requests.post(f"{srv.base_url}/start_profile", json={
+                "output_dir": str(out), "num_steps": args.profile_steps, "activities": ["CPU", "GPU"],
+                "profile_prefix": name.replace(":", "-")}, timeout=120)
+            print(f"{name}: profiling {args.profile_steps} decode steps into {out}: HTTP {r.status_code}", flush=True)
+            return
+        time.sleep(0.5)
 
 
 def load_results(path: str | Path) -> list[Result]:
@@ -241,6 +267,8 @@ def main() -> None:
     p.add_argument("--log-dir", default=".")
     p.add_argument("--json", default=None, help="write results here too")
     p.add_argument("--only", choices=["vanilla", "sgl_sparse"], default=None)
+    p.add_argument("--profile-dir", default=None, help="record decode steps with the torch profiler (diagnosis)")
+    p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
                    help="print the tables from the --json files of earlier runs (the baseline is the first "
                         "vanilla row, else the first row), e.g. vanilla and ours run at once on two GPUs of one "

@@ -16,6 +16,9 @@
 #                                                24), ours only, on HEADLINE_GPU (the vanilla row: headline's).
 #   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
 #                                                reaches at SnapKV 8,192's per-request KV (its % of the floor).
+#   bash benchmarks/device_session.sh diag       profiled decode steps, ours (SnapKV 8192 on 16K prompts) and vanilla
+#                                                (8,448) x DIAG_BATCH (52), same live KV; summaries in
+#                                                /root/bench/diag-profile.txt (~6 min).
 #   bash benchmarks/device_session.sh layout     benchmarks/attention_layout.py: FlashInfer decode over contiguous,
 #                                                SnapKV-like and random slot layouts (LAYOUT_BATCH, default 60).
 #   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
@@ -109,6 +112,21 @@ layout)  # FlashInfer decode on contiguous vs SnapKV-like vs random slot layouts
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/layout.txt python3 benchmarks/attention_layout.py \
       --batch "${LAYOUT_BATCH:-60}" --kept 8448 --region 130000
+  ;;
+diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill: ours SnapKV 8192 on 16,384-token
+  install  # prompts and vanilla on 8,448 (both 8,448 live tokens a request) x DIAG_BATCH (default 52), ~6 min
+  b="${DIAG_BATCH:-52}"
+  export CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}"
+  python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 16384 --batch "$b" --output-len 256 \
+      --only sgl_sparse --sparse-method snapkv --sparse-config '{"budget": 8192}' --profile-dir /root/bench/diag/prof \
+      --log-dir /root/bench/diag --json /root/bench/diag/ours.json > /root/bench/diag-ours.txt 2>&1 || true
+  python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 8448 --batch "$b" --output-len 256 \
+      --only vanilla --profile-dir /root/bench/diag/prof \
+      --log-dir /root/bench/diag --json /root/bench/diag/vanilla.json > /root/bench/diag-vanilla.txt 2>&1 || true
+  python3 benchmarks/profile_summary.py $(find /root/bench/diag/prof -name '*.trace.json.gz' | sort) \
+      > /root/bench/diag-profile.txt 2>&1 || true
+  python3 benchmarks/decode_throughput.py --table-from /root/bench/diag/vanilla.json /root/bench/diag/ours.json \
+      > /root/bench/diag-table.txt 2>&1 || true
   ;;
 agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer, snapkv 8192, dense
   install
@@ -207,6 +225,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|table130k|streamingllm|floorref|layout|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|table130k|streamingllm|floorref|layout|diag|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac

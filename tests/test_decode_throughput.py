@@ -153,3 +153,28 @@ def test_each_run_is_compared_with_its_own_vanilla() -> None:
     # --only runs given ours first: the vanilla row after it is its baseline.
     (row,) = dt.comparison_table([o2, v2]).splitlines()[2:]
     assert row.split(" | ")[4] == "3.000"
+
+
+def test_profile_summary_busy_idle_and_steps(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("profile_summary", ROOT / "benchmarks" / "profile_summary.py")
+    assert spec and spec.loader
+    ps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ps)
+    # Two steps of 1,000 us: kernels overlap inside a step (streams), then 200 us of GPU idle each.
+    events = [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "attn", "ts": 0, "dur": 600},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 500, "dur": 300},  # overlaps attn by 100
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1000, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "attn", "ts": 1000, "dur": 600},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1700, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "step", "ts": 0, "dur": 900},
+    ]
+    busy, gaps = ps.busy_union([(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ps.GPU_CATS])
+    assert busy == 800 + 600 + 100 and gaps == [200, 100]
+    path = tmp_path / "t.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    text = ps.summarise(ps.load(path), top=5)
+    assert "GPU span 1.80 ms, busy 1.50 ms (83.3%), idle 0.30 ms in 2 gaps" in text
+    assert "CUDA graph launches (decode steps): 2" in text
+    assert "| attn | 2 | 1.20 |" in text and "| step | 1 | 0.90 |" in text

@@ -78,8 +78,7 @@ def test_budget_covering_context_equals_dense_and_vanilla(sparse_servers: dict, 
 def test_streamingllm_long_prompt_keeps_about_the_budget(sparse_servers: dict) -> None:
     server = sparse_servers["streamingllm"]
     requests.post(f"{server.base_url}/flush_cache", timeout=30)
-    idle = _assert_idle_and_sound(server)
-    before, before_relocated = idle["kv_slots_used"], idle["relocated_requests_total"]
+    before = _assert_idle_and_sound(server)["kv_slots_used"]
     out = server.generate(input_ids=_ids(random.Random(1), 2000), max_new_tokens=300, ignore_eos=True)
     assert out["meta_info"]["completion_tokens"] == 300  # generation continues past the budget
     after = _assert_idle_and_sound(server)
@@ -87,9 +86,6 @@ def test_streamingllm_long_prompt_keeps_about_the_budget(sparse_servers: dict) -
     used = after["kv_slots_used"] - before
     assert budget <= used <= budget + STREAMING["evict_interval"], used
     assert after["evicted_tokens_total"] >= 2300 - used
-    # The prompt-end eviction moved the kept KV into contiguous slots (integration/relocate.py).
-    assert after["kv_relocation"] == "on"
-    assert after["relocated_requests_total"] > before_relocated
 
 
 @pytest.mark.parametrize(("method", "limit"), [

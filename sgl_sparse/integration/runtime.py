@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod, served_hooks_problem
-from sgl_sparse.integration import handoff, relocate, step
+from sgl_sparse.integration import handoff, step
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.tables import DeviceTables
@@ -43,7 +43,6 @@ class Counters:
     chain_hit_tokens_total: int = 0  # logical tokens of the matched prefixes (what cached_tokens counts)
     chain_hit_kept_tokens_total: int = 0  # of them, with resident KV (physical)
     eviction_steps_total: int = 0
-    relocated_requests_total: int = 0  # prompt-end evictions whose kept KV moved into contiguous slots
 
 
 @dataclass
@@ -69,10 +68,6 @@ class SparseRuntime:
     # Exact live KV lengths of the decode batch about to run (CPU int32, batch order), for the graph
     # decode plan; None when unknown (the backend then lets FlashInfer read them from the device).
     decode_live_lens: torch.Tensor | None = None
-    # The KV pool whose kept KV prompt-end plans relocate (``relocate``), bound at the first step;
-    # None when relocation is off, not needed, or the pool's layout is not one we move.
-    relocate_pool: Any = None
-    relocate_why_not: str | None = "not bound yet"
 
     # Whether any per-request work is needed (dense: none, the stock path runs untouched); fixed.
     active: bool = field(init=False)
@@ -186,27 +181,9 @@ class SparseRuntime:
             total = len(req.origin_input_ids) + len(req.output_ids)
             self.method.on_prefill_chunk(t.state, PrefillChunk(t.state.logical_len, int(seq_lens[i]), total))
 
-    def bind_pool(self, model_runner: Any) -> None:
-        """Decide once, at the first step, whether prompt-end plans relocate the kept KV."""
-        pool = model_runner.token_to_kv_pool
-        if not self.method.evicts:
-            why = "the method does not evict"
-        elif not relocate.enabled():
-            why = f"{relocate.ENV}=0"
-        elif not relocate.pool_supported(pool):
-            why = f"KV pool {type(pool).__name__} is not a plain token-major MHA pool"
-        else:
-            why = None
-            self.relocate_pool = pool
-        self.relocate_why_not = why
-        if why is not None and self.method.evicts:
-            logger.info("sgl_sparse: kept KV is not relocated after prompt-end eviction (%s)", why)
-
     def after_forward(self, batch: Any, model_runner: Any) -> None:
         self.decode_live_lens = None
         self.tables.done()
-        if self.relocate_why_not == "not bound yet":
-            self.bind_pool(model_runner)
         if self.active and batch is not None and batch.reqs:
             step.run(self, batch, model_runner)
         if self.metrics is not None:

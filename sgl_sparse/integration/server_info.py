@@ -28,8 +28,6 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
     runner = scheduler.tp_worker.model_runner
     total = int(scheduler.max_total_num_tokens)
     hand = handoff.read()
-    if rt.relocate_why_not == "not bound yet":
-        rt.bind_pool(runner)
     state: dict[str, Any] = {
         "method": rt.method.name,
         "family": rt.method.family.value,
@@ -44,8 +42,6 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "logical_tokens_running": rt.logical_tokens_running(),
         "kept_tokens_running": rt.kept_tokens_running(),
         "requests_tracked": len(rt.states),
-        # Whether prompt-end evictions move the kept KV into contiguous slots (integration/relocate.py).
-        "kv_relocation": "on" if rt.relocate_why_not is None else f"off: {rt.relocate_why_not}",
         # Decode rows whose host live count disagreed with their row (a bug if ever non-zero; read
         # back without a sync, so it may trail by a step).
         "decode_count_mismatches": rt.tables.read_mismatches(),

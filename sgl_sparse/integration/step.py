@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo, check_keep_plan
-from sgl_sparse.integration import relocate
 from sgl_sparse.slots import SENTINEL_SLOT, to_device
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
     if not (mode.is_extend() or mode.is_decode()):
         return
     seq_lens = batch.seq_lens_cpu.tolist()
-    plans: list[tuple[Any, Tracked, torch.Tensor, bool]] = []
+    plans: list[tuple[Any, Tracked, torch.Tensor]] = []
     for i, req in enumerate(batch.reqs):
         if req.is_retracted or req.req_pool_idx is None:
             continue
@@ -58,7 +57,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         if plan is not None:
             keep = check_keep_plan(rt.method, plan, st.kept)
             if keep.numel() < st.num_kept:
-                plans.append((req, t, keep, final))
+                plans.append((req, t, keep))
     if plans:
         _apply(rt, plans, model_runner)
 
@@ -79,44 +78,33 @@ def _window(rt: SparseRuntime, req: Any, st: RequestState, model_runner: Any) ->
                              k_pos=st.kept, num_layers=n_layers, scale=float(rt.capture.scale or 1.0))
 
 
-def _apply(rt: SparseRuntime, plans: list[tuple[Any, Tracked, torch.Tensor, bool]], model_runner: Any) -> None:
-    """Apply this step's plans at once: gather the slots to free, relocate the kept KV of plans that end
-    a prefill (:mod:`.relocate`), write the sentinels, free.
+def _apply(rt: SparseRuntime, plans: list[tuple[Any, Tracked, torch.Tensor]], model_runner: Any) -> None:
+    """Apply this step's plans at once: gather the slots to free, write the sentinels, free.
 
     Host-side index lists (sizes known on the host), one gather and one scatter over
     ``req_to_token`` for the whole step, no device sync. Only request-owned positions
     (``>= cache_protected_len``) are freed; tree-owned ones are hidden in the row."""
     req_to_token = model_runner.req_to_token_pool.req_to_token
-    relocating = rt.relocate_pool is not None
-    rows, pos, own_rows, own_pos, moves = [], [], [], [], []
-    for req, t, keep, final in plans:
+    rows, pos, own_rows, own_pos = [], [], [], []
+    for req, t, keep in plans:
         st = t.state
         kept = st.kept
         drop = kept[~torch.isin(kept, keep)]
-        protected = req.cache_protected_len
+        owned = drop[drop >= req.cache_protected_len]
         rows.append(torch.full((drop.numel(),), t.pool_idx, dtype=torch.int64))
         pos.append(drop)
-        if relocating and final:
-            moves.append(relocate.Move(t.pool_idx, kept[kept >= protected], keep[keep >= protected]))
-        else:
-            owned = drop[drop >= protected]
-            own_rows.append(torch.full((owned.numel(),), t.pool_idx, dtype=torch.int64))
-            own_pos.append(owned)
+        own_rows.append(torch.full((owned.numel(),), t.pool_idx, dtype=torch.int64))
+        own_pos.append(owned)
         logger.debug("sgl_sparse: %s evicted %d of %d logical (kept %d, protected %d)", req.rid, drop.numel(),
-                     st.logical_len, keep.numel(), protected)
+                     st.logical_len, keep.numel(), req.cache_protected_len)
         st.set_kept(keep)
         rt.counters.evicted_tokens_total += int(drop.numel())
         rt.counters.eviction_steps_total += 1
     device = req_to_token.device
-    freed = []
-    if own_rows:  # before the sentinels overwrite them
-        own_rows_d, own_pos_d = to_device(torch.cat(own_rows), device), to_device(torch.cat(own_pos), device)
-        freed.append(req_to_token[own_rows_d, own_pos_d].long())
-    if moves:  # reads the rows' old slots too, so also before the sentinels
-        freed.append(relocate.relocate(req_to_token, rt.relocate_pool, moves))
-        rt.counters.relocated_requests_total += len(moves)
     rows_d, pos_d = to_device(torch.cat(rows), device), to_device(torch.cat(pos), device)
+    own_rows_d, own_pos_d = to_device(torch.cat(own_rows), device), to_device(torch.cat(own_pos), device)
+    freed = req_to_token[own_rows_d, own_pos_d].long()  # before the sentinels overwrite them
     req_to_token[rows_d, pos_d] = SENTINEL_SLOT
     # Ordered against the schedule stream even when nothing is freed: its next writes to a reused
     # row (and the tree's reads of these rows) must come after the sentinel scatter.
-    rt.frees.after_writes(model_runner.token_to_kv_pool_allocator, torch.cat(freed))
+    rt.frees.after_writes(model_runner.token_to_kv_pool_allocator, freed)
