@@ -69,7 +69,8 @@ launch() {
     setsid nohup "$@" > "$log" 2>&1 < /dev/null &
   fi
 }
-pack_logs() { (cd /root && tar cJf "$OUT/bench.tar.xz" bench train/*.txt); }
+# Profiler traces stay on the machine (their summaries come back in the logs).
+pack_logs() { (cd /root && tar cJf "$OUT/bench.tar.xz" --exclude='*.trace.json.gz' bench train/*.txt); }
 
 case "${1:-}" in
 headline)
