@@ -118,14 +118,17 @@ diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill:
   install  # prompts and vanilla on 8,448 (both 8,448 live tokens a request) x DIAG_BATCH (default 52), ~6 min
   b="${DIAG_BATCH:-52}"
   export CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}"
-  python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 16384 --batch "$b" --output-len 256 \
-      --only sgl_sparse --sparse-method snapkv --sparse-config '{"budget": 8192}' --profile-dir /root/bench/diag/prof \
+  SGLSPARSE_SYNC_DEBUG=warn python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 16384 \
+      --batch "$b" --output-len 256 --only sgl_sparse --sparse-method snapkv --sparse-config '{"budget": 8192}' --profile-dir /root/bench/diag/prof \
       --log-dir /root/bench/diag --json /root/bench/diag/ours.json > /root/bench/diag-ours.txt 2>&1 || true
   python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 8448 --batch "$b" --output-len 256 \
       --only vanilla --profile-dir /root/bench/diag/prof \
       --log-dir /root/bench/diag --json /root/bench/diag/vanilla.json > /root/bench/diag-vanilla.txt 2>&1 || true
   python3 benchmarks/profile_summary.py $(find /root/bench/diag/prof -name '*.trace.json.gz' | sort) \
       > /root/bench/diag-profile.txt 2>&1 || true
+  # Host syncs inside our decode-step code (SGLSPARSE_SYNC_DEBUG=warn): count and first stack.
+  { echo "synchronizing-op warnings in ours: $(grep -c 'synchronizing' /root/bench/diag/*snapkv*.log)";
+    grep -m1 -B2 -A12 'synchronizing' /root/bench/diag/*snapkv*.log; } >> /root/bench/diag-profile.txt 2>&1 || true
   python3 benchmarks/decode_throughput.py --table-from /root/bench/diag/vanilla.json /root/bench/diag/ours.json \
       > /root/bench/diag-table.txt 2>&1 || true
   ;;

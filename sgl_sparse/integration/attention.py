@@ -38,6 +38,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
+from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.slots import SENTINEL_SLOT
 
 BASES = ("flashinfer", "triton", "torch_native")
@@ -74,9 +75,10 @@ class _SparseBackendMixin:
         from sgl_sparse.kernels.compact import fill_compact_kv_indices
 
         tables = self.runtime.tables
-        counts = tables.decode_counts(req_pool_indices) if self.decode_lists else None
-        return fill_compact_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
-                                       min_one=self.decode_lists, counts=counts, mismatches=tables.mismatches)
+        with no_host_sync(self.decode_lists):
+            counts = tables.decode_counts(req_pool_indices) if self.decode_lists else None
+            return fill_compact_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+                                           min_one=self.decode_lists, counts=counts, mismatches=tables.mismatches)
 
     # Every base: capture the window queries, then the stock attention (each base's own signature).
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -29,6 +29,7 @@ from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod, served
 from sgl_sparse.integration import handoff, step
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
+from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
 from sgl_sparse.registry import create_method
 from sgl_sparse.slots import retained_positions
@@ -151,7 +152,8 @@ class SparseRuntime:
         the graph decode plan (host) and for the KV list build (device table)."""
         self.frees.flush_late()
         self.decode_live_lens = None
-        self.tables.done()
+        with no_host_sync():
+            self.tables.done()
         if not self.active or batch is None or not batch.reqs:
             return
         mode = batch.forward_mode
@@ -160,6 +162,10 @@ class SparseRuntime:
             return
         if not self.method.evicts or not mode.is_decode():
             return
+        with no_host_sync():
+            self._before_decode(batch, model_runner)
+
+    def _before_decode(self, batch: Any, model_runner: Any) -> None:
         lens = []
         for req in batch.reqs:
             t = self.tracked.get(req.rid)
@@ -183,9 +189,11 @@ class SparseRuntime:
 
     def after_forward(self, batch: Any, model_runner: Any) -> None:
         self.decode_live_lens = None
-        self.tables.done()
+        with no_host_sync():
+            self.tables.done()
         if self.active and batch is not None and batch.reqs:
-            step.run(self, batch, model_runner)
+            with no_host_sync(batch.forward_mode.is_decode()):
+                step.run(self, batch, model_runner)
         if self.metrics is not None:
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
 

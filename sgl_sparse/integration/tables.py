@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from sgl_sparse.integration.syncs import allow_host_sync
 from sgl_sparse.slots import SENTINEL_SLOT, to_device
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class DeviceTables:
         self.live_len[rows] = to_device(lens, req_to_token.device)
         self.decode_ready = True
         if self.check:
-            self._check(req_to_token, rows, lens, seq_lens)
+            with allow_host_sync():  # this check reads the rows on the host, on purpose
+                self._check(req_to_token, rows, lens, seq_lens)
 
     def decode_counts(self, req_pool_indices: torch.Tensor) -> torch.Tensor | None:
         """Live counts of a decode list build's rows (``[bs]``, device), or None when this step has none."""

@@ -66,9 +66,10 @@ def log_dir() -> Path:
 
 
 def ours(name: str, method: str = "dense", config: dict[str, Any] | None = None,
-         extra: Sequence[str] = ()) -> ServerProcess:
+         extra: Sequence[str] = (), env: dict[str, str] | None = None) -> ServerProcess:
     args = [*FLAGS, "--sparse-method", method, "--sparse-config", json.dumps(config or {}), *extra]
-    return ServerProcess(MODEL, args, module="sgl_sparse.launch_server", env=ENV, startup_timeout=600,
+    return ServerProcess(MODEL, args, module="sgl_sparse.launch_server", env={**ENV, **(env or {})},
+                         startup_timeout=600,
                          log_path=str(log_dir() / f"{name}.log"))
 
 

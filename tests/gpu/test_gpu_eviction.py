@@ -44,15 +44,18 @@ METHODS = {  # budgets well below the 4-8K prompts: both evict at prefill end, S
 }
 SMALL_SNAPKV = {"budget": 256, "window_size": 32, "sink_tokens": 32}
 EAGER = ["--disable-cuda-graph"]
+# The CUDA-graph servers raise on any host sync in our decode-step code (integration/syncs.py): a sync
+# there would stall overlap scheduling, so every test on them also checks the hot path stays sync-free.
+NO_SYNC = {"SGLSPARSE_SYNC_DEBUG": "error"}
 
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
     procs: dict[str, ServerProcess] = {}
     for m, cfg in METHODS.items():
-        procs[f"{m}:graph"] = ours(f"evict-{m}-graph", m, cfg)
+        procs[f"{m}:graph"] = ours(f"evict-{m}-graph", m, cfg, env=NO_SYNC)
         procs[f"{m}:eager"] = ours(f"evict-{m}-eager", m, cfg, EAGER)
-    procs["snapkv256"] = ours("evict-snapkv256", "snapkv", SMALL_SNAPKV)
+    procs["snapkv256"] = ours("evict-snapkv256", "snapkv", SMALL_SNAPKV, env=NO_SYNC)
     with running(*procs.values()):
         yield procs
 
