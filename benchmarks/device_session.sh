@@ -61,11 +61,17 @@ mkdir -p /root/bench /root/train
 
 install() { python3 -m pip install -q --no-deps --no-build-isolation -e .; }
 # launch LOG CMD...: detached (one part per command), or in the foreground inside a queue.
+# Beside each part, the GPU's temperatures, clocks, power and throttle reasons every 10 s (LOG-gpu.csv):
+# a long prefill heats the GPU before the decode window is measured.
+GPU_QUERY=timestamp,temperature.gpu,temperature.memory,clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active
 launch() {
   local log=$1; shift
   if [ -n "${FOREGROUND:-}" ]; then
+    nvidia-smi --query-gpu=$GPU_QUERY --format=csv -l 10 > "${log%.txt}-gpu.csv" 2>&1 & local smi=$!
     "$@" > "$log" 2>&1 < /dev/null || echo "$(date +%T) rc=$? from $*" >> /root/bench/queue.txt
+    kill $smi 2>/dev/null || true
   else
+    setsid nohup timeout 3600 nvidia-smi --query-gpu=$GPU_QUERY --format=csv -l 10 > "${log%.txt}-gpu.csv" 2>&1 < /dev/null &
     setsid nohup "$@" > "$log" 2>&1 < /dev/null &
   fi
 }
@@ -118,6 +124,7 @@ diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill:
   install  # prompts and vanilla on 8,448 (both 8,448 live tokens a request) x DIAG_BATCH (default 52), ~6 min
   b="${DIAG_BATCH:-52}"
   export CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}"
+  nvidia-smi --query-gpu=$GPU_QUERY --format=csv -l 10 > /root/bench/diag-gpu.csv 2>&1 & smi=$!
   SGLSPARSE_SYNC_DEBUG=warn python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 16384 \
       --batch "$b" --output-len 256 --only sgl_sparse --sparse-method snapkv --sparse-config '{"budget": 8192}' --profile-dir /root/bench/diag/prof \
       --log-dir /root/bench/diag --json /root/bench/diag/ours.json > /root/bench/diag-ours.txt 2>&1 || true
@@ -131,6 +138,7 @@ diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill:
     grep -m1 -B2 -A12 'synchronizing' /root/bench/diag/*snapkv*.log; } >> /root/bench/diag-profile.txt 2>&1 || true
   python3 benchmarks/decode_throughput.py --table-from /root/bench/diag/vanilla.json /root/bench/diag/ours.json \
       > /root/bench/diag-table.txt 2>&1 || true
+  kill $smi 2>/dev/null || true
   ;;
 agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer, snapkv 8192, dense
   install
