@@ -43,8 +43,24 @@ def busy_union(intervals: list[tuple[float, float]]) -> tuple[float, list[float]
 
 def summarise(events: list[dict], top: int) -> str:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    lines: list[str] = []
     if not gpu:
-        return "no GPU events in this trace (was it recorded with activities CPU and GPU?)"
+        lines.append("no GPU events in this trace (was it recorded with activities CPU and GPU?)")
+    else:
+        lines += _gpu_lines(events, gpu, top)
+    host: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in {"user_annotation", "python_function"}:
+            host[e.get("name", "?")].append(float(e.get("dur", 0)))
+    for title, keep in (("host range", lambda n: True), ("our host code (sgl_sparse)", lambda n: "sgl_sparse" in n)):
+        rows = sorted(((n, d) for n, d in host.items() if keep(n)), key=lambda kv: -sum(kv[1]))[:top]
+        if rows:  # python functions nest: a caller's total includes its callees
+            lines += ["", f"| {title} | count | total ms | mean us |", "| --- | --- | --- | --- |"]
+            lines += [f"| {n[-90:]} | {len(d)} | {sum(d) / 1e3:.2f} | {sum(d) / len(d):.1f} |" for n, d in rows]
+    return "\n".join(lines)
+
+
+def _gpu_lines(events: list[dict], gpu: list[dict], top: int) -> list[str]:
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu]
     span = max(e for _, e in intervals) - min(s for s, _ in intervals)
     busy, gaps = busy_union(intervals)
@@ -65,15 +81,7 @@ def summarise(events: list[dict], top: int) -> str:
     for name, durs in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"| {name[:90]} | {len(durs)} | {sum(durs) / 1e3:.2f} | {sum(durs) / len(durs):.1f} | "
                      f"{100 * sum(durs) / busy:.1f}% |")
-    host: dict[str, list[float]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in {"user_annotation", "python_function"}:
-            host[e.get("name", "?")].append(float(e.get("dur", 0)))
-    if host:
-        lines += ["", "| host range | count | total ms | mean us |", "| --- | --- | --- | --- |"]
-        for name, durs in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:top]:
-            lines.append(f"| {name[:90]} | {len(durs)} | {sum(durs) / 1e3:.2f} | {sum(durs) / len(durs):.1f} |")
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
