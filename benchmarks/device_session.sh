@@ -121,7 +121,8 @@ layout)  # FlashInfer decode on contiguous vs SnapKV-like vs random slot layouts
       --batch "${LAYOUT_BATCH:-60}" --kept 8448 --region 130000
   ;;
 diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill: ours SnapKV 8192 on 16,384-token
-  install  # prompts and vanilla on 8,448 (both 8,448 live tokens a request) x DIAG_BATCH (default 52), ~6 min
+  install  # prompts and vanilla on 8,448 (both 8,448 live tokens a request) x DIAG_BATCH (default 52), ~6 min;
+           # our list build scans 16K-position rows here, not 130K (the layout step times the 130K build)
   b="${DIAG_BATCH:-52}"
   export CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}"
   nvidia-smi --query-gpu=$GPU_QUERY --format=csv -l 10 > /root/bench/diag-gpu.csv 2>&1 & smi=$!

@@ -5,7 +5,8 @@ the next step. ``SGLSPARSE_SYNC_DEBUG=warn|error`` runs our decode-step code (th
 around the forward and the KV-list build) under ``torch.cuda.set_sync_debug_mode``: a synchronizing
 CUDA call there is logged with its stack (``warn``) or raises (``error``, which the GPU tests use).
 Only our code is inside; SGLang's own syncs are not ours to flag. Prefill steps are left out: SnapKV's
-selection copies its scores to the host once per request there, by design.
+selection copies its scores to the host once per request there, by design; so does a decode-time
+re-selection (``decode_interval`` > 0), which ``error`` therefore refuses: use ``warn`` with it.
 """
 
 from __future__ import annotations
