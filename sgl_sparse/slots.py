@@ -30,6 +30,13 @@ def complement(kept: torch.Tensor, n: int) -> torch.Tensor:
     return mask.nonzero().flatten()
 
 
+def write_sentinels(t: torch.Tensor, index: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+    """``t[index] = SENTINEL_SLOT`` without a host sync. PyTorch stages a Python scalar written into a
+    CUDA tensor in host memory and copies it with a blocking host-to-device copy, which waits for the
+    stream (the whole forward in flight); a device scalar is a fill kernel, no wait."""
+    t[index] = torch.full((), SENTINEL_SLOT, dtype=t.dtype, device=t.device)
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Host -> device without blocking the host: a plain ``.to(cuda)`` of pageable memory waits for
     the stream (``cudaStreamSynchronize``), which would stall overlap scheduling; pinned staging with

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo, check_keep_plan
-from sgl_sparse.slots import SENTINEL_SLOT, to_device
+from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:
     from sgl_sparse.integration.runtime import SparseRuntime, Tracked
@@ -104,7 +104,7 @@ def _apply(rt: SparseRuntime, plans: list[tuple[Any, Tracked, torch.Tensor]], mo
     rows_d, pos_d = to_device(torch.cat(rows), device), to_device(torch.cat(pos), device)
     own_rows_d, own_pos_d = to_device(torch.cat(own_rows), device), to_device(torch.cat(own_pos), device)
     freed = req_to_token[own_rows_d, own_pos_d].long()  # before the sentinels overwrite them
-    req_to_token[rows_d, pos_d] = SENTINEL_SLOT
+    write_sentinels(req_to_token, (rows_d, pos_d))
     # Ordered against the schedule stream even when nothing is freed: its next writes to a reused
     # row (and the tree's reads of these rows) must come after the sentinel scatter.
     rt.frees.after_writes(model_runner.token_to_kv_pool_allocator, freed)

@@ -87,7 +87,7 @@ def fill_compact_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.
     also runs inside CUDA-graph replays)."""
     bs = int(req_pool_indices.shape[0])
     indptr = kv_indptr[: bs + 1]
-    indptr[0] = 0
+    indptr[:1].zero_()  # not ``indptr[0] = 0``: a Python scalar into a CUDA tensor is a blocking copy (a sync)
     if bs == 0:
         return indptr
     device = req_to_token.device

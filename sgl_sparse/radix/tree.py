@@ -52,7 +52,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_sparse.contract import SparseMethod, TreePayload
-from sgl_sparse.slots import SENTINEL_SLOT, complement, live_slots, retained_positions, to_device
+from sgl_sparse.slots import complement, live_slots, retained_positions, to_device, write_sentinels
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 VIEW_ATTR = "_sgl_sparse_view"  # set on SGLang's Req by match_prefix: what the request may see
@@ -282,7 +282,7 @@ class SparseRadixCache(RadixCache):
             indices = indices.clone()
             hide = record.hide_on(indices.device) if length == record.end else to_device(complement(kept, length),
                                                                                          indices.device)
-            indices[hide] = SENTINEL_SLOT
+            write_sentinels(indices, hide)
         last = self._node_ending_at(path, starts, length)
         return res._replace(device_indices=indices, last_device_node=last, last_host_node=last,
                             best_match_node=last)
@@ -427,7 +427,7 @@ class SparseRadixCache(RadixCache):
                 continue
             idx = to_device(new, node.value.device)
             self.token_to_kv_pool_allocator.free(node.value[idx])
-            node.value[idx] = SENTINEL_SLOT
+            write_sentinels(node.value, idx)
             _set_holes(node, torch.cat([_holes(node), new]).sort().values)
             self.evictable_size_ -= int(new.numel())
             freed_abs.append(new + s)

@@ -8,11 +8,15 @@ scoring reading keys in place in a pool-sized key buffer through scattered slots
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from sgl_sparse.kernels.compact import compact_kv_indices_reference, fill_compact_kv_indices
 from sgl_sparse.kernels.window_scores import window_scores_per_head
 from sgl_sparse.methods.eviction.snapkv import per_head_scores_torch
+from sgl_sparse.slots import SENTINEL_SLOT, write_sentinels
 
 DEV = "cuda"
 
@@ -34,6 +38,27 @@ def _rows(n_rows: int, width: int, g: torch.Generator) -> torch.Tensor:
     return r2t
 
 
+@contextmanager
+def _no_sync() -> Iterator[None]:
+    """The block must not wait for the GPU: the list build runs every decode step, and a host sync there
+    stalls overlap scheduling (e.g. ``indptr[0] = 0`` is a blocking host-to-device copy)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def test_sentinel_writes_do_not_sync() -> None:
+    t = torch.arange(1, 1001, dtype=torch.int32, device=DEV)
+    idx = torch.tensor([3, 5, 999], device=DEV)
+    with _no_sync():
+        write_sentinels(t, idx)
+        write_sentinels(t.view(10, 100), (torch.tensor([0], device=DEV), torch.tensor([7], device=DEV)))
+    assert t.cpu()[[3, 5, 7, 999]].tolist() == [SENTINEL_SLOT] * 4 and int((t == SENTINEL_SLOT).sum()) == 4
+
+
 def test_compaction_at_130k_rows_matches_reference() -> None:
     g = torch.Generator().manual_seed(0)
     width = 131_072 + 8
@@ -49,15 +74,18 @@ def test_compaction_at_130k_rows_matches_reference() -> None:
             ref_ptr, ref_idx = compact_kv_indices_reference(r2t_cpu, rpi.cpu(), lens.cpu(), min_one=min_one)
             indptr = torch.zeros(len(rpi_list) + 1, dtype=torch.int32, device=DEV)
             indices = torch.full((int(lens.sum()),), -1, dtype=idx_dtype, device=DEV)
-            got = fill_compact_kv_indices(r2t, rpi, lens, indptr, indices, min_one=min_one)
+            with _no_sync():
+                got = fill_compact_kv_indices(r2t, rpi, lens, indptr, indices, min_one=min_one)
             assert got.cpu().tolist() == ref_ptr.tolist()
             assert torch.equal(indices[: int(ref_ptr[-1])].cpu().long(), ref_idx.long())
             # From the decode table's counts (the same ones here): same lists, no mismatch counted.
             counts = (ref_ptr[1:] - ref_ptr[:-1]).to(torch.int32).to(DEV)
             mismatches = torch.zeros(1, dtype=torch.int64, device=DEV)
             indices2 = torch.full_like(indices, -1)
-            got2 = fill_compact_kv_indices(r2t, rpi, lens, torch.zeros_like(indptr), indices2, min_one=min_one,
-                                           counts=counts, mismatches=mismatches)
+            indptr2 = torch.full_like(indptr, 7)  # the build writes indptr[0] too
+            with _no_sync():
+                got2 = fill_compact_kv_indices(r2t, rpi, lens, indptr2, indices2, min_one=min_one, counts=counts,
+                                               mismatches=mismatches)
             assert torch.equal(got2, got) and torch.equal(indices2, indices) and int(mismatches) == 0
 
 
