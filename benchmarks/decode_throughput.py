@@ -234,7 +234,10 @@ def _profile_when_full(srv: ServerProcess, log: Path, batch: int, name: str, arg
             out.mkdir(parents=True, exist_ok=True)
             r = requests.post(f"{srv.base_url}/start_profile", json={
                 "output_dir": str(out), "num_steps": args.profile_steps, "activities": ["CPU", "GPU"],
-                "profile_prefix": name.replace(":", "-")}, timeout=120)
+                "profile_prefix": name.replace(":", "-"),
+                # SGLang records Python stacks and shapes by default: that slows the host and makes
+                # the GPU look idler than it is. Off unless --profile-stack.
+                "with_stack": args.profile_stack, "record_shapes": args.profile_stack}, timeout=120)
             print(f"{name}: profiling {args.profile_steps} decode steps into {out}: HTTP {r.status_code}", flush=True)
             return
         time.sleep(0.5)
@@ -269,6 +272,8 @@ def main() -> None:
     p.add_argument("--only", choices=["vanilla", "sgl_sparse"], default=None)
     p.add_argument("--profile-dir", default=None, help="record decode steps with the torch profiler (diagnosis)")
     p.add_argument("--profile-steps", type=int, default=10)
+    p.add_argument("--profile-stack", action="store_true",
+                   help="also record Python stacks (host code by function; slows the host)")
     p.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
                    help="print the tables from the --json files of earlier runs (the baseline is the first "
                         "vanilla row, else the first row), e.g. vanilla and ours run at once on two GPUs of one "

@@ -18,7 +18,8 @@
 #                                                reaches at SnapKV 8,192's per-request KV (its % of the floor).
 #   bash benchmarks/device_session.sh diag       profiled decode steps, ours (SnapKV 8192 on 16K prompts) and vanilla
 #                                                (8,448) x DIAG_BATCH (52), same live KV; summaries in
-#                                                /root/bench/diag-profile.txt (~6 min).
+#                                                /root/bench/diag-profile.txt (~6 min: run it as `queue diag`,
+#                                                it runs in the foreground otherwise).
 #   bash benchmarks/device_session.sh layout     benchmarks/attention_layout.py: FlashInfer decode over contiguous,
 #                                                SnapKV-like and random slot layouts (LAYOUT_BATCH, default 60).
 #   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
@@ -63,7 +64,7 @@ install() { python3 -m pip install -q --no-deps --no-build-isolation -e .; }
 # launch LOG CMD...: detached (one part per command), or in the foreground inside a queue.
 # Beside each part, the GPU's temperatures, clocks, power and throttle reasons every 10 s (LOG-gpu.csv):
 # a long prefill heats the GPU before the decode window is measured.
-GPU_QUERY=timestamp,temperature.gpu,temperature.memory,clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active
+GPU_QUERY=timestamp,index,temperature.gpu,temperature.memory,clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active
 launch() {
   local log=$1; shift
   if [ -n "${FOREGROUND:-}" ]; then
@@ -125,8 +126,9 @@ diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill:
            # our list build scans 16K-position rows here, not 130K (the layout step times the 130K build)
   b="${DIAG_BATCH:-52}"
   export CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}"
+  rm -rf /root/bench/diag
   nvidia-smi --query-gpu=$GPU_QUERY --format=csv -l 10 > /root/bench/diag-gpu.csv 2>&1 & smi=$!
-  SGLSPARSE_SYNC_DEBUG=warn python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 16384 \
+  SGLSPARSE_SYNC_DEBUG=warn PYTHONWARNINGS=always::UserWarning python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 16384 \
       --batch "$b" --output-len 256 --only sgl_sparse --sparse-method snapkv --sparse-config '{"budget": 8192}' --profile-dir /root/bench/diag/prof \
       --log-dir /root/bench/diag --json /root/bench/diag/ours.json > /root/bench/diag-ours.txt 2>&1 || true
   python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 8448 --batch "$b" --output-len 256 \
@@ -135,7 +137,7 @@ diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill:
   python3 benchmarks/profile_summary.py $(find /root/bench/diag/prof -name '*.trace.json.gz' | sort) \
       > /root/bench/diag-profile.txt 2>&1 || true
   # Host syncs inside our decode-step code (SGLSPARSE_SYNC_DEBUG=warn): count and first stack.
-  { echo "synchronizing-op warnings in ours: $(grep -c 'synchronizing' /root/bench/diag/*snapkv*.log)";
+  { echo "synchronizing-op warnings in ours (every occurrence): $(grep -c 'synchronizing' /root/bench/diag/*snapkv*.log)";
     grep -m1 -B2 -A12 'synchronizing' /root/bench/diag/*snapkv*.log; } >> /root/bench/diag-profile.txt 2>&1 || true
   python3 benchmarks/decode_throughput.py --table-from /root/bench/diag/vanilla.json /root/bench/diag/ours.json \
       > /root/bench/diag-table.txt 2>&1 || true

@@ -19,6 +19,8 @@ import torch
 
 ENV = "SGLSPARSE_SYNC_DEBUG"
 _MODE = os.environ.get(ENV) or None
+if _MODE not in (None, "warn", "error"):
+    raise ValueError(f"{ENV}={_MODE!r}: expected warn or error (or unset)")
 
 
 @contextmanager
