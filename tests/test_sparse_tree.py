@@ -19,7 +19,8 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_sparse import create_method
-from sgl_sparse.radix.tree import SENTINEL_SLOT, SparseRadixCache
+from sgl_sparse.radix.tree import SparseRadixCache
+from sgl_sparse.slots import SENTINEL_SLOT
 
 POOL = 64
 
