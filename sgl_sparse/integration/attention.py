@@ -20,9 +20,8 @@ wraps (the launcher's choice, ``handoff.base``):
 Decode lists give a row with no live slot one padding slot (``min_one``): only CUDA-graph padding rows
 have none, and the kernels expect one slot there; their lengths come from the live counts of the
 runtime's device table (``integration/tables.py``), the ones the host-side plan uses. Extend prefix
-lists may be empty (a fully evicted
-prefix attends nothing, on every base). Methods with an observation window (SnapKV) also get their
-requests' last post-RoPE queries here.
+lists may be empty (a fully evicted prefix attends nothing, on every base). Methods with an
+observation window (SnapKV) also get their requests' last post-RoPE queries here.
 """
 
 from __future__ import annotations

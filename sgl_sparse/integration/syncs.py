@@ -24,17 +24,24 @@ if _MODE not in (None, "warn", "error"):
 
 
 @contextmanager
+def sync_debug(mode: str | int) -> Iterator[None]:
+    """``torch.cuda.set_sync_debug_mode(mode)`` for the block, the previous mode restored after it."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextmanager
 def no_host_sync(active: bool = True) -> Iterator[None]:
     """Run the block under the sync check when ``SGLSPARSE_SYNC_DEBUG`` is set (else a no-op)."""
     if _MODE is None or not active or not torch.cuda.is_available():
         yield
         return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(_MODE)
-    try:
+    with sync_debug(_MODE):
         yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 @contextmanager
@@ -43,9 +50,5 @@ def allow_host_sync() -> Iterator[None]:
     if _MODE is None or not torch.cuda.is_available():
         yield
         return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
-    try:
+    with sync_debug(0):
         yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)

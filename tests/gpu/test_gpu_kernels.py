@@ -8,11 +8,9 @@ scoring reading keys in place in a pool-sized key buffer through scattered slots
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
+from sgl_sparse.integration.syncs import sync_debug
 from sgl_sparse.kernels.compact import compact_kv_indices_reference, fill_compact_kv_indices
 from sgl_sparse.kernels.window_scores import window_scores_per_head
 from sgl_sparse.methods.eviction.snapkv import per_head_scores_torch
@@ -38,16 +36,10 @@ def _rows(n_rows: int, width: int, g: torch.Generator) -> torch.Tensor:
     return r2t
 
 
-@contextmanager
-def _no_sync() -> Iterator[None]:
+def _no_sync():  # type: ignore[no-untyped-def]
     """The block must not wait for the GPU: the list build runs every decode step, and a host sync there
     stalls overlap scheduling (e.g. ``indptr[0] = 0`` is a blocking host-to-device copy)."""
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
+    return sync_debug("error")
 
 
 def test_sentinel_writes_do_not_sync() -> None:
