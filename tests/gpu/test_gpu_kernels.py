@@ -45,9 +45,11 @@ def _no_sync():  # type: ignore[no-untyped-def]
 def test_sentinel_writes_do_not_sync() -> None:
     t = torch.arange(1, 1001, dtype=torch.int32, device=DEV)
     idx = torch.tensor([3, 5, 999], device=DEV)
+    # Built before the no-sync block: a tensor made from a Python list is itself a host-to-device copy.
+    rows, cols = torch.tensor([0], device=DEV), torch.tensor([7], device=DEV)
     with _no_sync():
         write_sentinels(t, idx)
-        write_sentinels(t.view(10, 100), (torch.tensor([0], device=DEV), torch.tensor([7], device=DEV)))
+        write_sentinels(t.view(10, 100), (rows, cols))
     assert t.cpu()[[3, 5, 7, 999]].tolist() == [SENTINEL_SLOT] * 4 and int((t == SENTINEL_SLOT).sum()) == 4
 
 
