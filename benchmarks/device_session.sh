@@ -8,10 +8,10 @@
 #                                                two-GPU machine, else 0): vanilla, then sgl_sparse SnapKV 8192 at
 #                                                SPARSE_BATCH (default 28) requests, ~24 min. Nothing else
 #                                                may use that GPU meanwhile: a job beside it halves prefill.
-#   bash benchmarks/device_session.sh vanilla130k | dense130k | snapkv130k | table130k
+#   bash benchmarks/device_session.sh vanilla130k | dense130k | snapkv130k | snapkv130k6 | table130k
 #                                                the headline one server per step (vanilla x 6, ours dense
-#                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60), so one vanilla
-#                                                run serves both comparisons; table130k prints the table.
+#                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60, and x 6), so one
+#                                                vanilla run serves every comparison; table130k prints the table.
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
 #                                                24), ours only, on HEADLINE_GPU (the vanilla row: headline's).
 #   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
@@ -87,12 +87,13 @@ headline)
       --sparse-method snapkv --sparse-config '{"budget": 8192}' \
       --log-dir /root/bench/headline --json /root/bench/headline.json
   ;;
-vanilla130k|dense130k|snapkv130k)  # the 130K table one server per step: vanilla x 6, ours dense x 6, SnapKV 8192
-  install                            # x SPARSE_BATCH (default 60); then `table130k` prints them together
+vanilla130k|dense130k|snapkv130k|snapkv130k6)  # the 130K table one server per step: vanilla x 6, ours dense x 6,
+  install           # SnapKV 8192 x SPARSE_BATCH (default 60) and x 6 (vanilla's batch); `table130k` prints them together
   case "$1" in
   vanilla130k) only=(--only vanilla) batch=6 cfg=(--sparse-method dense) ;;
   dense130k) only=(--only sgl_sparse) batch=6 cfg=(--sparse-method dense --sparse-config '{}') ;;
   snapkv130k) only=(--only sgl_sparse) batch="${SPARSE_BATCH:-60}" cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
+  snapkv130k6) only=(--only sgl_sparse) batch=6 cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
   esac
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$batch" --output-len 256 "${only[@]}" "${cfg[@]}" \
@@ -100,7 +101,7 @@ vanilla130k|dense130k|snapkv130k)  # the 130K table one server per step: vanilla
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/dense130k.json /root/bench/snapkv130k.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
@@ -212,7 +213,7 @@ status)
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
   [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt
-  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,streamingllm,floorref-*}/*.log; do
+  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,snapkv130k6,streamingllm,floorref-*}/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
@@ -240,6 +241,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|table130k|streamingllm|floorref|layout|diag|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|table130k|streamingllm|floorref|layout|diag|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
