@@ -4,8 +4,10 @@ One contract serves four families:
 
 * eviction (StreamingLLM, SnapKV, H2O, ...): score in the layer hooks, return a smaller keep-set
   from :meth:`SparseMethod.on_step_end`; the runtime frees the dropped physical slots.
-* dynamic selection (Quest, OmniKV, RetroInfer): keep every slot, return a per-layer
-  :class:`Selection` from :meth:`SparseMethod.before_attention` so attention reads only part of it.
+* dynamic selection (Quest, OmniKV, RetroInfer): keep every slot; a :class:`PageSelector`
+  (:attr:`SparseMethod.selector`) picks, per decode step, layer and KV head, the pages attention
+  reads, batched on the device (the per-request :meth:`SparseMethod.before_attention` is the
+  reference driver's only).
 * compression / quantization (Palu, DeltaKV, KIVI, FP8, ...): a :class:`KVCodec` changes how K/V is
   stored and read back; selection and eviction hooks stay no-ops.
 * dense: every hook is a no-op, and the runtime must then behave exactly like vanilla SGLang.
@@ -30,6 +32,10 @@ check the runtime's counters)::
         on_observation                         if wants_observation
         on_step_end
     on_finish                                  once: what the prefix tree stores for later turns
+
+A method with a :class:`PageSelector` is also driven per layer, batched over the whole step (not per
+request): ``on_kv_write`` wherever a selecting layer's K is written (prefill and decode), then in
+decode ``select`` before that layer's attention.
 
 The server does not drive the per-layer hooks (``needs_layer_hooks``) or a ``codec``: per-request
 Python per layer cannot run inside a CUDA-graph replay, so the selection and quantization families get
@@ -201,6 +207,73 @@ class KeepPlan:
     keep: torch.Tensor
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """The KV pool a :class:`PageSelector`'s metadata lives beside (this rank's share of it)."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_slots: int  # pool slots, SGLang's padding page included
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.num_slots // self.page_size)
+
+
+class PageSelector(ABC):
+    """Dynamic selection for a whole decode batch, on the device (the server drives it).
+
+    Each selecting layer of a decode step: the runtime writes the step's K/V, calls
+    :meth:`on_kv_write` with it, then :meth:`select` with the batch's post-RoPE queries; attention
+    then reads, for each (request, KV head), only the tokens of the pages selected. Every call sees
+    fixed-shape device tensors and must not sync with the host (it runs inside CUDA-graph replays,
+    where the batch has no request ids): per-request choices are data, e.g. a row with fewer pages
+    than the selection width selects all of them (dense). Prefill writes also go through
+    :meth:`on_kv_write` (prefill attention stays dense).
+
+    A *page* is ``page_size`` consecutive logical positions of a request: with SGLang's paged
+    allocator (``--page-size page_size``, which the launcher sets) one physical page, so metadata
+    indexed by physical page (``slot // page_size``) is written by one owner in order and is shared,
+    exact, with every request that matches it through the prefix tree.
+
+    The metadata's memory is the method's: :meth:`metadata_bytes_per_token` is added to SGLang's KV
+    cell size before the pool is sized, so the pool shrinks by what :meth:`allocate` then takes.
+    """
+
+    page_size: int
+
+    @abstractmethod
+    def selects(self, layer_id: int) -> bool:
+        """Whether decode attention of this layer reads a selection (else all of the KV)."""
+
+    @property
+    @abstractmethod
+    def pages_per_row(self) -> int:
+        """How many pages each (request, KV head) selects at most: the static width of :meth:`select`."""
+
+    def metadata_bytes_per_token(self, geometry: KVGeometry) -> int:
+        """Device bytes of method metadata per KV token (rounded up), counted in SGLang's pool sizing."""
+        return 0
+
+    def allocate(self, geometry: KVGeometry) -> None:
+        """Allocate the metadata buffers (once, after the KV pool, before CUDA-graph capture)."""
+
+    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+        """K (post-RoPE, ``[n, Hkv, D]``) was written at slots ``loc`` (``[n]``) of a selecting layer."""
+
+    @abstractmethod
+    def select(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor) -> torch.Tensor:
+        """Pages to read: ``[bs * Hkv, pages_per_row]`` int64, row ``i * Hkv + h``; each row ascending,
+        ending with the request's last page (the one being written), unused entries last and at least
+        the request's page count. ``q``: ``[bs, Hq, D]``; ``seq_lens``: ``[bs]``, this token included."""
+
+
 def served_hooks_problem(method: SparseMethod[Any]) -> str | None:
     """Why the server runtime cannot serve ``method`` (``None``: it can)."""
     if method.needs_layer_hooks:
@@ -275,6 +348,11 @@ class SparseMethod(ABC, Generic[C]):
     @property
     def codec(self) -> KVCodec | None:
         """The K/V codec of compression/quantization methods; ``None`` stores K/V as the model dtype."""
+        return None
+
+    @property
+    def selector(self) -> PageSelector | None:
+        """The batched decode-time selection of dynamic-selection methods (``None``: attend to all)."""
         return None
 
     # -- admission ---------------------------------------------------------------------------------
