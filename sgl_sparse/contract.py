@@ -262,9 +262,11 @@ class PageSelector(ABC):
 
     def allocate(self, geometry: KVGeometry) -> None:
         """Allocate the metadata buffers (once, after the KV pool, before CUDA-graph capture)."""
+        return None
 
     def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
         """K (post-RoPE, ``[n, Hkv, D]``) was written at slots ``loc`` (``[n]``) of a selecting layer."""
+        return None
 
     @abstractmethod
     def select(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -272,6 +274,12 @@ class PageSelector(ABC):
         """Pages to read: ``[bs * Hkv, pages_per_row]`` int64, row ``i * Hkv + h``; each row ascending,
         ending with the request's last page (the one being written), unused entries last and at least
         the request's page count. ``q``: ``[bs, Hq, D]``; ``seq_lens``: ``[bs]``, this token included."""
+
+
+def pool_page_size(method: SparseMethod[Any]) -> int:
+    """The KV pool page size ``method`` is served with: its selector's (page metadata needs SGLang's
+    paged allocator), else 1 (eviction frees single slots)."""
+    return method.selector.page_size if method.selector is not None else 1
 
 
 def served_hooks_problem(method: SparseMethod[Any]) -> str | None:

@@ -28,11 +28,11 @@ CPU_SERVER_FLAGS = [
     "--max-total-tokens", "16384",
     "--sleep-on-idle",
     "--grammar-backend", "llguidance",
-    "--page-size", "1",
     "--dtype", "float32",
 ]
-# The stock launcher needs these to match what ours selects on CPU.
-VANILLA_CPU_FLAGS = ["--attention-backend", "torch_native", "--disable-cuda-graph"]
+# The stock launcher needs these to match what ours selects on CPU (ours sets the page size each method
+# needs, and runs SGLang's paged allocator in torch there).
+VANILLA_CPU_FLAGS = ["--attention-backend", "torch_native", "--disable-cuda-graph", "--page-size", "1"]
 # Known-good flags on an H200 (the piecewise prefill CUDA graph would add ~70 s of start-up and is off
 # for SnapKV anyway). Ours picks its attention backend itself (FlashInfer on CUDA); a vanilla server
 # gets `--attention-backend flashinfer` from its caller.

@@ -316,3 +316,23 @@ def test_requested_graph_backend_matches_sglang_precedence(flags: list[str]) -> 
         set_by_flags = (phase, "backend") in resolved._cuda_graph_config_locked
         expected = getattr(resolved.cuda_graph_config, phase).backend if set_by_flags else None
         assert requested_graph_backend(args, phase) == expected
+
+
+def test_quest_is_served_with_its_page_size(capsys: pytest.CaptureFixture[str]) -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "quest"])
+    assert args.page_size == 16 and hand.method == "quest"
+    args, _ = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "quest", "--page-size", "16",
+                          "--sparse-config", '{"page_size": 16}'])
+    assert args.page_size == 16
+    for flags, needle in ((["--page-size", "1"], "--page-size 1: --sparse-method quest is served with page size 16"),
+                          (["--sparse-config", '{"page_size": 8}', "--page-size", "16"], "page size 8"),
+                          (["--sparse-config", '{"page_size": 12}'], "'page_size' must be a power of two")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "quest", *flags])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_quest_on_gpu_is_a_launch_error_until_its_gpu_path_exists(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "quest"])
+    assert "GPU decode path" in capsys.readouterr().err

@@ -37,6 +37,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
+from sgl_sparse.integration.selection import allocate_once, attend_selected, write_summaries
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.slots import SENTINEL_SLOT
 
@@ -50,10 +51,13 @@ class _SparseBackendMixin:
     # extend step (empty stays empty); set around each metadata build.
     decode_lists: bool = False
 
-    def _bind_runtime(self) -> None:
+    def _bind_runtime(self, model_runner: Any) -> None:
         self.runtime = get_runtime()
         self.method = self.runtime.method
         self.skip_sentinels = self.method.evicts
+        self.selector = self.method.selector
+        if self.selector is not None:
+            allocate_once(self.selector, model_runner)
         # Decided once: the per-layer hot path of dense requests does no method calls.
         self.capture_prefill = self.method.observation_window() > 0
         self.capture_decode = self.capture_prefill and self.method.observes_decode()
@@ -79,14 +83,24 @@ class _SparseBackendMixin:
             return fill_compact_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
                                            min_one=self.decode_lists, counts=counts, mismatches=tables.mismatches)
 
-    # Every base: capture the window queries, then the stock attention (each base's own signature).
+    # Every base: capture the window queries, then the stock attention (each base's own signature);
+    # a selecting layer's K also goes into the selector's page metadata, and its decode reads a selection.
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         self._capture(q, layer, forward_batch, is_decode=False)
-        return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
+        out = super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
+        if self.selector is not None:
+            write_summaries(self.selector, layer, forward_batch.out_cache_loc, k)
+        return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         self._capture(q, layer, forward_batch, is_decode=True)
+        if self.selector is not None and self.selector.selects(layer.layer_id) and not layer.is_cross_attention:
+            write_summaries(self.selector, layer, forward_batch.out_cache_loc, k)
+            return self._forward_decode_selected(q, k, v, layer, forward_batch, *args, **kwargs)
         return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
+
+    def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
+        raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} base")
 
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
         if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
@@ -101,7 +115,7 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
-        self._bind_runtime()
+        self._bind_runtime(model_runner)
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,  # type: ignore[no-untyped-def]
                                  seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
@@ -134,6 +148,18 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
                                                 req_to_token[req_pool_indices[i], :n_kv], scaling, enable_gqa, True)
         return output
 
+    def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
+                                                k, v)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = attend_selected(self.selector, layer, q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
+                            forward_batch.req_pool_indices, forward_batch.seq_lens)
+        return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
     @staticmethod
     def _attend_live(q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      row: torch.Tensor, scaling: float | None, enable_gqa: bool, causal: bool) -> torch.Tensor:
@@ -156,7 +182,7 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
 
     def __init__(self, model_runner: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(model_runner, *args, **kwargs)
-        self._bind_runtime()
+        self._bind_runtime(model_runner)
 
     def _fill_kv_indptr_and_indices(self, bs: int, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
                                     kv_indices: torch.Tensor) -> torch.Tensor:
@@ -210,7 +236,7 @@ def _flashinfer_backend_cls() -> type:
             # The stock constructor checks KV-cache access only for its own class, not subclasses.
             self._check_kv_attention_access("prefill", self.prefill_kv_access)
             self._check_kv_attention_access("decode", self.decode_kv_access)
-            self._bind_runtime()
+            self._bind_runtime(model_runner)
             if self.skip_sentinels and (self.use_sliding_window_kv_pool or self.enable_mis):
                 raise ValueError("sgl_sparse: sliding-window pools and multi-item scoring are not supported with "
                                  "eviction (they address KV by logical position)")

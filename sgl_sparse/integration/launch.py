@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from sgl_sparse.contract import pool_page_size
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.registry import create_method, registered_methods
@@ -120,8 +121,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         parser.error(f"--radix-cache-backend {args.radix_cache_backend}: sgl_sparse serves through its own "
                      f"backend '{BACKEND_NAME}'; drop the flag (use `python -m sglang.launch_server` for stock "
                      "SGLang)")
-    if args.page_size not in (None, 1):
-        parser.error(f"--page-size {args.page_size}: sgl_sparse supports page size 1 only (for now)")
+    page_size = pool_page_size(method)
+    if args.page_size not in (None, page_size):
+        why = (f"its page metadata is per {page_size}-token page (set by its config's page_size)" if page_size > 1
+               else "eviction frees single slots" if method.evicts else "only page-based methods use other sizes")
+        parser.error(f"--page-size {args.page_size}: --sparse-method {method.name} is served with page size "
+                     f"{page_size} ({why}); drop the flag")
     device = _resolve_device(args)
     base, problems = choose_base(args, device)
     for problem in [*problems, *unsupported_combinations(args, method, device)]:
@@ -145,7 +150,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     # otherwise replace --attention-backend (arg_groups/overrides.py L2014-2018).
     args.prefill_attention_backend = args.decode_attention_backend = None
     args.radix_cache_backend = BACKEND_NAME
-    args.page_size = 1
+    args.page_size = page_size
     return args, handoff.Handoff(method.name, method.config.to_dict(), device, base=base,
                                  prefill_cuda_graph_off=prefill_off)
 
@@ -158,6 +163,9 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
     problems = []
     if (why := served_hooks_problem(method)) is not None:
         problems.append(f"--sparse-method {method.name}: {why}")
+    if method.selector is not None and device != "cpu":
+        problems.append(f"--sparse-method {method.name}: its GPU decode path (page selection read through "
+                        "FlashInfer) is not built yet; it serves on --device cpu only for now")
     if args.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
     if args.enable_session_radix_cache or args.enable_streaming_session:

@@ -30,6 +30,7 @@ def _is_cpu_server() -> bool:
 
 
 def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildContext
+    from sgl_sparse.contract import pool_page_size
     from sgl_sparse.integration.runtime import get_runtime
     from sgl_sparse.radix.tree import SparseRadixCache
 
@@ -42,9 +43,10 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
     bad = [name for name, on in unsupported.items() if on]
     if bad:
         raise ValueError(f"sgl_sparse: not supported yet: {', '.join(bad)}")
-    if ctx.params.page_size != 1:
-        raise ValueError(f"sgl_sparse: page size {ctx.params.page_size} is not supported yet (use --page-size 1)")
     rt = get_runtime()
+    if ctx.params.page_size != pool_page_size(rt.method):
+        raise ValueError(f"sgl_sparse: page size {ctx.params.page_size}: {rt.method.name} is served with page size "
+                         f"{pool_page_size(rt.method)} (start the server with python -m sgl_sparse.launch_server)")
     rt.serving = True
     # Overlap scheduling on a GPU: evicted slots go back to the allocator on the schedule stream
     # (integration/frees.py).
@@ -115,6 +117,11 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier", _after_war_barrier, HookType.AFTER
     )
+    from sgl_sparse.integration.selection import around_cell_size
+
+    # Selection methods' page metadata is counted in SGLang's KV cell size (the pool shrinks by it).
+    HookRegistry.register("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+                          around_cell_size, HookType.AROUND)
     from sgl_sparse.integration import validation
 
     # Rejects bad requests in the HTTP process (the TokenizerManager's), only in servers whose tree is ours.

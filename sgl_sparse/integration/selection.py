@@ -1,0 +1,107 @@
+"""Dynamic selection in the server: sizing and placing a :class:`PageSelector`'s metadata, and the
+CPU attention path that reads a selection.
+
+* Memory: an AROUND hook on SGLang's per-token KV cell size (``DefaultPoolConfigurator.
+  _compute_cell_size``, model_executor/pool_configurator.py L183) adds the selector's metadata bytes
+  per token, so SGLang sizes a pool that leaves room for it (``max_total_num_tokens = available //
+  cell_size``, L317-326); the attention backend then allocates it beside that pool, before CUDA-graph
+  capture. So the metadata never comes from outside SGLang's memory budget.
+* Attention: the backends call :func:`write_summaries` wherever a selecting layer's K is written and,
+  in decode, read only the selected pages. On CPU (``torch_native``) :func:`attend_selected` does it
+  per request with a mask over positions; the GPU path reads slot lists (``kernels/pages.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sgl_sparse.contract import KVGeometry, PageSelector
+from sgl_sparse.integration import handoff
+from sgl_sparse.kernels.pages import selected_positions_mask
+
+logger = logging.getLogger(__name__)
+
+
+def _served_selector() -> PageSelector | None:
+    """The selector of the method this server was launched with (``None`` in a vanilla server)."""
+    h = handoff.read()
+    if h.method == "dense":
+        return None
+    from sgl_sparse.integration.runtime import get_runtime
+
+    return get_runtime().method.selector
+
+
+def around_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: int) -> int:
+    """AROUND ``DefaultPoolConfigurator._compute_cell_size``: SGLang's bytes per KV token plus the
+    selector's metadata per token."""
+    cell = original(configurator, kvc, num_layers)
+    selector = _served_selector()
+    if selector is None:
+        return cell
+    from sglang.srt.runtime_context import get_parallel
+
+    tp = get_parallel().attn_tp_size
+    mc = kvc.model_config
+    g = KVGeometry(num_layers=num_layers, num_q_heads=mc.num_attention_heads // tp,
+                   num_kv_heads=mc.get_num_kv_heads(tp), head_dim=mc.head_dim, page_size=kvc.page_size, num_slots=0,
+                   dtype=kvc.kv_cache_dtype, device=torch.device(kvc.device))
+    extra = selector.metadata_bytes_per_token(g)
+    logger.info("sgl_sparse: KV cell %d bytes per token + %d of selection metadata", cell, extra)
+    return cell + extra
+
+
+def geometry_of(model_runner: Any) -> KVGeometry:
+    from sglang.srt.runtime_context import get_parallel
+
+    pool = model_runner.token_to_kv_pool
+    mc = model_runner.model_config
+    tp = get_parallel().attn_tp_size
+    return KVGeometry(num_layers=mc.num_hidden_layers, num_q_heads=mc.num_attention_heads // tp,
+                      num_kv_heads=pool.head_num, head_dim=pool.head_dim, page_size=pool.page_size,
+                      num_slots=pool.size + pool.page_size, dtype=pool.dtype, device=torch.device(pool.device))
+
+
+def allocate_once(selector: PageSelector, model_runner: Any) -> None:
+    """Allocate the selector's metadata beside this runner's pool (a runner may build several backends)."""
+    if getattr(selector, "_allocated_for", None) is model_runner.token_to_kv_pool:
+        return
+    g = geometry_of(model_runner)
+    selector.allocate(g)
+    selector._allocated_for = model_runner.token_to_kv_pool  # type: ignore[attr-defined]
+    logger.info("sgl_sparse: %s metadata for %d pages of %d tokens (%.1f MiB)", type(selector).__name__, g.num_pages,
+                g.page_size, selector.metadata_bytes_per_token(g) * g.num_slots / 2**20)
+
+
+def write_summaries(selector: PageSelector, layer: Any, loc: torch.Tensor, k: torch.Tensor | None) -> None:
+    if k is None or getattr(layer, "is_cross_attention", False) or not selector.selects(layer.layer_id):
+        return
+    selector.on_kv_write(layer.layer_id, loc, k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim))
+
+
+def attend_selected(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    seq_lens: torch.Tensor) -> torch.Tensor:
+    """Decode attention of one selecting layer on CPU: ``q`` ``[bs, Hq, D]`` over the selected pages of
+    each (request, KV head), ``[bs, Hq, Dv]``. Positions not selected are masked out; with every page
+    selected it is the dense computation."""
+    bs, hq, _ = q.shape
+    hkv = layer.tp_k_head_num
+    pages = selector.select(layer.layer_id, q, req_to_token, req_pool_indices, seq_lens)
+    width = int(seq_lens.max()) if bs else 0
+    mask = selected_positions_mask(pages, seq_lens, hkv, selector.page_size, width)  # [bs, Hkv, width]
+    out = q.new_empty(bs, hq, layer.v_head_dim)
+    for i in range(bs):
+        n = int(seq_lens[i])
+        slots = req_to_token[req_pool_indices[i], :n].long()
+        k = k_cache[slots].movedim(0, 1).to(q.dtype)  # [Hkv, n, D]
+        v = v_cache[slots].movedim(0, 1).to(q.dtype)
+        m = mask[i, :, :n].repeat_interleave(hq // hkv, dim=0)  # [Hq, n]
+        o = scaled_dot_product_attention(q[i][None, :, None, :], k[None], v[None], attn_mask=m[None, :, None, :],
+                                         scale=layer.scaling, enable_gqa=hq != hkv)
+        out[i] = o[0, :, 0]
+    return out
