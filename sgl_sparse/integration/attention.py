@@ -241,26 +241,55 @@ def _flashinfer_backend_cls() -> type:
                 raise ValueError("sgl_sparse: sliding-window pools and multi-item scoring are not supported with "
                                  "eviction (they address KV by logical position)")
             self.launcher = _flashinfer_launcher() if self.skip_sentinels else None
+            self.selection = None
+            if self.selector is not None:
+                from sgl_sparse.integration.flashinfer_selection import FlashInferSelection
+
+                self.selection = FlashInferSelection(self, self.selector)
+
+        def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
+            super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
+            if self.selection is not None:
+                self.selection.init_graph_state(max_num_tokens, self.workspace_buffer.device)
 
         def init_forward_metadata(self, forward_batch: Any) -> None:
             if self.launcher is None:
-                return super().init_forward_metadata(forward_batch)
-            self.launcher.active = self
-            try:
                 super().init_forward_metadata(forward_batch)
-            finally:
-                self.launcher.active = None
+            else:
+                self.launcher.active = self
+                try:
+                    super().init_forward_metadata(forward_batch)
+                finally:
+                    self.launcher.active = None
+            if self.selection is not None and forward_batch.forward_mode.is_decode_or_idle():
+                self.selection.plan_eager(forward_batch)
 
         def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
             if self.launcher is None:
-                return super().init_forward_metadata_out_graph(forward_batch, in_capture)
-            if forward_batch.forward_mode.is_decode_or_idle() and not in_capture:
-                forward_batch = self._with_live_lens(forward_batch)
-            self.launcher.active = self
-            try:
                 super().init_forward_metadata_out_graph(forward_batch, in_capture)
-            finally:
-                self.launcher.active = None
+            else:
+                fb = forward_batch
+                if fb.forward_mode.is_decode_or_idle() and not in_capture:
+                    fb = self._with_live_lens(fb)
+                self.launcher.active = self
+                try:
+                    super().init_forward_metadata_out_graph(fb, in_capture)
+                finally:
+                    self.launcher.active = None
+            if self.selection is not None and forward_batch.forward_mode.is_decode_or_idle():
+                with no_host_sync(not in_capture and forward_batch.seq_lens_cpu is not None):
+                    self.selection.plan_graph(forward_batch, in_capture)
+
+        def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
+            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+            if k is not None and save_kv_cache:
+                self.token_to_kv_pool.set_kv_buffer(
+                    layer, KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc), k, v,
+                    *self._kv_write_scales(layer))
+            return self.selection.attend(layer, q, self.token_to_kv_pool.get_kv_buffer(layer.layer_id),
+                                         self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                         forward_batch.seq_lens)
 
         def _with_live_lens(self, fb: Any) -> Any:
             """Graph decode plans on the host from ``seq_lens_cpu`` (logical lengths). Give it the live

@@ -89,6 +89,9 @@ def attend_selected(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache
     """Decode attention of one selecting layer on CPU: ``q`` ``[bs, Hq, D]`` over the selected pages of
     each (request, KV head), ``[bs, Hq, Dv]``. Positions not selected are masked out; with every page
     selected it is the dense computation."""
+    if getattr(layer, "sliding_window_size", None) not in (None, -1):
+        raise ValueError("sgl_sparse: page selection on sliding-window layers is not supported (pages are "
+                         "chosen over the whole context)")
     bs, hq, _ = q.shape
     hkv = layer.tp_k_head_num
     pages = selector.select(layer.layer_id, q, req_to_token, req_pool_indices, seq_lens)

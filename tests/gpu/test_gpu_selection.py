@@ -1,0 +1,103 @@
+"""Quest on the GPU: its Triton kernels at serving shapes against the torch paths, and servers (FlashInfer
+base, head-flattened selection wrapper) against vanilla FlashInfer and against themselves without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from gpu_common import assert_idle_and_sound, assert_same_tokens, generate, ours, prose, vanilla
+
+from sgl_sparse.integration.syncs import sync_debug
+from sgl_sparse.kernels import pages, quest
+from sgl_sparse.server_process import ServerProcess, running
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def test_quest_kernels_at_a_serving_shape_match_torch_and_do_not_sync() -> None:
+    """Llama-8B heads (8 KV heads, group 4, dim 128), 16-token pages, rows 131,072 wide, 6 requests of
+    up to 9K tokens plus 2 CUDA-graph padding rows."""
+    g = torch.Generator().manual_seed(0)
+    ps, hkv, grp, d, width = 16, 8, 4, 128, 131072
+    lens = [9000, 4097, 16, 1, 8191, 3000, 1, 1]
+    num_pages = sum((n + ps - 1) // ps for n in lens) + 8
+    free = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    r2t = torch.zeros(len(lens) + 1, width, dtype=torch.int32)
+    for row, n in enumerate(lens[:6], start=1):
+        pos = torch.arange(n)
+        pg = torch.tensor([free.pop() for _ in range((n + ps - 1) // ps)])
+        r2t[row, :n] = (pg[pos // ps] * ps + pos % ps).to(torch.int32)
+    rpi = torch.tensor([1, 2, 3, 4, 5, 6, 0, 0], device=DEV)
+    seq = torch.tensor(lens, device=DEV)
+    r2t = r2t.to(DEV)
+    k_buf = torch.randn(num_pages * ps, hkv, d, generator=g).to(DEV, torch.bfloat16)
+    kmin = torch.full((num_pages, hkv, d), float("inf"), dtype=torch.bfloat16, device=DEV)
+    kmax = torch.full_like(kmin, float("-inf"))
+    loc = torch.cat([r2t[r, :n].long() for r, n in zip(range(1, 7), lens[:6])])
+    q = torch.randn(len(lens), hkv * grp, d, generator=g).to(DEV, torch.bfloat16)
+    max_pages = width // ps
+    got = torch.empty(len(lens) * hkv, max_pages, device=DEV)
+    with sync_debug("error"):
+        quest.update_page_summaries(kmin, kmax, loc, k_buf[loc], ps)
+        quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, ps, 4, 32)
+        sel = pages.select_pages(got, 128)
+    ref = torch.empty_like(got)
+    quest.score_pages_torch(q, kmin, kmax, r2t, rpi, seq, ref, ps, 4, 32)
+    finite = ref.isfinite()
+    assert torch.equal(finite, got.isfinite()) and torch.equal(ref[~finite], got[~finite])
+    assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-2)
+    lens_rows = pages.selected_lens(seq, ps, 128).repeat_interleave(hkv).to(torch.int32)
+    indptr = torch.zeros(lens_rows.numel() + 1, dtype=torch.int32, device=DEV)
+    indptr[1:] = torch.cumsum(lens_rows, 0)
+    out = torch.full((int(indptr[-1]) + 16,), -1, dtype=torch.int32, device=DEV)
+    with sync_debug("error"):
+        pages.expand_pages(sel, r2t, rpi, seq, indptr, out, ps)
+    mask = pages.selected_positions_mask(sel, seq, hkv, ps, 9000)
+    want = []
+    for b in range(len(lens)):
+        row = r2t[rpi[b], :9000].long()
+        for h in range(hkv):
+            want.append(row[mask[b, h]] * hkv + h)
+    assert torch.equal(out[: int(indptr[-1])].long(), torch.cat(want))
+    assert (out[int(indptr[-1]):] == -1).all()
+
+
+COVERING = {"token_budget": 16384, "sink_tokens": 64, "recent_tokens": 512, "dense_layers": 0}
+SMALL = {"token_budget": 1024, "sink_tokens": 64, "recent_tokens": 256, "dense_layers": 2}
+LENS = [6000, 3000, 4500, 2048, 5000]
+
+
+GPU = {"SGLSPARSE_GPU_SELECTION": "1"}  # the launcher's opt-in until this file passes
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, ServerProcess]]:
+    procs = {
+        "vanilla": vanilla("quest-vanilla-flashinfer"),
+        "covering": ours("quest-covering", "quest", COVERING, env={**GPU, "SGLSPARSE_SYNC_DEBUG": "error"}),
+        "small": ours("quest-small-graph", "quest", SMALL, env={**GPU, "SGLSPARSE_SYNC_DEBUG": "error"}),
+        "small-eager": ours("quest-small-eager", "quest", SMALL, extra=["--disable-cuda-graph"], env=GPU),
+    }
+    with running(*procs.values()):
+        yield procs
+
+
+def test_quest_covering_the_context_equals_vanilla(servers: dict[str, ServerProcess]) -> None:
+    prompts = [prose(400 + i, n) for i, n in enumerate(LENS)]
+    ref = generate(servers["vanilla"], prompts, 96)
+    got = generate(servers["covering"], prompts, 96)
+    assert_same_tokens(ref, got, "vanilla", "quest covering", "batch of 5")
+    assert_idle_and_sound(servers["covering"])
+
+
+def test_quest_cuda_graphs_on_and_off_give_the_same_tokens(servers: dict[str, ServerProcess]) -> None:
+    prompts = [prose(500 + i, n) for i, n in enumerate(LENS)]
+    eager = generate(servers["small-eager"], prompts, 96)
+    graph = generate(servers["small"], prompts, 96)
+    assert_same_tokens(eager, graph, "quest eager", "quest graph", "batch of 5")
+    for name in ("small", "small-eager"):
+        assert_idle_and_sound(servers[name])
