@@ -1,0 +1,79 @@
+"""Quest's selection cost per layer on the GPU, stage by stage (no server): page scoring, top-k + sort, and
+the slot-list expansion, each replayed as a CUDA graph (as in a decode step), beside the bandwidth floor of
+reading the page summaries and the dense attention read it replaces.
+
+    python benchmarks/selection_overhead.py [--shapes 6x130000 16x32768] [--token-budget 2048]
+
+Llama-3-8B heads (8 KV heads, group 4, dim 128), bf16 summaries, 16-token pages, rows 131,072 wide (the
+scoring grid covers a row's full width, as inside a graph captured for the context length).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from sgl_sparse.kernels import pages, quest
+
+PS, HKV, GROUP, D, WIDTH = 16, 8, 4, 128, 131072
+HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
+
+
+def _time(fn, iters: int = 100) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(5):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters  # us
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["6x130000", "16x32768"], help="BATCHxCONTEXT")
+    p.add_argument("--token-budget", type=int, default=2048)
+    args = p.parse_args()
+    k = args.token_budget // PS
+    print("| batch x context | score us | top-k + sort us | expand us | total us/layer | summaries read at "
+          "floor us | dense KV read at floor us |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for shape in args.shapes:
+        bs, n = (int(x) for x in shape.split("x"))
+        print(_row(bs, n, k))
+
+
+def _row(bs: int, n: int, k: int) -> str:
+    dev = "cuda"
+    npg = bs * (WIDTH // PS) + 8
+    r2t = torch.cat([torch.zeros(1, WIDTH, dtype=torch.int32, device=dev),
+                     torch.arange(bs * WIDTH, device=dev, dtype=torch.int32).view(bs, WIDTH) + PS])
+    rpi = torch.arange(1, bs + 1, device=dev)
+    seq = torch.full((bs,), n, device=dev)
+    kmin = torch.randn(npg, HKV, D, device=dev, dtype=torch.bfloat16)
+    kmax = kmin + 1
+    q = torch.randn(bs, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
+    scores = torch.empty(bs * HKV, WIDTH // PS, device=dev)
+    lens = pages.selected_lens(seq, PS, k).repeat_interleave(HKV).int()
+    indptr = torch.zeros(bs * HKV + 1, dtype=torch.int32, device=dev)
+    indptr[1:] = lens.cumsum(0)
+    out = torch.empty(int(indptr[-1]), dtype=torch.int32, device=dev)
+    quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32)
+    sel = pages.select_pages(scores, k)
+    t_score = _time(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32))
+    t_topk = _time(lambda: pages.select_pages(scores, k))
+    t_expand = _time(lambda: pages.expand_pages(sel, r2t, rpi, seq, indptr, out, PS))
+    summaries = bs * -(-n // PS) * HKV * D * 2 * 2
+    dense = bs * n * HKV * D * 2 * 2
+    return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_expand:.1f} | {t_score + t_topk + t_expand:.1f} | "
+            f"{summaries / HBM * 1e6:.1f} | {dense / HBM * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
