@@ -11,8 +11,9 @@ Three steps, each a fixed-shape batched op (CUDA-graph safe):
 * :func:`update_page_summaries` where K is written (prefill and decode): a token at page offset 0
   resets its page, so a page reused after a free starts clean; SGLang's padding page 0 absorbs the
   resets of the other tokens (and the writes of CUDA-graph padding rows), and is never scored;
-* :func:`score_pages`: a Triton kernel over ``(request x KV head, page block)``; blocks past a row's
-  page count write ``-inf`` only. Sink and recent pages score ``+inf`` (always selected);
+* :func:`score_pages`: a Triton kernel over ``(request x KV head, program)``, each program looping
+  over its share of the row's page blocks (bound read from ``seq_lens``); the rest of the row is
+  ``-inf``. Sink and recent pages score ``+inf`` (always selected);
 * :func:`~sgl_sparse.kernels.pages.select_pages`: a static-``k`` top-k and a sort.
 
 Scoring has a plain-torch path for CPU (:func:`score_pages_torch`); tests check the Triton kernel
@@ -27,7 +28,8 @@ import triton.language as tl
 
 from sgl_sparse.kernels.pages import page_counts
 
-BLOCK_PAGES = 64  # pages per scoring program
+BLOCK_PAGES = 64  # pages per block a scoring program scores at once
+PROGRAMS_PER_ROW = 16  # scoring programs per (request, KV head); each loops over its share of blocks
 NEG = float("-inf")
 POS = float("inf")
 
@@ -52,33 +54,39 @@ def update_page_summaries(kmin: torch.Tensor, kmax: torch.Tensor, loc: torch.Ten
 @triton.jit
 def _score_kernel(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, scores, max_pages, sink_pages,
                   recent_pages, stride_r2t: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
-                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, NPROG: tl.constexpr):
+    """Grid (request x KV head, NPROG): program ``pid`` scores page blocks ``pid, pid + NPROG, ...`` up to
+    the row's page count (a loop bound read from ``seq_lens``: the work follows the real lengths, also
+    in a graph captured for the full context), then writes ``-inf`` over its blocks of the rest."""
     rh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid = tl.program_id(1)
     i = rh // HKV
     h = rh % HKV
-    offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.load(seq_lens + i)
     npages = (n + PAGE - 1) // PAGE
-    out = scores + rh.to(tl.int64) * max_pages + offs_p
-    in_range = offs_p < max_pages
-    valid = offs_p < npages  # a block past the row's pages loads nothing and writes -inf
+    nblk = (npages + BLOCK_P - 1) // BLOCK_P
     row = tl.load(req_pool_indices + i).to(tl.int64)
-    slot = tl.load(req_to_token + row * stride_r2t + offs_p * PAGE, mask=valid, other=0).to(tl.int64)
-    phys = slot // PAGE
+    out_row = scores + rh.to(tl.int64) * max_pages
     offs_d = tl.arange(0, D)
-    base = (phys * HKV + h)[:, None] * D + offs_d[None, :]
-    lo = tl.load(kmin + base, mask=valid[:, None], other=0.0).to(tl.float32)
-    hi = tl.load(kmax + base, mask=valid[:, None], other=0.0).to(tl.float32)
-    best = tl.full((BLOCK_P,), float("-inf"), tl.float32)
-    for g in tl.static_range(GROUP):
-        qg = tl.load(q + (i * HKV * GROUP + h * GROUP + g).to(tl.int64) * D + offs_d).to(tl.float32)
-        s = tl.sum(tl.maximum(qg[None, :] * lo, qg[None, :] * hi), axis=1)
-        best = tl.maximum(best, s)
-    forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
-    best = tl.where(forced, float("inf"), best)
-    best = tl.where(valid, best, float("-inf"))
-    tl.store(out, best, mask=in_range)
+    q_row = q + (i * HKV * GROUP + h * GROUP).to(tl.int64) * D
+    for blk in range(pid, nblk, NPROG):
+        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+        valid = offs_p < npages
+        slot = tl.load(req_to_token + row * stride_r2t + offs_p * PAGE, mask=valid, other=0).to(tl.int64)
+        base = ((slot // PAGE) * HKV + h)[:, None] * D + offs_d[None, :]
+        lo = tl.load(kmin + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(kmax + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        best = tl.full((BLOCK_P,), float("-inf"), tl.float32)
+        for g in tl.static_range(GROUP):
+            qg = tl.load(q_row + g * D + offs_d).to(tl.float32)
+            best = tl.maximum(best, tl.sum(tl.maximum(qg[None, :] * lo, qg[None, :] * hi), axis=1))
+        forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
+        best = tl.where(forced, float("inf"), best)
+        best = tl.where(valid, best, float("-inf"))
+        tl.store(out_row + offs_p, best, mask=offs_p < max_pages)
+    for blk in range(nblk + pid, (max_pages + BLOCK_P - 1) // BLOCK_P, NPROG):
+        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+        tl.store(out_row + offs_p, tl.full((BLOCK_P,), float("-inf"), tl.float32), mask=offs_p < max_pages)
 
 
 def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_token: torch.Tensor,
@@ -91,10 +99,10 @@ def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_
     max_pages = scores.shape[1]
     if bs == 0:
         return scores[:0]
-    grid = (bs * hkv, triton.cdiv(max_pages, BLOCK_PAGES))
-    _score_kernel[grid](q.contiguous(), kmin, kmax, req_to_token, req_pool_indices, seq_lens, scores, max_pages,
-                        sink_pages, recent_pages, req_to_token.stride(0), HKV=hkv, GROUP=hq // hkv, D=d,
-                        PAGE=page_size, BLOCK_P=BLOCK_PAGES)
+    nprog = min(PROGRAMS_PER_ROW, triton.cdiv(max_pages, BLOCK_PAGES))
+    _score_kernel[(bs * hkv, nprog)](q.contiguous(), kmin, kmax, req_to_token, req_pool_indices, seq_lens, scores,
+                                     max_pages, sink_pages, recent_pages, req_to_token.stride(0), HKV=hkv,
+                                     GROUP=hq // hkv, D=d, PAGE=page_size, BLOCK_P=BLOCK_PAGES, NPROG=nprog)
     return scores[: bs * hkv]
 
 
