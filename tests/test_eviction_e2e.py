@@ -156,12 +156,11 @@ def _abort_after(server: ServerProcess, rid: str, delay: float) -> None:
     requests.post(f"{server.base_url}/abort_request", json={"rid": rid}, timeout=30)
 
 
-@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
-def test_aborts_mid_prefill_and_mid_decode_do_not_leak(sparse_servers: dict, method: str) -> None:
-    server = sparse_servers[method]
-    rng = random.Random(4)
+def abort_mid_prefill_and_mid_decode(server: ServerProcess, rng: random.Random, tag: str) -> None:
+    """Abort one request during a 3,000-token prefill and one mid-decode; the server ends idle and sound
+    after each."""
     for i, (n_prompt, n_out, delay) in enumerate([(3000, 8, 0.05), (300, 2000, 1.0)]):
-        rid = f"abort-{method}-{i}"
+        rid = f"abort-{tag}-{i}"
         t = threading.Thread(target=_abort_after, args=(server, rid, delay))
         t.start()
         body = {"rid": rid, "input_ids": _ids(rng, n_prompt),
@@ -172,6 +171,11 @@ def test_aborts_mid_prefill_and_mid_decode_do_not_leak(sparse_servers: dict, met
         if r.status_code == 200:
             assert r.json()["meta_info"]["finish_reason"]["type"] == "abort", r.json()["meta_info"]
         _assert_idle_and_sound(server)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+def test_aborts_mid_prefill_and_mid_decode_do_not_leak(sparse_servers: dict, method: str) -> None:
+    abort_mid_prefill_and_mid_decode(sparse_servers[method], random.Random(4), method)
 
 
 def test_flush_cache_returns_every_slot(sparse_servers: dict) -> None:

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _abort_after, _assert_idle_and_sound, _ids
+from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, abort_mid_prefill_and_mid_decode
 
 pytestmark = pytest.mark.server
 
@@ -82,17 +80,7 @@ def test_prefix_cache_reuses_whole_pages(quest_servers: dict) -> None:
 
 def test_aborts_and_random_sessions_do_not_leak(quest_servers: dict) -> None:
     server = quest_servers["small"]
-    rng = random.Random(14)
-    for i, (n_prompt, n_out, delay) in enumerate([(3000, 8, 0.05), (300, 2000, 1.0)]):
-        rid = f"abort-quest-{i}"
-        t = threading.Thread(target=_abort_after, args=(server, rid, delay))
-        t.start()
-        body = {"rid": rid, "input_ids": _ids(rng, n_prompt),
-                "sampling_params": {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}}
-        r = requests.post(f"{server.base_url}/generate", json=body, timeout=300)
-        t.join()
-        assert r.status_code in (200, 400), r.text
-        _assert_idle_and_sound(server)
+    abort_mid_prefill_and_mid_decode(server, random.Random(14), "quest")
 
     def run(seed: int) -> int:
         local = random.Random(seed)

@@ -79,7 +79,7 @@ class FlashInferSelection:
             self.current = None
             return
         indptr = self._fill_indptr(torch.empty(rows + 1, dtype=torch.int32, device=device), fb.seq_lens)
-        total = int(self._host_indptr(fb.seq_lens_cpu)[-1]) if fb.seq_lens_cpu is not None else rows * self.width
+        total = int(self._lens(fb.seq_lens_cpu.cpu()).sum()) if fb.seq_lens_cpu is not None else rows * self.width
         indices = torch.empty(max(total, 1), dtype=torch.int32, device=device)
         self.eager.plan(indptr, indices, self._ones(rows, device), self.group, 1, self.head_dim, 1,
                         data_type=self.data_type, q_data_type=self.q_data_type, non_blocking=True)
