@@ -12,8 +12,11 @@
 #                                                the headline one server per step (vanilla x 6, ours dense
 #                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60, and x 6), so one
 #                                                vanilla run serves every comparison; table130k prints the table.
-#   bash benchmarks/device_session.sh quest130k   Quest (default config) at 130K x 6, ours only (table130k adds it).
-#   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's selection cost per layer.
+#   bash benchmarks/device_session.sh quest130k | omnikv130k   Quest / OmniKV (default config) at 130K x 6, ours
+#                                                only (table130k adds them). On a fresh machine the first server of
+#                                                each compiles FlashInfer kernels for its wrappers (minutes).
+#   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's and OmniKV's selection
+#                                                cost per layer (torch top-k and the Triton select).
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
 #                                                24), ours only, on HEADLINE_GPU (the vanilla row: headline's).
 #   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
@@ -101,12 +104,13 @@ vanilla130k|dense130k|snapkv130k|snapkv130k6)  # the 130K table one server per s
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$batch" --output-len 256 "${only[@]}" "${cfg[@]}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
-quest130k)  # Quest (default config: 2,048-token budget) at 130K x 6 (vanilla's batch), ours only; its GPU path is
-  install     # behind the launcher's opt-in until tests/gpu/test_gpu_selection.py passes
-  SGLSPARSE_GPU_SELECTION=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/quest130k.txt \
+quest130k|omnikv130k)  # Quest / OmniKV (default configs: 2,048-token budget) at 130K x 6 (vanilla's batch), ours
+  install                # only; OmniKV's GPU path is behind the launcher's opt-in until test_gpu_omnikv.py passes
+  m=${1%130k}
+  SGLSPARSE_GPU_SELECTION=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
       python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch 6 \
-      --output-len 256 --only sgl_sparse --sparse-method quest --sparse-config '{}' \
-      --log-dir /root/bench/quest130k --json /root/bench/quest130k.json
+      --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
+      --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
 selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.py), no server
   install
@@ -114,7 +118,7 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,quest130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,quest130k,omnikv130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
@@ -226,7 +230,7 @@ status)
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
   [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt
-  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,snapkv130k6,quest130k,streamingllm,floorref-*}/*.log; do
+  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,snapkv130k6,quest130k,omnikv130k,streamingllm,floorref-*}/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
@@ -254,6 +258,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac

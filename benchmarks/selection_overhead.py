@@ -1,6 +1,7 @@
-"""Quest's selection cost per layer on the GPU, stage by stage (no server): page scoring, top-k + sort, and
-the slot-list expansion, each replayed as a CUDA graph (as in a decode step), beside the bandwidth floor of
-reading the page summaries and the dense attention read it replaces.
+"""Selection cost per layer on the GPU, stage by stage (no server), each stage replayed as a CUDA graph (as
+in a decode step), beside the bandwidth floors. Quest (every selecting layer): page scoring, top-k + sort
+(torch) or the Triton threshold select, slot-list expansion; against the summaries' and the dense KV's
+read. OmniKV (each filter layer): token scoring (reads the layer's K), top-k + sort or the Triton select.
 
     python benchmarks/selection_overhead.py [--shapes 6x130000 16x32768] [--token-budget 2048]
 
@@ -14,7 +15,7 @@ import argparse
 
 import torch
 
-from sgl_sparse.kernels import pages, quest
+from sgl_sparse.kernels import omnikv, pages, quest
 
 PS, HKV, GROUP, D, WIDTH = 16, 8, 4, 128, 131072
 HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
@@ -41,12 +42,36 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=2048)
     args = p.parse_args()
     k = args.token_budget // PS
-    print("| batch x context | score us | top-k + sort us | expand us | total us/layer | summaries read at "
-          "floor us | dense KV read at floor us |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| batch x context | score us | top-k + sort us | Triton select us | expand us | total us/layer (torch "
+          "top-k) | summaries read at floor us | dense KV read at floor us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for shape in args.shapes:
         bs, n = (int(x) for x in shape.split("x"))
         print(_row(bs, n, k))
+    print("\nOmniKV, per filter layer:\n")
+    print("| batch x context | token scores us | top-k + sort us | Triton select us | K read at floor us |")
+    print("| --- | --- | --- | --- | --- |")
+    for shape in args.shapes:
+        bs, n = (int(x) for x in shape.split("x"))
+        print(_omnikv_row(bs, n, args.token_budget))
+
+
+def _omnikv_row(bs: int, n: int, budget: int) -> str:
+    dev = "cuda"
+    r2t = torch.cat([torch.zeros(1, WIDTH, dtype=torch.int32, device=dev),
+                     torch.arange(bs * WIDTH, device=dev, dtype=torch.int32).view(bs, WIDTH) + 1])
+    rpi = torch.arange(1, bs + 1, device=dev)
+    seq = torch.full((bs,), n, device=dev)
+    k_cache = torch.randn(bs * WIDTH + 1, HKV, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(bs, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
+    scores = torch.full((bs, WIDTH), float("-inf"), device=dev)
+    omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512)
+    t_score = _time(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512))
+    t_topk = _time(lambda: pages.select_pages(scores, budget))
+    t_tri = _time(lambda: pages.select_pages_triton(scores, budget, seq))
+    same = torch.equal(pages.select_pages(scores, budget), pages.select_pages_triton(scores, budget, seq))
+    return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_tri:.1f} (same lists: {same}) | "
+            f"{bs * n * HKV * D * 2 / HBM * 1e6:.1f} |")
 
 
 def _row(bs: int, n: int, k: int) -> str:
@@ -68,10 +93,14 @@ def _row(bs: int, n: int, k: int) -> str:
     sel = pages.select_pages(scores, k)
     t_score = _time(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32))
     t_topk = _time(lambda: pages.select_pages(scores, k))
+    counts = pages.page_counts(seq, PS).repeat_interleave(HKV)
+    same = torch.equal(sel, pages.select_pages_triton(scores, k, counts))
+    t_tri = _time(lambda: pages.select_pages_triton(scores, k, counts))
     t_expand = _time(lambda: pages.expand_pages(sel, r2t, rpi, seq, indptr, out, PS))
     summaries = bs * -(-n // PS) * HKV * D * 2 * 2
     dense = bs * n * HKV * D * 2 * 2
-    return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_expand:.1f} | {t_score + t_topk + t_expand:.1f} | "
+    return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_tri:.1f} (same lists: {same}) | {t_expand:.1f} | "
+            f"{t_score + t_topk + t_expand:.1f} | "
             f"{summaries / HBM * 1e6:.1f} | {dense / HBM * 1e6:.1f} |")
 
 

@@ -2,14 +2,14 @@
 
 One contract serves four families:
 
-* eviction (StreamingLLM, SnapKV, H2O, ...): score in the layer hooks, return a smaller keep-set
-  from :meth:`SparseMethod.on_step_end`; the runtime frees the dropped physical slots.
+* eviction (StreamingLLM, SnapKV, H2O, ...): score the prompt in :meth:`SparseMethod.on_observation`,
+  return a smaller keep-set from :meth:`SparseMethod.on_step_end`; the runtime frees the dropped
+  physical slots.
 * dynamic selection (Quest, OmniKV, RetroInfer): keep every slot; a :class:`PageSelector`
   (:attr:`SparseMethod.selector`) picks, per decode step, layer and KV head, the pages attention
-  reads, batched on the device (the per-request :meth:`SparseMethod.before_attention` is the
-  reference driver's only).
+  reads, batched on the device.
 * compression / quantization (Palu, DeltaKV, KIVI, FP8, ...): a :class:`KVCodec` changes how K/V is
-  stored and read back; selection and eviction hooks stay no-ops.
+  stored and read back (not served yet).
 * dense: every hook is a no-op, and the runtime must then behave exactly like vanilla SGLang.
 
 Positions are always *logical* (index of the token in the request's sequence, the RoPE position).
@@ -17,30 +17,31 @@ Which physical pool slot holds a logical position is the runtime's business, nev
 see docs/architecture.md for the map. Hooks receive plain torch tensors and import nothing from
 SGLang, so a method is testable with :mod:`sgl_sparse.reference` alone.
 
-Hook order for one request (the server runtime, ``sgl_sparse/integration/runtime.py``, and the
-reference driver both follow it; ``tests/test_contract.py`` checks the reference, the CPU server tests
-check the runtime's counters)::
+Hook order (the server, ``sgl_sparse/integration/``, and the reference driver, :mod:`sgl_sparse.reference`,
+both follow it; ``tests/test_contract.py`` checks the reference driver, ``tests/test_hook_order_e2e.py``
+a real server, with a method that logs every call). Per request; the server drives these for methods
+that evict or observe (``evicts``, ``observation_window() > 0``): a method with neither keeps their
+no-op defaults (:func:`served_hooks_problem` refuses one that overrides them), and the server then runs
+no per-request Python between admission and finish::
 
     new_state (+ restore_state on a prefix hit) once, at admission (before its first forward)
     for each prefill chunk:
         on_prefill_chunk                       before the chunk's forward
-        for each layer: before_attention, after_attention      (reference driver only, see below)
+        (the forward: selector hooks, below)
         on_observation                         if wants_observation (default: final chunk)
         on_step_end                            after the forward step (may shrink the keep-set)
     for each decode step:
-        for each layer: before_attention, after_attention      (reference driver only)
+        (the forward)
         on_observation                         if wants_observation
         on_step_end
     on_finish                                  once: what the prefix tree stores for later turns
 
-A method with a :class:`PageSelector` is also driven per layer, batched over the whole step (not per
-request): ``on_kv_write`` wherever a selecting layer's K is written (prefill and decode), then in
-decode ``select`` before that layer's attention.
-
-The server does not drive the per-layer hooks (``needs_layer_hooks``) or a ``codec``: per-request
-Python per layer cannot run inside a CUDA-graph replay, so the selection and quantization families get
-batched device interfaces of their own. A method that declares either is refused at launch
-(:func:`served_hooks_problem`), never served with the hooks silently skipped.
+A method with a :class:`PageSelector` is also driven per layer inside each forward, batched over the
+whole step (not per request), in layer order: ``on_kv_write`` wherever a selecting layer's K is written
+(prefill and decode); in decode, ``select`` before a selecting layer's attention and ``observe`` after
+an observing (dense) layer's attention. There are no per-request per-layer hooks: per-request Python
+per layer cannot run inside a CUDA-graph replay. A ``codec`` is refused at launch until the KV pool
+uses one (:func:`served_hooks_problem`), never served with it silently skipped.
 """
 
 from __future__ import annotations
@@ -131,25 +132,6 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class LayerInput:
-    """What a layer hook sees for one request.
-
-    ``q``: post-RoPE queries of this step's tokens, ``[n_q, n_heads, head_dim]``, at logical positions
-    ``q_pos`` (``[n_q]``). ``k``/``v``: the request's *visible* K/V for this layer (retained prefix plus
-    this step's tokens), ``[n_kv, n_kv_heads, head_dim]``, at logical positions ``kv_pos`` (sorted).
-    Tensors are views of runtime buffers: read them, never write them.
-    """
-
-    layer_id: int
-    q: torch.Tensor
-    q_pos: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    kv_pos: torch.Tensor
-    is_decode: bool
-
-
-@dataclass(frozen=True)
 class ObservationWindow:
     """The end of a prompt, for methods that score the prompt with its last queries (SnapKV).
 
@@ -171,19 +153,6 @@ class ObservationWindow:
     def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """That layer's retained keys ``[n, n_kv_heads, head_dim]`` (a copy) and their positions."""
         return self.key_buffer(layer)[self.key_rows], self.k_pos
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Logical positions one layer attends to for one request (a subset of ``LayerInput.kv_pos``).
-
-    Causality still applies on top (a query never sees a later position). Per-layer and per-head
-    budgets are expressed here, not by freeing slots: one slot holds every layer's K/V.
-    ``heads`` (optional, ``[n_kv_heads, n_sel]``) gives a per-KV-head selection instead.
-    """
-
-    positions: torch.Tensor | None = None
-    heads: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -268,6 +237,17 @@ class PageSelector(ABC):
         """K (post-RoPE, ``[n, Hkv, D]``) was written at slots ``loc`` (``[n]``) of a selecting layer."""
         return None
 
+    def observes(self, layer_id: int) -> bool:
+        """Whether this dense (non-selecting) layer's decode queries and keys feed later selections."""
+        return False
+
+    def observe(self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
+                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """After an observing layer's dense decode attention (this step's K written): ``q`` ``[bs, Hq, D]``,
+        ``k_cache`` the layer's whole K pool ``[slots, Hkv, D]``; e.g. OmniKV picks here the tokens
+        the following layers read. Same rules as :meth:`select` (device only, no host sync)."""
+        return None
+
     @abstractmethod
     def select(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor) -> torch.Tensor:
@@ -284,11 +264,15 @@ def pool_page_size(method: SparseMethod[Any]) -> int:
 
 def served_hooks_problem(method: SparseMethod[Any]) -> str | None:
     """Why the server runtime cannot serve ``method`` (``None``: it can)."""
-    if method.needs_layer_hooks:
-        return (f"{method.name} declares per-layer hooks (before/after_attention), which only the reference "
-                "driver runs; the server has no per-request per-layer path")
     if method.codec is not None:
         return f"{method.name} declares a KV codec, which the server's KV pool does not use yet"
+    if not method.evicts and method.observation_window() == 0:
+        hooks = ("new_state", "restore_state", "on_prefill_chunk", "wants_observation", "on_observation",
+                 "on_step_end", "on_finish")
+        overridden = [h for h in hooks if getattr(type(method), h) is not getattr(SparseMethod, h)]
+        if overridden:
+            return (f"{method.name} overrides per-request hooks ({', '.join(overridden)}) but neither evicts nor "
+                    "observes, and the server drives them only for methods that do (so they would never run)")
     return None
 
 
@@ -336,15 +320,13 @@ class SparseMethod(ABC, Generic[C]):
     """A sparse-KV method: a config plus the hooks it needs. Subclass, set the class attributes,
     override only the hooks the method uses (every default is the dense behaviour).
 
-    Class attributes tell the runtime what to wire: ``needs_layer_hooks`` (call
-    ``before/after_attention``; costs a per-layer gather), ``evicts`` (may return a :class:`KeepPlan`),
-    ``prefix_reuse`` and ``codec``.
+    Class attributes tell the runtime what to wire: ``evicts`` (may return a :class:`KeepPlan`),
+    ``prefix_reuse``; properties ``selector`` and ``codec``.
     """
 
     name: ClassVar[str]
     family: ClassVar[Family]
     config_cls: ClassVar[type[MethodConfig]]
-    needs_layer_hooks: ClassVar[bool] = False
     evicts: ClassVar[bool] = False
     prefix_reuse: ClassVar[PrefixReuse] = PrefixReuse.RADIX
 
@@ -397,16 +379,6 @@ class SparseMethod(ABC, Generic[C]):
     def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
         """At the end of a step (all layers done), before :meth:`on_step_end`, when
         :meth:`wants_observation` said so. Score the retained K/V here (into ``state.extra``)."""
-
-    # -- every layer -------------------------------------------------------------------------------
-    def before_attention(self, state: RequestState, layer: LayerInput) -> Selection | None:
-        """Before attention of one layer. Return a :class:`Selection` to attend to part of the
-        visible K/V (dynamic sparsity), or ``None`` for all of it. Must not change ``state.kept``."""
-        return None
-
-    def after_attention(self, state: RequestState, layer: LayerInput, out: torch.Tensor) -> None:
-        """After attention of one layer; ``out`` is ``[n_q, n_heads, head_dim]``. Accumulate scores
-        into ``state.extra`` here (H2O-style). Must not change ``state.kept``."""
 
     # -- end of forward step ---------------------------------------------------------------------
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:

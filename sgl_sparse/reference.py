@@ -3,9 +3,11 @@
 :class:`ToyAttentionStack` is a few layers of causal GQA attention over fixed random projections
 (no RoPE, no MLP: methods only see post-RoPE q/k, so the stack need not be a real model).
 :func:`run_request` drives one request through chunked prefill and decode exactly in the hook order
-documented in :mod:`sgl_sparse.contract`, applying ``Selection`` and ``KeepPlan`` by masking which
-logical positions each layer reads. It is slow and simple on purpose: it is the reference the real
-runtime (tree, pool, attention backend) is compared against.
+documented in :mod:`sgl_sparse.contract` (the same hooks the server drives, a selector's included),
+applying a ``KeepPlan`` and a selector's pages by masking which logical positions each layer (and
+KV head) reads. It is slow and simple on purpose: it is the reference the real runtime (tree, pool,
+attention backend) is compared against. A selector sees the request as a one-row batch whose
+position ``p`` lives in slot ``p + page_size`` (page-aligned; slot page 0 is padding, as on a server).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import (
-    LayerInput,
+    KVGeometry,
     ObservationWindow,
     PrefillChunk,
     SparseMethod,
     StepInfo,
     check_keep_plan,
 )
+from sgl_sparse.kernels.pages import selected_positions_mask
 
 
 class ToyAttentionStack:
@@ -56,6 +59,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+def _attend_per_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                        kv_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`attend` where KV head ``h`` (and its query group) reads only the positions ``mask[h]``."""
+    hkv = k.shape[1]
+    group = q.shape[1] // hkv
+    outs = []
+    for h in range(hkv):
+        pos = kv_pos[mask[h, kv_pos]]
+        heads = slice(h * group, (h + 1) * group)
+        outs.append(attend(q[:, heads], k[pos][:, h:h + 1], v[pos][:, h:h + 1], q_pos, pos))
+    return torch.cat(outs, dim=1)
+
+
 @dataclass
 class RequestTrace:
     """Outputs of :func:`run_request`: last-layer attention output of every processed token."""
@@ -80,6 +96,16 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     outs: list[torch.Tensor] = []
     trace = RequestTrace(outputs=torch.empty(0))
 
+    sel = method.selector
+    ps = sel.page_size if sel is not None else 1
+    k_pool = [torch.zeros(n_total + 2 * ps, model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
+    r2t = torch.zeros(2, n_total, dtype=torch.int32)
+    r2t[1] = torch.arange(n_total, dtype=torch.int32) + ps
+    rpi = torch.tensor([1])
+    if sel is not None:
+        sel.allocate(KVGeometry(model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim, ps,
+                                n_total + 2 * ps, torch.float32, torch.device("cpu")))
+
     steps = [(s, min(s + chunk_size, prompt_len)) for s in range(0, prompt_len, chunk_size)]
     steps += [(i, i + 1) for i in range(prompt_len, n_total)]
     decoded = 0
@@ -94,12 +120,19 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         for layer in range(model.n_layers):
             q, k, v = model.project(layer, h)
             keys[layer][start:end], vals[layer][start:end] = k, v
-            view = LayerInput(layer, q, q_pos, keys[layer][kv_pos], vals[layer][kv_pos], kv_pos, not is_prefill)
-            sel = method.before_attention(state, view) if method.needs_layer_hooks else None
-            pos = kv_pos if sel is None or sel.positions is None else sel.positions
-            out = attend(q, keys[layer][pos], vals[layer][pos], q_pos, pos)
-            if method.needs_layer_hooks:
-                method.after_attention(state, view, out)
+            k_pool[layer][start + ps:end + ps] = k
+            selecting = sel is not None and sel.selects(layer)
+            if selecting:
+                sel.on_kv_write(layer, torch.arange(start, end) + ps, k)
+            seq = torch.tensor([end])
+            if selecting and not is_prefill:
+                pages = sel.select(layer, q, r2t, rpi, seq)
+                mask = selected_positions_mask(pages, seq, model.n_kv_heads, ps, end)[0]  # [Hkv, end]
+                out = _attend_per_kv_head(q, keys[layer], vals[layer], q_pos, kv_pos, mask)
+            else:
+                out = attend(q, keys[layer][kv_pos], vals[layer][kv_pos], q_pos, kv_pos)
+            if sel is not None and not is_prefill and sel.observes(layer):
+                sel.observe(layer, q, k_pool[layer], r2t, rpi, seq)
             if w:
                 window_q[layer] = torch.cat([window_q.get(layer, q[:0]), q])[-w:]
             h = out.reshape(end - start, -1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from typing import Any
 
 from sgl_sparse.config import build_config, load_config_source
@@ -44,5 +46,16 @@ def create_method(name: str, config: str | dict[str, Any] | None = None) -> Spar
     return cls(build_config(cls.config_cls, fields))
 
 
+# Comma-separated modules that register more methods on import (a method of your own: one file with a
+# ``@register_method`` class, importable in the server's environment). Read by every server process.
+METHOD_MODULES_ENV = "SGLSPARSE_METHOD_MODULES"
+
+
 def _load_builtin() -> None:
     import sgl_sparse.methods  # noqa: F401  (registers the built-in methods on import)
+
+    for module in filter(None, (m.strip() for m in os.environ.get(METHOD_MODULES_ENV, "").split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise SparseConfigError(f"{METHOD_MODULES_ENV}: cannot import {module!r} ({e})") from e

@@ -12,11 +12,10 @@ from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import (
     Family,
     KeepPlan,
-    LayerInput,
     ObservationWindow,
+    PageSelector,
     PrefillChunk,
     RequestState,
-    Selection,
     SparseMethod,
     StepInfo,
 )
@@ -59,24 +58,52 @@ class _KeepRecent(SparseMethod[_RecentConfig]):
         return KeepPlan(torch.arange(state.logical_len - self.config.budget, state.logical_len))
 
 
-class _Recorder(_KeepRecent):
-    needs_layer_hooks = True
+class _RecordingSelector(PageSelector):
+    """Layer 0 observes, layers 1.. select every token; records each call."""
 
+    page_size = 1
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def selects(self, layer_id: int) -> bool:
+        return layer_id > 0
+
+    def observes(self, layer_id: int) -> bool:
+        return layer_id == 0
+
+    @property
+    def pages_per_row(self) -> int:
+        return 64
+
+    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+        assert k.shape == (loc.shape[0], 2, 16)
+        self.calls.append(f"kv{layer_id}")
+
+    def observe(self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
+                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        assert q.shape == (1, 4, 16) and k_cache.shape[1:] == (2, 16)
+        self.calls.append(f"observe{layer_id}")
+
+    def select(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor) -> torch.Tensor:
+        self.calls.append(f"select{layer_id}")
+        n = int(seq_lens[0])
+        return torch.cat([torch.arange(n), torch.full((64 - n,), req_to_token.shape[1])]).repeat(2, 1)
+
+
+class _Recorder(_KeepRecent):
     def __init__(self, config: _RecentConfig) -> None:
         super().__init__(config)
         self.calls: list[str] = []
+        self._selector = _RecordingSelector(self.calls)
+
+    @property
+    def selector(self) -> _RecordingSelector:
+        return self._selector
 
     def on_prefill_chunk(self, state: RequestState, chunk: PrefillChunk) -> None:
         self.calls.append(f"chunk{chunk.start}-{chunk.end}{'F' if chunk.is_final else ''}")
-
-    def before_attention(self, state: RequestState, layer: LayerInput) -> Selection | None:
-        assert layer.q.shape[1:] == (4, 16) and layer.k.shape[1:] == (2, 16)
-        assert bool((layer.kv_pos[1:] > layer.kv_pos[:-1]).all()), "kv_pos must be sorted"
-        self.calls.append(f"before{layer.layer_id}")
-        return None
-
-    def after_attention(self, state: RequestState, layer: LayerInput, out: torch.Tensor) -> None:
-        self.calls.append(f"after{layer.layer_id}")
 
     def observation_window(self) -> int:
         return 5
@@ -113,15 +140,39 @@ def test_dense_through_contract_equals_full_attention(chunk_size: int) -> None:
 
 def test_hook_order() -> None:
     m = _Recorder(_RecentConfig(budget=100))
-    run_request(m, ToyAttentionStack(n_layers=N_LAYERS), _tokens(12), prompt_len=10, chunk_size=6)
-    layers = [f"{w}{i}" for i in range(N_LAYERS) for w in ("before", "after")]
+    tokens = _tokens(12)
+    trace = run_request(m, ToyAttentionStack(n_layers=N_LAYERS), tokens, prompt_len=10, chunk_size=6)
+    prefill = [f"kv{i}" for i in range(1, N_LAYERS)]
+    decode = ["observe0"] + [f"{w}{i}" for i in range(1, N_LAYERS) for w in ("kv", "select")]
     assert m.calls == [
-        "chunk0-6", *layers, "step_end(P,6)",
-        "chunk6-10F", *layers, "observation", "step_end(P,4)",
-        *layers, "step_end(D,1)",
-        *layers, "step_end(D,1)",
+        "chunk0-6", *prefill, "step_end(P,6)",
+        "chunk6-10F", *prefill, "observation", "step_end(P,4)",
+        *decode, "step_end(D,1)",
+        *decode, "step_end(D,1)",
         "finish",
     ]
+    # Every token selected: the selection path reproduces dense attention.
+    torch.testing.assert_close(trace.outputs, dense_reference(ToyAttentionStack(n_layers=N_LAYERS), tokens),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "covering", "small"), [
+    ("quest", {"token_budget": 64, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4, "dense_layers": 0},
+     {"token_budget": 12, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4, "dense_layers": 0}),
+    ("omnikv", {"token_budget": 64, "sink_tokens": 2, "recent_tokens": 2, "filter_layers": "0"},
+     {"token_budget": 8, "sink_tokens": 2, "recent_tokens": 2, "filter_layers": "0"}),
+])
+def test_selection_methods_through_the_reference_driver(name: str, covering: dict, small: dict) -> None:
+    """The reference driver runs a method's selector as the server does: a budget covering the context is
+    dense; a small one changes the decode outputs (prefill stays dense)."""
+    model = ToyAttentionStack(n_layers=N_LAYERS)
+    tokens = _tokens(48, seed=5)
+    dense = dense_reference(model, tokens)
+    full = run_request(create_method(name, covering), model, tokens, prompt_len=30, chunk_size=8)
+    torch.testing.assert_close(full.outputs, dense, rtol=1e-5, atol=1e-5)
+    part = run_request(create_method(name, small), model, tokens, prompt_len=30, chunk_size=8)
+    torch.testing.assert_close(part.outputs[:30], dense[:30], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(part.outputs[30:], dense[30:], atol=1e-3)
 
 
 def test_eviction_with_budget_covering_context_is_exactly_dense() -> None:
@@ -157,3 +208,31 @@ def test_keep_plan_rules_are_enforced() -> None:
 
     with pytest.raises(RuntimeError, match="does not declare evicts"):
         run_request(_NotEvicting(_RecentConfig(budget=2)), ToyAttentionStack(), _tokens(10), 8, 8)
+
+
+def test_per_request_hooks_of_a_method_the_server_would_not_drive_are_refused() -> None:
+    """The server drives per-request hooks only for evicting or observing methods: a method that overrides
+    one without either is refused at launch, not served with the hook silently never called."""
+    from sgl_sparse.contract import TreePayload, served_hooks_problem
+    from sgl_sparse.methods.dense import Dense
+
+    class FinishOnly(Dense):
+        def on_finish(self, state: RequestState) -> TreePayload | None:
+            return None
+
+    assert served_hooks_problem(create_method("dense")) is None
+    problem = served_hooks_problem(FinishOnly(create_method("dense").config))
+    assert problem is not None and "on_finish" in problem
+
+
+def test_method_modules_register_more_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLSPARSE_METHOD_MODULES imports a user's method modules (the hook probe here); a module that does
+    not import is a config error naming it."""
+    from sgl_sparse.errors import SparseConfigError
+    from sgl_sparse.registry import registered_methods
+
+    monkeypatch.setenv("SGLSPARSE_METHOD_MODULES", "tests.hook_probe")
+    assert "hook_probe" in registered_methods()
+    monkeypatch.setenv("SGLSPARSE_METHOD_MODULES", "tests.hook_probe, no_such_module_here")
+    with pytest.raises(SparseConfigError, match="no_such_module_here"):
+        registered_methods()

@@ -128,8 +128,97 @@ def test_triton_kernels_match_torch_paths() -> None:
             assert out[int(indptr[-1]):].tolist() == [-1] * 3   # nothing written past the lists
         print("ok")
     """)
+    _run_interpreted(code)
+
+
+def _run_interpreted(code: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-4000:]
+
+
+def _stable_topk(scores: torch.Tensor, k: int, counts: torch.Tensor) -> torch.Tensor:
+    """Per row, the ``k`` best of the first ``counts[r]`` entries above ``-inf``, ties to the earliest
+    position (a stable sort by ``(-score, position)``), ascending; unused entries ``scores.shape[1]``."""
+    rows, width = scores.shape
+    out = torch.full((rows, min(k, width)), width, dtype=torch.long)
+    for r in range(rows):
+        s = scores[r, : int(counts[r])]
+        order = torch.sort(-s, stable=True).indices
+        chosen = order[s[order] > float("-inf")][:k]
+        out[r, : chosen.numel()] = torch.sort(chosen).values
+    return out
+
+
+def _select_cases(seed: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(scores, k, counts) with distinct finite scores, forced (+inf) and absent (-inf) entries, rows with
+    fewer real entries than k and with none, k > width, width 1; past a row's count, garbage (NaN, +inf,
+    large values) that a kernel reading it would select."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for width, k, rows in ((13, 4, 6), (21, 7, 4), (1, 1, 3), (9, 12, 4), (24, 24, 3)):
+        scores = torch.randperm(rows * width, generator=g).float().view(rows, width) - rows * width / 2
+        counts = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
+        counts[0], counts[-1] = width, 0
+        scores[0, :2] = float("inf")  # forced, e.g. sink pages
+        scores[1 % rows, -3:] = float("inf")  # forced, e.g. recent pages
+        scores[2 % rows, ::2] = float("-inf")
+        pos = torch.arange(width)
+        garbage = torch.tensor([float("nan"), float("inf"), 1e30])[pos % 3]
+        scores = torch.where(pos[None, :] < counts[:, None], scores, garbage)
+        cases.append((scores, k, counts))
+    return cases
+
+
+def test_stable_topk_reference_matches_select_pages() -> None:
+    """The test's reference is the torch path wherever the torch path's rows are -inf past their counts."""
+    for scores, k, counts in _select_cases(seed=4):
+        pos = torch.arange(scores.shape[1])
+        padded = torch.where(pos[None, :] < counts[:, None], scores, float("-inf"))
+        assert torch.equal(pages.select_pages(padded, k), _stable_topk(scores, k, counts))
+
+
+def test_triton_select_matches_torch_and_takes_earliest_ties() -> None:
+    code = textwrap.dedent("""
+        import torch
+        from sgl_sparse.kernels import pages
+        import tests.test_quest_kernels as t
+        g = torch.Generator().manual_seed(5)
+        # Rows held in registers (one block, width not a power of two), then re-read in 8-entry chunks.
+        for max_block, chunk in ((pages.SELECT_MAX_BLOCK, pages.SELECT_CHUNK), (8, 8)):
+            pages.SELECT_MAX_BLOCK, pages.SELECT_CHUNK = max_block, chunk
+            for scores, k, counts in t._select_cases(seed=4):
+                got = pages.select_pages_triton(scores, k, counts)
+                assert torch.equal(got, t._stable_topk(scores, k, counts)), (scores, k, counts, got)
+                # Ties (few distinct values, -0.0 == 0.0 among them): the earliest positions win.
+                ties = torch.tensor([0.0, -0.0, 1.0, -2.0, float("inf"), float("-inf")])[
+                    torch.randint(0, 6, scores.shape, generator=g)]
+                got = pages.select_pages_triton(ties, k, counts)
+                assert torch.equal(got, t._stable_topk(ties, k, counts)), (ties, k, counts, got)
+        print("ok")
+    """)
+    _run_interpreted(code)
+
+
+def test_quest_selector_triton_path_matches_torch_path() -> None:
+    code = textwrap.dedent("""
+        import torch
+        from sgl_sparse.methods.selection.quest import QuestConfig, QuestSelector
+        import tests.test_quest_kernels as t
+        _, r2t, kmin, kmax, rpi, seq, q = t._setup(seed=6)
+        for scoring in ("bounds", "random"):
+            cfg = QuestConfig(page_size=t.PS, token_budget=6 * t.PS, sink_tokens=t.PS, recent_tokens=2 * t.PS,
+                              dense_layers=0, scoring=scoring)
+            sel = QuestSelector(cfg)
+            sel.kmin[0], sel.kmax[0] = kmin, kmax
+            got = []
+            for use_triton in (False, True):
+                sel.use_triton = sel.triton_select = use_triton
+                torch.manual_seed(0)  # the same random scores on both paths
+                got.append(sel.select(0, q, r2t, rpi, seq))
+            assert torch.equal(got[0], got[1]), (scoring, got)
+        print("ok")
+    """)
+    _run_interpreted(code)

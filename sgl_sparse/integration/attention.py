@@ -37,7 +37,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
-from sgl_sparse.integration.selection import allocate_once, attend_selected, write_summaries
+from sgl_sparse.integration.selection import allocate_once, attend_selected, observe, write_summaries
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.slots import SENTINEL_SLOT
 
@@ -97,7 +97,11 @@ class _SparseBackendMixin:
         if self.selector is not None and self.selector.selects(layer.layer_id) and not layer.is_cross_attention:
             write_summaries(self.selector, layer, forward_batch.out_cache_loc, k)
             return self._forward_decode_selected(q, k, v, layer, forward_batch, *args, **kwargs)
-        return super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
+        out = super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
+        if self.selector is not None and self.selector.observes(layer.layer_id) and not layer.is_cross_attention:
+            observe(self.selector, layer, q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                    self.req_to_token_pool.req_to_token, forward_batch)
+        return out
 
     def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
         raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} base")

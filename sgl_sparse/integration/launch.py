@@ -155,7 +155,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
                                  prefill_cuda_graph_off=prefill_off)
 
 
-# Opt-in to the GPU selection path until tests/gpu/test_gpu_selection.py has passed on an H200.
+# Selection methods whose FlashInfer decode path has passed tests/gpu/test_gpu_selection.py on an H200
+# (quest: 3 passed at a12aa19, 2026-12-02); the others need the opt-in until theirs has.
+GPU_VALIDATED_SELECTION = frozenset({"quest"})
 GPU_SELECTION_ENV = "SGLSPARSE_GPU_SELECTION"
 
 
@@ -167,7 +169,8 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
     problems = []
     if (why := served_hooks_problem(method)) is not None:
         problems.append(f"--sparse-method {method.name}: {why}")
-    if method.selector is not None and device != "cpu" and os.environ.get(GPU_SELECTION_ENV) != "1":
+    if (method.selector is not None and device != "cpu" and method.name not in GPU_VALIDATED_SELECTION
+            and os.environ.get(GPU_SELECTION_ENV) != "1"):
         problems.append(f"--sparse-method {method.name}: its GPU decode path (page selection read through "
                         "FlashInfer) has not passed the GPU tests yet; it serves on --device cpu for now "
                         f"({GPU_SELECTION_ENV}=1 starts it anyway, for those tests)")

@@ -77,7 +77,7 @@ class SparseRuntime:
         m = self.method
         if (why := served_hooks_problem(m)) is not None:
             raise ValueError(f"sgl_sparse: {why}")
-        self.active = m.evicts or m.observation_window() > 0 or m.needs_layer_hooks
+        self.active = m.evicts or m.observation_window() > 0
         self.capture = QueryCapture(m.observation_window(), m.observes_decode())
 
     @property

@@ -83,6 +83,17 @@ def write_summaries(selector: PageSelector, layer: Any, loc: torch.Tensor, k: to
     selector.on_kv_write(layer.layer_id, loc, k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim))
 
 
+def observe(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
+            forward_batch: Any) -> None:
+    """After an observing layer's dense decode attention (its K of this step written)."""
+    if getattr(layer, "sliding_window_size", None) not in (None, -1):
+        raise ValueError("sgl_sparse: selection from sliding-window layers is not supported (tokens are chosen "
+                         "over the whole context)")
+    bs = forward_batch.seq_lens.shape[0]
+    selector.observe(layer.layer_id, q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim), k_cache, req_to_token,
+                     forward_batch.req_pool_indices, forward_batch.seq_lens)
+
+
 def attend_selected(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                     seq_lens: torch.Tensor) -> torch.Tensor:

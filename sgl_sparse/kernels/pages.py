@@ -38,6 +38,111 @@ def select_pages(scores: torch.Tensor, num_pages: int) -> torch.Tensor:
     return torch.sort(idx, dim=1).values
 
 
+# Rows up to this width are held in registers through the whole search (one load); wider rows are
+# re-read from memory (L2) in SELECT_CHUNK pieces on every pass.
+SELECT_MAX_BLOCK = 16384
+SELECT_CHUNK = 4096
+_KEY_NEG_INF: tl.constexpr = tl.constexpr(-2139095041)  # _keys(-inf): the least key but negative NaNs
+
+
+@triton.jit
+def _keys(row, start, n, BLOCK: tl.constexpr):
+    """Scores ``row[start:start + BLOCK]`` as int32 keys ordered like the floats (negatives' value bits
+    flipped; -0 joins +0, as the two compare equal); entries at or past ``n`` are not read and key as -inf."""
+    offs = start + tl.arange(0, BLOCK)
+    x = tl.load(row + offs, mask=offs < n, other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(x == 0.0, 0, key)
+
+
+@triton.jit
+def _count_ge(row, n, keys, mid, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """Entries of the row whose key is ``>= mid``."""
+    if ONE_BLOCK:
+        c = tl.sum((keys >= mid).to(tl.int32), axis=0)
+    else:
+        acc = tl.zeros((BLOCK,), tl.int32)
+        for start in range(0, n, BLOCK):
+            acc += (_keys(row, start, n, BLOCK) >= mid).to(tl.int32)
+        c = tl.sum(acc, axis=0)
+    return c
+
+
+@triton.jit
+def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """One program per row: bisect the k-th largest key, then write the chosen positions in order."""
+    r = tl.program_id(0)
+    row = scores + r.to(tl.int64) * stride_s
+    out_row = out + r.to(tl.int64) * k
+    n = tl.minimum(tl.load(counts + r).to(tl.int32), width)
+    if ONE_BLOCK:
+        keys = _keys(row, 0, n, BLOCK)
+    else:
+        keys = tl.zeros((BLOCK,), tl.int32)  # unused: each pass re-reads the row
+    kmin = _KEY_NEG_INF + 1
+    m = _count_ge(row, n, keys, kmin, BLOCK, ONE_BLOCK)  # selectable entries: real, above -inf
+    # Invariants: count(key >= lo) >= k and count(key > hi) == above; the threshold t lies in [lo, hi].
+    # A row of at most k selectable entries starts done, at t = key(-inf): it takes all of them (and none
+    # of its ties, the -inf entries).
+    small = m <= k
+    lo = tl.where(small, kmin - 1, kmin).to(tl.int64)
+    hi = tl.where(small, kmin - 1, 2147483647).to(tl.int64)
+    above = tl.where(small, m, 0)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2  # in (lo, hi]: every pass shrinks the interval
+        c = _count_ge(row, n, keys, mid.to(tl.int32), BLOCK, ONE_BLOCK)
+        # c == k: the entries >= mid are the selection; stop at t = mid - 1 with no ties to take.
+        lo = tl.where(c > k, mid, tl.where(c == k, mid - 1, lo))
+        hi = tl.where(c > k, hi, mid - 1)
+        above = tl.where(c > k, above, c)
+    t = lo.to(tl.int32)
+    need = tl.where(small, 0, k - above)  # entries equal to t to take, earliest first
+    taken = tl.minimum(m, k)
+    carry = taken * 0
+    ties = taken * 0
+    for start in range(0, n, BLOCK):
+        if not ONE_BLOCK:
+            keys = _keys(row, start, n, BLOCK)
+        offs = start + tl.arange(0, BLOCK)
+        tie = (keys == t) & (offs < n)
+        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties  # 1-based among the row's ties
+        take = (keys > t) | (tie & (tie_rank <= need))
+        dst = tl.cumsum(take.to(tl.int32), axis=0) - 1 + carry
+        tl.store(out_row + dst, offs.to(tl.int64), mask=take)
+        carry += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(tie.to(tl.int32), axis=0)
+    for start in range((taken // BLOCK) * BLOCK, k, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(out_row + offs, tl.full((BLOCK,), 0, tl.int64) + width, mask=(offs >= taken) & (offs < k))
+
+
+def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`select_pages` as one Triton program per row, for rows whose first ``counts[r]`` entries are
+    real (the rest is neither read nor selected): the same output when the row's ``num_pages``-th largest
+    score is not tied with an unselected one; on ties, the earliest positions win.
+
+    ``torch.topk`` + ``torch.sort`` spends most of its time sorting; a selection needs neither. The row's
+    ``k``-th largest score ``t`` is found by bisection on the scores' int32 keys (ordered like the floats):
+    each pass counts the entries ``>= mid`` (at most 32 passes; it stops early once exactly ``k`` are),
+    over a row held in registers up to ``SELECT_MAX_BLOCK`` entries, re-read in chunks past it. The
+    entries ``> t`` and the first ties ``== t`` are then written in position order by a running prefix
+    count, so no sort is needed. ``-inf`` entries are never selected (as :func:`select_pages` maps them to
+    the unused value). Static shapes, no host sync (CUDA-graph safe)."""
+    rows, width = scores.shape
+    k = min(num_pages, width)
+    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    if rows == 0 or k == 0:
+        return out
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    one_block = width <= SELECT_MAX_BLOCK
+    block = triton.next_power_of_2(width) if one_block else SELECT_CHUNK
+    _select_kernel[(rows,)](scores, counts, out, width, scores.stride(0), k, BLOCK=block, ONE_BLOCK=one_block,
+                            num_warps=max(1, min(16, block // 512)))
+    return out
+
+
 @triton.jit
 def _expand_kernel(pages, req_to_token, req_pool_indices, seq_lens, indptr, out, num_sel, stride_r2t: tl.constexpr,
                    HKV: tl.constexpr, PAGE: tl.constexpr, FLATTEN: tl.constexpr):

@@ -1,5 +1,6 @@
-"""Quest on the GPU: its Triton kernels at serving shapes against the torch paths, and servers (FlashInfer
-base, head-flattened selection wrapper) against vanilla FlashInfer and against themselves without CUDA graphs.
+"""The selection family on the GPU (Quest, OmniKV): Triton kernels at serving shapes against the torch
+paths, and servers (FlashInfer base, head-flattened selection wrapper) against vanilla FlashInfer and
+against themselves without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from gpu_common import assert_idle_and_sound, assert_same_tokens, generate, ours, prose, vanilla
 
 from sgl_sparse.integration.syncs import sync_debug
-from sgl_sparse.kernels import pages, quest
+from sgl_sparse.kernels import omnikv, pages, quest
 from sgl_sparse.server_process import ServerProcess, running
 
 pytestmark = pytest.mark.gpu
@@ -66,21 +67,56 @@ def test_quest_kernels_at_a_serving_shape_match_torch_and_do_not_sync() -> None:
     assert (out[int(indptr[-1]):] == -1).all()
 
 
+def test_triton_select_and_omnikv_scores_at_serving_shapes_match_torch_and_do_not_sync() -> None:
+    """The threshold select against torch.topk + sort at Quest's shape (64 rows x 8,192 pages, 128) and
+    OmniKV's (8 rows x 131,072 tokens, 2,048); OmniKV's token scores against the torch path."""
+    g = torch.Generator().manual_seed(1)
+    for rows, width, k in ((64, 8192, 128), (8, 131072, 2048)):
+        counts = torch.randint(0, width + 1, (rows,), generator=g).to(DEV)
+        counts[:2] = torch.tensor([width, 1])
+        scores = torch.rand(rows, width, generator=g).to(DEV)
+        pos = torch.arange(width, device=DEV)[None, :]
+        scores[:, :4] = float("inf")
+        scores = torch.where(pos < counts[:, None], scores, torch.full_like(scores, float("-inf")))
+        with sync_debug("error"):
+            got = pages.select_pages_triton(scores, k, counts)
+        assert torch.equal(got, pages.select_pages(scores, k)), (rows, width)
+    hkv, grp, d, width, lens = 8, 4, 128, 131072, [9000, 4097, 16, 1, 1]
+    slots = torch.randperm(sum(lens) + 64, generator=g)[: sum(lens)] + 1
+    r2t = torch.zeros(len(lens) + 1, width, dtype=torch.int32)
+    start = 0
+    for row, n in enumerate(lens[:4], start=1):
+        r2t[row, :n] = slots[start:start + n].to(torch.int32)
+        start += n
+    r2t = r2t.to(DEV)
+    rpi = torch.tensor([1, 2, 3, 4, 0], device=DEV)
+    seq = torch.tensor(lens, device=DEV)
+    k_cache = torch.randn(sum(lens) + 65, hkv, d, generator=g).to(DEV, torch.bfloat16)
+    q = torch.randn(len(lens), hkv * grp, d, generator=g).to(DEV, torch.bfloat16)
+    got = torch.full((len(lens), width), float("-inf"), device=DEV)
+    with sync_debug("error"):
+        omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, 64, 512)
+    ref = torch.empty_like(got)
+    omnikv.score_tokens_torch(q, k_cache, r2t, rpi, seq, ref, 64, 512)
+    finite = ref.isfinite()
+    assert torch.equal(finite, got.isfinite()) and torch.equal(ref[~finite], got[~finite])
+    assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-2)
+
+
 COVERING = {"token_budget": 16384, "sink_tokens": 64, "recent_tokens": 512, "dense_layers": 0}
 SMALL = {"token_budget": 1024, "sink_tokens": 64, "recent_tokens": 256, "dense_layers": 2}
 LENS = [6000, 3000, 4500, 2048, 5000]
 
 
-GPU = {"SGLSPARSE_GPU_SELECTION": "1"}  # the launcher's opt-in until this file passes
 
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
     procs = {
         "vanilla": vanilla("quest-vanilla-flashinfer"),
-        "covering": ours("quest-covering", "quest", COVERING, env={**GPU, "SGLSPARSE_SYNC_DEBUG": "error"}),
-        "small": ours("quest-small-graph", "quest", SMALL, env={**GPU, "SGLSPARSE_SYNC_DEBUG": "error"}),
-        "small-eager": ours("quest-small-eager", "quest", SMALL, extra=["--disable-cuda-graph"], env=GPU),
+        "covering": ours("quest-covering", "quest", COVERING, env={"SGLSPARSE_SYNC_DEBUG": "error"}),
+        "small": ours("quest-small-graph", "quest", SMALL, env={"SGLSPARSE_SYNC_DEBUG": "error"}),
+        "small-eager": ours("quest-small-eager", "quest", SMALL, extra=["--disable-cuda-graph"]),
     }
     with running(*procs.values()):
         yield procs

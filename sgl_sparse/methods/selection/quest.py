@@ -16,7 +16,7 @@ import torch
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SparseMethod
 from sgl_sparse.kernels import quest
-from sgl_sparse.kernels.pages import select_pages
+from sgl_sparse.kernels.pages import page_counts, select_pages, select_pages_triton
 from sgl_sparse.registry import register_method
 
 
@@ -61,6 +61,7 @@ class QuestSelector(PageSelector):
         self.kmin: dict[int, torch.Tensor] = {}
         self.kmax: dict[int, torch.Tensor] = {}
         self.use_triton = False
+        self.triton_select = False
 
     def selects(self, layer_id: int) -> bool:
         return layer_id >= self.config.dense_layers
@@ -96,6 +97,11 @@ class QuestSelector(PageSelector):
               self.config.sink_tokens // self.page_size, self.config.recent_tokens // self.page_size)
         if self.config.scoring == "random":  # keep the forced (+inf) and absent (-inf) pages, draw the rest
             scores = torch.where(scores.isinf(), scores, torch.rand_like(scores))
+        # The Triton select reads only each row's real pages (torch's relies on the -inf past them). Off
+        # until it has compiled and been timed on the H200 (tests/gpu/test_gpu_selection.py, selection step).
+        if self.use_triton and self.triton_select:
+            counts = page_counts(seq_lens, self.page_size).repeat_interleave(kmin.shape[1])
+            return select_pages_triton(scores, self.pages_per_row, counts)
         return select_pages(scores, self.pages_per_row)
 
 

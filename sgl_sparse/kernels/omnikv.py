@@ -1,0 +1,81 @@
+"""OmniKV's token scores (Triton and plain torch, no host sync).
+
+For each request of a decode batch, the score of each of its tokens is the largest ``q . k`` over all
+query heads (OmniKV's "last" selector: the current query only, raw logits, max over heads), read
+through the request's ``req_to_token`` row. Sink and recent positions score ``+inf`` (always kept).
+The softmax scale is left out: it does not change the ranking.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INF = float("inf")
+# Programs per request: a batch of a few 130K-token requests still fills the GPU; each program loops
+# over every PROGRAMS-th block of its row's real tokens (the loop bound comes from seq_lens, so a
+# graph captured at full width does no work past a row's length).
+PROGRAMS_PER_ROW = 64
+BLOCK_TOKENS = 64
+
+
+@triton.jit
+def _score_tokens_kernel(q, k_cache, req_to_token, req_pool_indices, seq_lens, out, stride_qb, stride_qh,
+                         stride_ks, stride_kh, stride_r2t, stride_out, sink, recent, HKV: tl.constexpr,
+                         G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    i = tl.program_id(0)
+    p = tl.program_id(1)
+    n = tl.load(seq_lens + i)
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    d = tl.arange(0, D)
+    for b in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
+        pos = b * BLOCK + tl.arange(0, BLOCK)
+        m = pos < n
+        slot = tl.load(req_to_token + row * stride_r2t + pos, mask=m, other=0).to(tl.int64)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        for h in tl.static_range(HKV):
+            k = tl.load(k_cache + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=m[:, None],
+                        other=0.0).to(tl.float32)
+            for g in tl.static_range(G):
+                qv = tl.load(q + i * stride_qb + (h * G + g) * stride_qh + d).to(tl.float32)
+                best = tl.maximum(best, tl.sum(k * qv[None, :], 1))
+        forced = (pos < sink) | (pos >= n - recent)
+        best = tl.where(forced, float("inf"), best)
+        tl.store(out + i * stride_out + pos, best, mask=m)
+
+
+def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
+                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, sink: int,
+                 recent: int) -> None:
+    """``out[i, t]`` (``[bs, W]`` float32) for ``t < seq_lens[i]``; entries past a row's length are not
+    written. ``q`` ``[bs, Hq, D]``, ``k_cache`` ``[slots, Hkv, D]``."""
+    bs, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if bs == 0:
+        return
+    assert d & (d - 1) == 0, "head_dim must be a power of two"
+    assert k_cache.stride(2) == 1 and q.stride(2) == 1
+    _score_tokens_kernel[(bs, PROGRAMS_PER_ROW)](
+        q, k_cache, req_to_token, req_pool_indices, seq_lens, out, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), req_to_token.stride(0), out.stride(0), sink, recent, HKV=hkv, G=hq // hkv, D=d,
+        BLOCK=BLOCK_TOKENS, PROGRAMS=PROGRAMS_PER_ROW)
+
+
+def score_tokens_torch(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
+                       req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, sink: int,
+                       recent: int) -> None:
+    """:func:`score_tokens` in torch (the CPU server's path); also writes ``-inf`` past each row's length."""
+    bs, hq, d = q.shape
+    if bs == 0:
+        return
+    hkv = k_cache.shape[1]
+    width = out.shape[1]
+    slots = req_to_token[req_pool_indices.long(), :width].long()  # [bs, W]
+    k = k_cache[slots].to(torch.float32)  # [bs, W, Hkv, D]
+    qg = q.to(torch.float32).view(bs, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,bwhd->bwhg", qg, k).amax(dim=(2, 3))
+    pos = torch.arange(width, device=q.device)[None, :]
+    n = seq_lens.long()[:, None]
+    s = torch.where((pos < sink) | (pos >= n - recent), torch.full_like(s, INF), s)
+    out.copy_(torch.where(pos < n, s, torch.full_like(s, -INF)))
