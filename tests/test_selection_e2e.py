@@ -105,7 +105,7 @@ def test_aborts_and_random_sessions_do_not_leak(selection_servers: dict) -> None
 
 # The small trained model (4 layers): Quest reads 128 tokens (12.5%) in layers 1-3; OmniKV 512 (50%) in
 # layers 2-3, from layer 1's scores. OmniKV's one token set per request, shared by heads and layers, needs
-# more on this 4-layer model (QUALITY.md: 0.58 at 256; with layer 0 as the filter, random's 0.21).
+# more on this 4-layer model (this slice: 0.58 at 256; with layer 0 as the filter, random's 0.21; QUALITY.md).
 SUITE = {"quest": ({**BUDGETS["small"], "dense_layers": 1}, ("bounds", "random"), 0.85),
          "omnikv": ({"token_budget": 512, "sink_tokens": 16, "recent_tokens": 32, "filter_layers": "1"},
                     ("max_logit", "random"), 0.7)}
