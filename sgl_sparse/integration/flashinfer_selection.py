@@ -45,6 +45,9 @@ class FlashInferSelection:
         self.ones: torch.Tensor | None = None
         # The lists of the step being run: (wrapper, device indptr, indices buffer).
         self.current: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+        # The pages last expanded into them: OmniKV hands the same tensor to every layer up to the next
+        # filter layer, so the slot lists are built once per group (a graph captures that once too).
+        self.expanded_from: torch.Tensor | None = None
 
     # -- per-step plan ----------------------------------------------------------------------------
     def _lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -83,7 +86,7 @@ class FlashInferSelection:
         indices = torch.empty(max(total, 1), dtype=torch.int32, device=device)
         self.eager.plan(indptr, indices, self._ones(rows, device), self.group, 1, self.head_dim, 1,
                         data_type=self.data_type, q_data_type=self.q_data_type, non_blocking=True)
-        self.current = (self.eager, indptr, indices)
+        self.current, self.expanded_from = (self.eager, indptr, indices), None
 
     def init_graph_state(self, max_bs: int, device: torch.device) -> None:
         rows = max_bs * self.hkv
@@ -120,7 +123,7 @@ class FlashInferSelection:
             w.begin_forward(indptr, self.cg_indices, last, self.group, 1, self.head_dim, 1,
                             data_type=self.data_type, q_data_type=self.q_data_type, non_blocking=True,
                             global_override_indptr_cpu=host)
-        self.current = (w, indptr, self.cg_indices)
+        self.current, self.expanded_from = (w, indptr, self.cg_indices), None
 
     # -- per layer ----------------------------------------------------------------------------------
     def attend(self, layer: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -130,8 +133,10 @@ class FlashInferSelection:
         bs = seq_lens.shape[0]
         q3 = q.contiguous().view(bs, layer.tp_q_head_num, layer.head_dim)
         pages = self.selector.select(layer.layer_id, q3, req_to_token, req_pool_indices, seq_lens)
-        expand_pages(pages, req_to_token, req_pool_indices, seq_lens, indptr, indices, self.selector.page_size,
-                     flatten_heads=True)
+        if pages is not self.expanded_from:
+            expand_pages(pages, req_to_token, req_pool_indices, seq_lens, indptr, indices, self.selector.page_size,
+                         flatten_heads=True)
+            self.expanded_from = pages
         k, v = kv_cache
         d = layer.head_dim
         o = wrapper.forward(q3.view(bs * self.hkv, self.group, d), (k.view(-1, 1, d), v.view(-1, 1, d)),

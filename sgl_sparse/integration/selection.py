@@ -83,12 +83,16 @@ def write_summaries(selector: PageSelector, layer: Any, loc: torch.Tensor, k: to
     selector.on_kv_write(layer.layer_id, loc, k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim))
 
 
+def _no_sliding_window(layer: Any) -> None:
+    if getattr(layer, "sliding_window_size", None) not in (None, -1):
+        raise ValueError("sgl_sparse: page selection on sliding-window layers is not supported (pages are "
+                         "chosen over the whole context)")
+
+
 def observe(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
             forward_batch: Any) -> None:
     """After an observing layer's dense decode attention (its K of this step written)."""
-    if getattr(layer, "sliding_window_size", None) not in (None, -1):
-        raise ValueError("sgl_sparse: selection from sliding-window layers is not supported (tokens are chosen "
-                         "over the whole context)")
+    _no_sliding_window(layer)
     bs = forward_batch.seq_lens.shape[0]
     selector.observe(layer.layer_id, q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim), k_cache, req_to_token,
                      forward_batch.req_pool_indices, forward_batch.seq_lens)
@@ -100,9 +104,7 @@ def attend_selected(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache
     """Decode attention of one selecting layer on CPU: ``q`` ``[bs, Hq, D]`` over the selected pages of
     each (request, KV head), ``[bs, Hq, Dv]``. Positions not selected are masked out; with every page
     selected it is the dense computation."""
-    if getattr(layer, "sliding_window_size", None) not in (None, -1):
-        raise ValueError("sgl_sparse: page selection on sliding-window layers is not supported (pages are "
-                         "chosen over the whole context)")
+    _no_sliding_window(layer)
     bs, hq, _ = q.shape
     hkv = layer.tp_k_head_num
     pages = selector.select(layer.layer_id, q, req_to_token, req_pool_indices, seq_lens)

@@ -29,6 +29,12 @@ def selected_lens(seq_lens: torch.Tensor, page_size: int, num_pages: int) -> tor
     return (torch.clamp(pages, max=num_pages) - 1).clamp(min=0) * page_size + last * (pages > 0)
 
 
+def randomize_scores(scores: torch.Tensor) -> torch.Tensor:
+    """The selection methods' quality control (as kvpress's RandomPress is for eviction): random scores,
+    keeping the forced (+inf) and absent (-inf) entries, so the same budget reads random tokens."""
+    return torch.where(scores.isinf(), scores, torch.rand_like(scores))
+
+
 def select_pages(scores: torch.Tensor, num_pages: int) -> torch.Tensor:
     """The top ``num_pages`` pages of each row, ascending (``[rows, num_pages]`` int64); a row with fewer
     pages has its unused entries at ``scores.shape[1]`` (sorted last). Static shapes, no host sync."""

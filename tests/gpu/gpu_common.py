@@ -261,3 +261,41 @@ def log_since(server: ServerProcess, mark: int) -> str:
 def decode_lines(log_text: str) -> list[tuple[int, bool]]:
     """(#running-req, cuda graph) of every ``Decode batch`` line."""
     return [(int(m.group(1)), m.group(2) == "True") for m in DECODE_LINE.finditer(log_text)]
+
+
+# -- the selection family's server checks (Quest, OmniKV: one module each, so that their servers do not all
+# hold the GPU at once) ----------------------------------------------------------------------------------
+SELECTION_LENS = [6000, 3000, 4500, 2048, 5000]
+
+
+def selection_servers(method: str, covering: dict[str, Any], small: dict[str, Any],
+                      env: dict[str, str] | None = None) -> dict[str, ServerProcess]:
+    """Vanilla FlashInfer; ``method`` with a budget covering the context; ``method`` with a small budget,
+    with and without CUDA graphs. The graph servers raise on a host sync in our decode-step code."""
+    env = env or {}
+    sync = {**env, "SGLSPARSE_SYNC_DEBUG": "error"}
+    return {
+        "vanilla": vanilla(f"{method}-vanilla-flashinfer"),
+        "covering": ours(f"{method}-covering", method, covering, env=sync),
+        "small": ours(f"{method}-small-graph", method, small, env=sync),
+        "small-eager": ours(f"{method}-small-eager", method, small, extra=["--disable-cuda-graph"], env=env),
+    }
+
+
+def check_covering_equals_vanilla(servers: dict[str, ServerProcess], method: str, seed: int) -> None:
+    """A batch of 5 prompts of 2-6K tokens, 96 output tokens: the covering budget gives vanilla's tokens."""
+    prompts = [prose(seed + i, n) for i, n in enumerate(SELECTION_LENS)]
+    ref = generate(servers["vanilla"], prompts, 96)
+    got = generate(servers["covering"], prompts, 96)
+    assert_same_tokens(ref, got, "vanilla", f"{method} covering", "batch of 5")
+    assert_idle_and_sound(servers["covering"])
+
+
+def check_graphs_equal_eager(servers: dict[str, ServerProcess], method: str, seed: int) -> None:
+    """The small budget on the same kind of batch: graph and eager servers give the same tokens."""
+    prompts = [prose(seed + i, n) for i, n in enumerate(SELECTION_LENS)]
+    eager = generate(servers["small-eager"], prompts, 96)
+    graph = generate(servers["small"], prompts, 96)
+    assert_same_tokens(eager, graph, f"{method} eager", f"{method} graph", "batch of 5")
+    for name in ("small", "small-eager"):
+        assert_idle_and_sound(servers[name])

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gpu_common import assert_idle_and_sound, assert_same_tokens, generate, ours, prose, vanilla
+from gpu_common import check_covering_equals_vanilla, check_graphs_equal_eager, selection_servers
 
 from sgl_sparse.integration.syncs import sync_debug
 from sgl_sparse.kernels import omnikv, pages, quest
@@ -105,35 +105,18 @@ def test_triton_select_and_omnikv_scores_at_serving_shapes_match_torch_and_do_no
 
 COVERING = {"token_budget": 16384, "sink_tokens": 64, "recent_tokens": 512, "dense_layers": 0}
 SMALL = {"token_budget": 1024, "sink_tokens": 64, "recent_tokens": 256, "dense_layers": 2}
-LENS = [6000, 3000, 4500, 2048, 5000]
-
-
 
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
-    procs = {
-        "vanilla": vanilla("quest-vanilla-flashinfer"),
-        "covering": ours("quest-covering", "quest", COVERING, env={"SGLSPARSE_SYNC_DEBUG": "error"}),
-        "small": ours("quest-small-graph", "quest", SMALL, env={"SGLSPARSE_SYNC_DEBUG": "error"}),
-        "small-eager": ours("quest-small-eager", "quest", SMALL, extra=["--disable-cuda-graph"]),
-    }
+    procs = selection_servers("quest", COVERING, SMALL)
     with running(*procs.values()):
         yield procs
 
 
 def test_quest_covering_the_context_equals_vanilla(servers: dict[str, ServerProcess]) -> None:
-    prompts = [prose(400 + i, n) for i, n in enumerate(LENS)]
-    ref = generate(servers["vanilla"], prompts, 96)
-    got = generate(servers["covering"], prompts, 96)
-    assert_same_tokens(ref, got, "vanilla", "quest covering", "batch of 5")
-    assert_idle_and_sound(servers["covering"])
+    check_covering_equals_vanilla(servers, "quest", 400)
 
 
 def test_quest_cuda_graphs_on_and_off_give_the_same_tokens(servers: dict[str, ServerProcess]) -> None:
-    prompts = [prose(500 + i, n) for i, n in enumerate(LENS)]
-    eager = generate(servers["small-eager"], prompts, 96)
-    graph = generate(servers["small"], prompts, 96)
-    assert_same_tokens(eager, graph, "quest eager", "quest graph", "batch of 5")
-    for name in ("small", "small-eager"):
-        assert_idle_and_sound(servers[name])
+    check_graphs_equal_eager(servers, "quest", 500)

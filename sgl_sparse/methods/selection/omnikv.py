@@ -27,7 +27,7 @@ import torch
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SparseMethod
 from sgl_sparse.kernels import omnikv
-from sgl_sparse.kernels.pages import select_pages
+from sgl_sparse.kernels.pages import randomize_scores, select_pages
 from sgl_sparse.registry import register_method
 
 ORIGINAL_FILTER_LAYERS = (2, 8, 18)  # antgroup/OmniKV configs/example.json, Llama-3-8B (32 layers)
@@ -113,8 +113,8 @@ class OmniKVSelector(PageSelector):
         scores = torch.full((bs, req_to_token.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
         score = omnikv.score_tokens if self.use_triton else omnikv.score_tokens_torch
         score(q, k_cache, req_to_token, req_pool_indices, seq_lens, scores, c.sink_tokens, c.recent_tokens)
-        if c.scoring == "random":  # keep the forced (+inf) and absent (-inf) tokens, draw the rest
-            scores = torch.where(scores.isinf(), scores, torch.rand_like(scores))
+        if c.scoring == "random":
+            scores = randomize_scores(scores)
         self._pages = select_pages(scores, c.token_budget).repeat_interleave(k_cache.shape[1], dim=0)
 
     def select(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SparseMethod
 from sgl_sparse.kernels import quest
-from sgl_sparse.kernels.pages import page_counts, select_pages, select_pages_triton
+from sgl_sparse.kernels.pages import page_counts, randomize_scores, select_pages, select_pages_triton
 from sgl_sparse.registry import register_method
 
 
@@ -95,8 +95,8 @@ class QuestSelector(PageSelector):
         score = quest.score_pages if self.use_triton else quest.score_pages_torch
         score(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, scores, self.page_size,
               self.config.sink_tokens // self.page_size, self.config.recent_tokens // self.page_size)
-        if self.config.scoring == "random":  # keep the forced (+inf) and absent (-inf) pages, draw the rest
-            scores = torch.where(scores.isinf(), scores, torch.rand_like(scores))
+        if self.config.scoring == "random":
+            scores = randomize_scores(scores)
         # The Triton select reads only each row's real pages (torch's relies on the -inf past them). Off
         # until it has compiled and been timed on the H200 (tests/gpu/test_gpu_selection.py, selection step).
         if self.use_triton and self.triton_select:
