@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench_agent import report
 from bench_agent.replay import RunResult, replay
 from bench_agent.workload import Trace
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, VANILLA_CPU_FLAGS, ServerProcess
@@ -40,4 +41,6 @@ def compare(model_path: str, trace: Trace, tokenizer: Any, methods: list[tuple[s
         with ServerProcess(model_path, flags, module=module, startup_timeout=900, log_path=str(log)) as srv:
             results.append(replay(srv.base_url, trace, tokenizer, client=client, label=label,
                                   time_scale=time_scale))
+        # Each finished run is on disk before the next server starts (a run cut short keeps them).
+        report.save(results, out, plots=False)
     return results

@@ -88,14 +88,14 @@ def table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def save(results: list[RunResult], out_dir: str | Path) -> list[dict[str, Any]]:
+def save(results: list[RunResult], out_dir: str | Path, plots: bool = True) -> list[dict[str, Any]]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in results]
     (out / "summary.json").write_text(json.dumps(summaries, indent=2))
     (out / "runs.json").write_text(json.dumps([asdict(r) for r in results]))
     (out / "table.md").write_text(table(summaries) + "\n")
-    if not plot(results, out / "plots.png"):
+    if plots and not plot(results, out / "plots.png"):
         print("bench_agent: matplotlib is not installed, no plots (pip install 'sgl-sparse[bench]')")
     return summaries
 

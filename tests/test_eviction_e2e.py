@@ -25,15 +25,27 @@ SNAPKV = {"budget": 256, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, 
 FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
 
 
+# History turns start with "<s>role: ", the generation prompt is a bare "assistant:" (as the benchmark
+# model's template): a next turn leaves the previous prompt two tokens before its end.
+PREFIXED_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def sparse_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+def sparse_servers(tiny_model: str, servers: dict[str, ServerProcess],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     import json
 
+    template = tmp_path_factory.mktemp("template") / "prefixed.jinja"
+    template.write_text(PREFIXED_TEMPLATE)
     procs = {
         "streamingllm": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm",
                                                    "--sparse-config", json.dumps(STREAMING), "--enable-metrics"]),
         "snapkv": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv",
-                                             "--sparse-config", json.dumps(SNAPKV)]),
+                                             "--sparse-config", json.dumps(SNAPKV), "--chat-template", str(template),
+                                             "--enable-cache-report"]),
     }
     with running(*procs.values()):
         yield {**procs, "vanilla": servers["vanilla"], "dense": servers["ours"]}
@@ -149,6 +161,47 @@ def test_next_turn_leaving_the_previous_answer_resumes_after_its_last_eviction(s
     early = server.generate(input_ids=prompt + answer[:10] + _ids(rng, 30), max_new_tokens=4, ignore_eos=True)
     assert SNAPKV["sink_tokens"] <= early["meta_info"]["cached_tokens"] < 600, early["meta_info"]
     _assert_idle_and_sound(server)
+
+
+def test_chat_turns_resume_although_the_template_renders_the_answer_differently(
+        sparse_servers: dict, tiny_model: str) -> None:
+    """OpenAI chat through a template whose history turn differs from its generation prompt: every
+    next turn matches as much as a dense prefix cache would (the two prompts' common prefix, from
+    the tokenizer here), the Chain Cache resuming from before the previous generation prompt."""
+    from transformers import AutoTokenizer
+
+    server = sparse_servers["snapkv"]
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    base = _assert_idle_and_sound(server)
+    assert base["chain_resume_suffix_tokens"] > 0
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def prompt_ids(messages: list[dict]) -> list[int]:
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      chat_template=PREFIXED_TEMPLATE)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    rng = random.Random(5)
+    words = "the file list returns a value when the path exists and raises otherwise".split()
+    messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(400))},
+                {"role": "user", "content": "Read the file."}]
+    prev = None
+    for turn in range(3):
+        ids = prompt_ids(messages)
+        r = requests.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+            "model": "default", "messages": messages, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == len(ids) > SNAPKV["budget"]
+        if prev is not None:
+            common = next((i for i, (x, y) in enumerate(zip(prev, ids)) if x != y), len(prev))
+            assert common < len(prev)  # the template's doing: the next turn leaves the prompt
+            assert usage["prompt_tokens_details"]["cached_tokens"] == common, (turn, usage, common)
+        prev = ids
+        messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": " ".join(rng.choice(words) for _ in range(30))}]
+        _assert_idle_and_sound(server)
+    assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 2
 
 
 def _abort_after(server: ServerProcess, rid: str, delay: float) -> None:

@@ -314,3 +314,70 @@ def test_next_turn_that_leaves_the_previous_answer_resumes_from_its_record() -> 
     assert len(_match(tree2, prompt + answer[:2] + [7]).device_indices) == 3  # 22 < s's last eviction
     m = _match(tree2, prompt + answer[:4] + [7])
     assert len(m.device_indices) == 24 and _holes_in(m.device_indices) == hidden
+
+
+def test_next_turn_rendering_the_generation_prompt_differently_resumes_before_it() -> None:
+    """A chat template whose generation prompt differs from how it renders the assistant turn in the
+    history (``assistant:`` then ``<s>assistant: text``) makes the next turn leave the previous
+    prompt just before its end: with the tree's ``resume_suffix`` set to that prompt's tokens, the
+    record's ``since`` backs off over them. A request that leaves one token earlier (another question
+    on the same document) still stops at the first hole, and so does every request when the prompt
+    does not end with the suffix or the last eviction came after the prompt."""
+    from sgl_sparse.radix.tree import FinishedState
+
+    suffix = (61, 62)
+    prompt, answer = list(range(900, 918)) + list(suffix), [1, 2, 3, 4, 5, 6]
+    hidden = [3, 4, 5, 9, 10]
+    kept = torch.tensor([p for p in range(26) if p not in hidden])
+
+    def finished(tail: int, prompt_ids: list[int]) -> tuple[Any, ReqToTokenPool, Any]:
+        tree, req_pool, alloc = _make()
+        tree.resume_suffix = suffix
+        tree._on_finish = lambda req: FinishedState(kept=kept, tail_start=tail) if req.rid == "a" else None
+        a = FakeReq("a", prompt_ids, output_ids=answer)
+        _admit(tree, req_pool, alloc, a, 1)
+        _evict_positions(req_pool, alloc, a, hidden)
+        tree.cache_finished_req(a, kv_len_to_handle=26)
+        assert _invariant(tree, alloc) == 0
+        return tree, req_pool, alloc
+
+    tree, req_pool, alloc = finished(20, prompt)
+    assert tree.stats()["chain_resume_suffix_tokens"] == 2
+    nxt = FakeReq("b", prompt[:18] + [63, 61, 62, 1, 2, 77, 61, 62])  # "<s>" + the suffix + the answer
+    _admit(tree, req_pool, alloc, nxt, 2)
+    assert len(nxt.prefix_indices) == 18 and _holes_in(nxt.prefix_indices) == hidden
+    assert nxt._sgl_sparse_view.kept.tolist() == [p for p in range(18) if p not in hidden]
+    tree.cache_finished_req(nxt, kv_len_to_handle=len(nxt.origin_input_ids))
+    assert _invariant(tree, alloc) == 0
+    assert len(_match(tree, prompt[:17] + [5, 61, 62]).device_indices) == 3  # leaves before: the first hole
+
+    for tail, ids in ((20, list(range(900, 920))), (23, prompt)):  # no suffix at the end; evicted in decode
+        tree, _, _ = finished(tail, ids)
+        assert len(_match(tree, ids[:18] + [63, 61, 62]).device_indices) == 3
+
+
+def test_generation_suffix_of_chat_templates(tiny_model: str) -> None:
+    """The tokens a next turn does not share with a generation prompt, found by rendering: none for
+    the tiny model's own template (it renders the assistant turn as it prompts for it), the
+    generation prompt's tokens for one that prefixes history turns with ``<s>``."""
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.integration.chat_resume import generation_suffix
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert generation_suffix(tok) == ()
+    suffix = generation_suffix(tok, PREFIXED_TEMPLATE)
+    first = tok.apply_chat_template([{"role": "user", "content": "Hi."}], add_generation_prompt=True, tokenize=True,
+                                    chat_template=PREFIXED_TEMPLATE)
+    first = first["input_ids"] if hasattr(first, "keys") else first
+    assert suffix and tuple(first[-len(suffix):]) == suffix
+    assert tok.decode(list(suffix)).strip() == "assistant:"
+    assert generation_suffix(None) == ()
+
+
+# A template like the benchmark model's (.device-site/models/llama3-8b-shape): history turns start
+# with "<s>role: ", the generation prompt is a bare "assistant:".
+PREFIXED_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)

@@ -55,7 +55,14 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
         from sgl_sparse.integration.metrics import SparseMetrics
 
         rt.metrics = SparseMetrics(rt.method.name)
-    return SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.finish)
+    tree = SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.finish)
+    if rt.method.evicts:
+        from sgl_sparse.integration.chat_resume import load_suffix
+
+        tree.resume_suffix = load_suffix(ctx.server_args)
+        logger.info("sgl_sparse: Chain Cache resumes a next turn from %d token(s) before a chat prompt's end "
+                    "(the chat template's generation prompt)", len(tree.resume_suffix))
+    return tree
 
 
 def _attention_factory(runner):

@@ -20,7 +20,9 @@ A node value holds one KV slot per logical token; a position whose KV was evicte
     that leaves the sequence after the record's ``since`` (past the finished request's whole prompt
     and its last eviction), e.g. an agent's next turn whose re-tokenized history differs inside the
     previous answer: it sees the kept set cut at its match, exactly the state the finished request
-    had at that length;
+    had at that length. When the prompt ends with the chat template's generation prompt, ``since``
+    backs off over it (``resume_suffix``): templates that render the history's assistant turn
+    differently from their generation prompt make the next turn leave there;
   - a request that is not a continuation of any valid record never sees a hole: its match stops at
     the first one, and it recomputes the rest (then its KV fills the holes of the dense region it
     shares, so the next conversation matches further). So one conversation's eviction never changes
@@ -66,8 +68,10 @@ class ChainRecord:
     ``since``: the shortest match that may resume from it without reaching ``end``: the finished
     request's whole prompt (so only its own conversation qualifies, never another one that shares a
     system prompt) and its last eviction (``RequestState.tail_start``: from there on it only
-    appended, so ``kept`` cut at any ``d >= since`` is the state it had at length ``d``). ``end``
-    when unknown."""
+    appended, so ``kept`` cut at any ``d >= since`` is the state it had at length ``d``), less a
+    trailing generation prompt (``SparseRadixCache._resume_since``: the one cut that is not exactly
+    such a state; the kept positions before it were scored with it in the window). ``end`` when
+    unknown."""
 
     end: int
     kept: torch.Tensor
@@ -130,6 +134,9 @@ class SparseRadixCache(RadixCache):
         self._on_finish = on_finish
         self._insert_holes: torch.Tensor | None = None  # absolute holes of the value being inserted
         self._insert_len = 0
+        # The chat template's generation prompt as token ids (integration/chat_resume.py), which the
+        # next turn may render differently: a record lets a continuation resume from before it.
+        self.resume_suffix: tuple[int, ...] = ()
         super().__init__(params)
 
     # -- namespace -------------------------------------------------------------------------------
@@ -357,10 +364,25 @@ class SparseRadixCache(RadixCache):
         if hidden.numel():
             since = None  # unknown without the runtime's state: only a match through the end resumes
             if finished is not None and finished.tail_start is not None:
-                since = max(finished.tail_start, len(req.origin_input_ids))
+                since = self._resume_since(req.origin_input_ids, finished.tail_start)
             path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None, since=since)
         # A request that hid nothing leaves an existing record of the same sequence in place: positions
         # past it were computed under that record's view.
+
+    def _resume_since(self, prompt: Any, tail_start: int) -> int:
+        """A record's ``since``: the finished request's whole prompt and its last eviction, less the
+        chat template's generation prompt when the prompt ends with it and nothing was evicted after
+        the prompt. A template whose generation prompt differs from how it renders that assistant
+        turn in the history (e.g. ``assistant:`` then ``<s>assistant: text``, or DeepSeek-R1's
+        ``<think>``) makes the next turn leave the sequence there, just before the prompt's end; the
+        conversation's earlier messages all match, so it is still this conversation."""
+        n = len(prompt)
+        if tail_start > n:
+            return tail_start
+        k = len(self.resume_suffix)
+        if 0 < k <= n and tuple(prompt[n - k:]) == self.resume_suffix:
+            return n - k
+        return n
 
     def _owned_live(self, row: torch.Tensor, kept: torch.Tensor, protected: int, n: int, end: int) -> torch.Tensor:
         """Live request-owned slots of ``row[:end]`` (kept positions past ``protected``, and any
@@ -456,6 +478,8 @@ class SparseRadixCache(RadixCache):
         return {
             "tree_evictable_slots": int(self.evictable_size()),
             "tree_protected_slots": int(self.protected_size()),
+            # Tokens of the chat template's generation prompt a next turn may render differently.
+            "chain_resume_suffix_tokens": len(self.resume_suffix),
         }
 
 
