@@ -1,0 +1,417 @@
+"""RetroInfer (Chen et al., 2025; microsoft/RetrievalAttention): clustered keys, exact + estimated decode.
+
+What the original does is written down in docs/method-notes/retroinfer.md. Here it is laid out for a
+batched, CUDA-graph-safe decode over SGLang's paged KV pool (page size ``P``, the average cluster size):
+
+* **Segments.** A request's keys from ``base`` (the first page boundary at or past the sink tokens) on
+  are cut into segments of ``SEG`` tokens at fixed logical positions, and each segment is clustered on
+  its own into ``SEG / P`` clusters per KV head (spherical k-means, :func:`kmeans_segments`). The
+  original clusters the prompt in 8K-token segments and then assigns every key against all
+  centroids; clustering each segment alone (as the original does for every 1,024 decoded tokens) makes
+  a segment's index a function of its own KV only, so a prefix shared through the radix tree shares
+  its index exactly. Cluster ``j`` of segment ``k`` is stored at the metadata row of the segment's
+  ``j``-th physical page (:class:`IndexStore`): the store is indexed by page, as Quest's summaries,
+  and SGLang's pool sizing pays for it.
+* **Decode** (per request, KV head, :func:`decode_attention`): the clusters of the request's usable
+  segments are ranked by the softmax of ``q . centroid`` summed over the group's query heads; the top
+  ``R`` are read exactly (their member tokens), the next ``E`` are estimated from their value sums
+  (``exp(q . centroid) * value_sum`` in the numerator, ``exp(q . centroid) * size`` in the
+  denominator), and the sink, the tail (every token past the last full segment before the ``recent``
+  window) and any segment whose index is not usable are read exactly, all under one softmax.
+  ``R = min(max(round(0.018 C), 1), C)``, ``E = min(round(0.232 C), C - R)`` for ``C`` usable clusters,
+  as the original's budgets.
+
+Plain torch (:func:`decode_attention_torch`, :func:`cluster_scores_torch`) is the reference and the
+CPU path; :func:`decode_attention` is the Triton kernel (a loop bound per row from ``seq_lens``, so a
+graph captured at full width does no work past a row's real length).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+NEG = float("-inf")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a request's segments lie: ``base`` (page-aligned start of segment 0), ``seg`` tokens a
+    segment, ``page`` tokens a page (= clusters are ``seg // page`` a segment), ``recent`` trailing
+    tokens always exact, ``min_segments`` below which a request is read densely (the original builds
+    no index under 16K tokens)."""
+
+    base: int
+    seg: int
+    page: int
+    recent: int
+    min_segments: int
+    retrieval: float
+    estimation: float
+
+    @property
+    def clusters_per_segment(self) -> int:
+        return self.seg // self.page
+
+    def num_segments(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Segments wholly before the recent window (0 under ``min_segments``); host or device tensors."""
+        n = torch.div((seq_lens - self.recent - self.base).clamp(min=0), self.seg, rounding_mode="floor")
+        return torch.where(n >= self.min_segments, n, torch.zeros_like(n))
+
+    def budgets(self, clusters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Retrieved and estimated cluster counts for ``clusters`` usable ones (the original's rounding
+        is Python's; half-up here, on the device)."""
+        c = clusters.to(torch.float64)
+        r = torch.minimum(torch.floor(c * self.retrieval + 0.5).clamp(min=1), c)
+        e = torch.minimum(torch.floor(c * self.estimation + 0.5), c - r)
+        return r.to(torch.int32), e.to(torch.int32)
+
+    def max_ranked(self, max_len: int) -> int:
+        """Static width of the ranking for contexts up to ``max_len`` (retrieved + estimated)."""
+        c = max(int(self.num_segments(torch.tensor([max_len]))[0]), self.min_segments) * self.clusters_per_segment
+        r, e = self.budgets(torch.tensor([c]))
+        return max(int(r[0] + e[0]), 1)
+
+
+# -- index build ------------------------------------------------------------------------------------
+@dataclass
+class SegmentIndex:
+    """The clusters of ``B`` independent segments (a segment of one KV head each), ``S`` tokens, ``C``
+    clusters: ``centroids`` ``[B, C, D]`` (the plain mean key of each cluster's members), ``value_sums``
+    ``[B, C, D]`` (fp32), ``sizes`` ``[B, C]`` int32, ``offsets`` ``[B, C]`` int32 (start of each
+    cluster's members in ``order``), ``order`` ``[B, S]`` int32 (segment-local positions, grouped by
+    cluster, ascending inside a cluster)."""
+
+    centroids: torch.Tensor
+    value_sums: torch.Tensor
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+    order: torch.Tensor
+
+
+def kmeans_segments(keys: torch.Tensor, values: torch.Tensor, clusters: int, iters: int = 10) -> SegmentIndex:
+    """RetroInfer's spherical k-means on each of ``B`` segments (``keys``/``values`` ``[B, S, D]``):
+    keys centred on their segment mean; centroids start at evenly spaced keys; ``iters - 1`` rounds of
+    argmax-inner-product assignment and normalised-mean update (an empty cluster keeps its centroid);
+    a last assignment gives the members. Batched matmuls, no host sync."""
+    b, s, d = keys.shape
+    x = keys.to(torch.float32)
+    x = x - x.mean(dim=1, keepdim=True)
+    init = ((torch.arange(clusters, device=keys.device, dtype=torch.float64) + 0.5) * s / clusters).long()
+    cent = x[:, init]
+    for _ in range(max(iters - 1, 0)):
+        assign = torch.bmm(x, cent.transpose(1, 2)).argmax(dim=2)  # [B, S]
+        sums = torch.zeros_like(cent).scatter_add_(1, assign[:, :, None].expand(b, s, d), x)
+        count = torch.zeros(b, clusters, device=keys.device).scatter_add_(1, assign, torch.ones_like(x[:, :, 0]))
+        new = sums / count.clamp(min=1)[:, :, None]
+        new = new / new.norm(dim=2, keepdim=True).clamp(min=1e-12)
+        cent = torch.where(count[:, :, None] > 0, new, cent)
+    assign = torch.bmm(x, cent.transpose(1, 2)).argmax(dim=2)
+    idx = assign[:, :, None].expand(b, s, d)
+    count = torch.zeros(b, clusters, dtype=torch.int32, device=keys.device).scatter_add_(
+        1, assign, torch.ones_like(assign, dtype=torch.int32))
+    ksum = torch.zeros(b, clusters, d, device=keys.device).scatter_add_(1, idx, keys.to(torch.float32))
+    vsum = torch.zeros(b, clusters, d, device=keys.device).scatter_add_(1, idx, values.to(torch.float32))
+    centroids = (ksum / count.clamp(min=1)[:, :, None]).to(keys.dtype)
+    order = torch.sort(assign, dim=1, stable=True).indices.to(torch.int32)
+    offsets = (torch.cumsum(count, dim=1) - count).to(torch.int32)
+    return SegmentIndex(centroids, vsum, count, offsets, order)
+
+
+@dataclass
+class IndexStore:
+    """One layer's index metadata over the KV pool: per physical page (``[pages, Hkv, ...]``) the
+    centroid, value sum, size and member offset of the cluster stored there; per slot ``[slots, Hkv]``
+    the ``order`` entry of the segment-local position that slot holds."""
+
+    centroids: torch.Tensor
+    value_sums: torch.Tensor
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+    order: torch.Tensor
+
+    @staticmethod
+    def empty(num_slots: int, page: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device | str,
+              ) -> IndexStore:
+        pages = -(-num_slots // page)
+        return IndexStore(torch.zeros(pages, hkv, d, dtype=dtype, device=device),
+                          torch.zeros(pages, hkv, d, dtype=dtype, device=device),
+                          torch.zeros(pages, hkv, dtype=torch.int32, device=device),
+                          torch.zeros(pages, hkv, dtype=torch.int32, device=device),
+                          torch.zeros(num_slots, hkv, dtype=torch.int16, device=device))
+
+    @staticmethod
+    def bytes_per_token(page: int, hkv: int, d: int, dtype: torch.dtype) -> float:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return hkv * ((2 * d * elem + 8) / page + 2)
+
+
+def segment_slots(req_to_token: torch.Tensor, rows: torch.Tensor, segs: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Slots ``[n, SEG]`` of segment ``segs[i]`` of request row ``rows[i]``."""
+    pos = layout.base + segs.long()[:, None] * layout.seg + torch.arange(layout.seg, device=rows.device)[None, :]
+    return req_to_token[rows.long()[:, None], pos].long()
+
+
+def build_segments(store: IndexStore, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                   rows: torch.Tensor, segs: torch.Tensor, layout: Layout, iters: int = 10) -> None:
+    """Cluster segment ``segs[i]`` of request row ``rows[i]`` (every KV head) from the pool's K/V and
+    write it into ``store`` at the segment's pages and slots."""
+    n = int(rows.numel())
+    if n == 0:
+        return
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    slots = segment_slots(req_to_token, rows, segs, layout)  # [n, SEG]
+    keys = k_cache[slots].permute(0, 2, 1, 3).reshape(n * hkv, layout.seg, d)
+    values = v_cache[slots].permute(0, 2, 1, 3).reshape(n * hkv, layout.seg, d)
+    idx = kmeans_segments(keys, values, layout.clusters_per_segment, iters)
+    c = layout.clusters_per_segment
+    pages = (slots[:, :: layout.page] // layout.page)  # [n, C]: the page holding cluster j
+    def per_page(t: torch.Tensor) -> torch.Tensor:  # [n * Hkv, C, ...] -> [n, C, Hkv, ...]
+        return t.reshape(n, hkv, c, *t.shape[2:]).transpose(1, 2)
+    store.centroids[pages] = per_page(idx.centroids).to(store.centroids.dtype)
+    store.value_sums[pages] = per_page(idx.value_sums).to(store.value_sums.dtype)
+    store.sizes[pages] = per_page(idx.sizes)
+    store.offsets[pages] = per_page(idx.offsets)
+    store.order[slots] = idx.order.reshape(n, hkv, layout.seg).transpose(1, 2).to(store.order.dtype)
+
+
+# -- ranking ----------------------------------------------------------------------------------------
+def cluster_scores_torch(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tensor,
+                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seg_valid: torch.Tensor,
+                         layout: Layout, scale: float, max_segments: int) -> torch.Tensor:
+    """``[bs * Hkv, max_segments * C]`` fp32: each usable cluster's softmax probability (over the row's
+    usable clusters) summed over the KV head's query heads; ``-inf`` for the rest (empty clusters,
+    segments past the row's count or not usable). ``seg_valid`` ``[bs, >= max_segments]`` (bool/int)."""
+    bs, hq, d = q.shape
+    hkv = store.centroids.shape[1]
+    c = layout.clusters_per_segment
+    width = max_segments * c
+    j = torch.arange(width, device=q.device)
+    pos = layout.base + (j // c) * layout.seg + (j % c) * layout.page  # first token of each cluster's page
+    slots = req_to_token[req_pool_indices.long()[:, None], pos[None, :].clamp(max=req_to_token.shape[1] - 1)].long()
+    pages = slots // layout.page  # [bs, W]
+    cent = store.centroids[pages].to(torch.float32)  # [bs, W, Hkv, D]
+    size = store.sizes[pages]  # [bs, W, Hkv]
+    nseg = layout.num_segments(seq_lens.long())
+    usable = (j[None, :] // c < nseg[:, None]) & seg_valid[:, :max_segments].bool().repeat_interleave(c, dim=1)
+    ok = usable[:, :, None] & (size > 0)  # [bs, W, Hkv]
+    qg = q.to(torch.float32).view(bs, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,bwhd->bhgw", qg, cent) * scale  # [bs, Hkv, G, W]
+    s = s.masked_fill(~ok.permute(0, 2, 1)[:, :, None, :], NEG)
+    lse = torch.logsumexp(s, dim=3, keepdim=True)
+    p = torch.exp(s - torch.where(lse.isinf(), torch.zeros_like(lse), lse)).sum(dim=2)  # [bs, Hkv, W]
+    p = p.masked_fill(~ok.permute(0, 2, 1), NEG)
+    return p.reshape(bs * hkv, width)
+
+
+def rank_clusters(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """The best ``width`` clusters of each row, best first (``[rows, width]`` int32, ``-1`` past the
+    row's usable clusters). Static shapes, no host sync."""
+    k = min(width, scores.shape[1])
+    vals, idx = torch.topk(scores, k, dim=1, sorted=True)
+    idx = torch.where(vals == NEG, torch.full_like(idx, -1), idx).to(torch.int32)
+    if k < width:
+        idx = torch.cat([idx, idx.new_full((idx.shape[0], width - k), -1)], dim=1)
+    return idx
+
+
+def row_budgets(seq_lens: torch.Tensor, seg_valid: torch.Tensor, layout: Layout,
+                max_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[bs]`` retrieved and estimated cluster counts from each row's usable segments."""
+    nseg = layout.num_segments(seq_lens.long())
+    k = torch.arange(max_segments, device=seq_lens.device)
+    usable = ((k[None, :] < nseg[:, None]) & seg_valid[:, :max_segments].bool()).sum(dim=1)
+    return layout.budgets(usable * layout.clusters_per_segment)
+
+
+# -- attention --------------------------------------------------------------------------------------
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store: IndexStore,
+                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           seg_valid: torch.Tensor, ranked: torch.Tensor, retrieved: torch.Tensor,
+                           estimated: torch.Tensor, layout: Layout, scale: float) -> torch.Tensor:
+    """The decode output ``[bs, Hq, D]`` (q's dtype) as the module docstring defines it, row by row
+    (the reference and CPU path). ``ranked`` ``[bs * Hkv, K]`` from :func:`rank_clusters`,
+    ``retrieved``/``estimated`` ``[bs]`` from :func:`row_budgets`."""
+    bs, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    c = layout.clusters_per_segment
+    out = torch.empty_like(q)
+    nseg = layout.num_segments(seq_lens.long()).tolist()
+    for i in range(bs):
+        n = int(seq_lens[i])
+        row = req_to_token[int(req_pool_indices[i])]
+        valid = [bool(seg_valid[i, s]) for s in range(nseg[i])]
+        exact_base = [p for p in range(n) if not _in_usable_segment(p, layout, nseg[i], valid)]
+        r, e = int(retrieved[i]), int(estimated[i])
+        for h in range(hkv):
+            ids = ranked[i * hkv + h].tolist()
+            pos = list(exact_base)
+            est_pages = []
+            for rank, cid in enumerate(ids[: r + e]):
+                if cid < 0:
+                    continue
+                seg, jj = divmod(cid, c)
+                start = layout.base + seg * layout.seg
+                page = int(row[start + jj * layout.page]) // layout.page
+                if rank < r:
+                    off, size = int(store.offsets[page, h]), int(store.sizes[page, h])
+                    members = store.order[row[start + off: start + off + size].long(), h].long()
+                    pos.extend((start + members).tolist())
+                else:
+                    est_pages.append(page)
+            slots = row[torch.tensor(sorted(pos), dtype=torch.long)].long()
+            kk = k_cache[slots, h].to(torch.float32)
+            vv = v_cache[slots, h].to(torch.float32)
+            qq = q[i, h * g:(h + 1) * g].to(torch.float32)
+            logits = qq @ kk.T * scale  # [G, n_exact]
+            vals = vv[None].expand(g, -1, -1)
+            if est_pages:
+                ep = torch.tensor(est_pages, dtype=torch.long)
+                size = store.sizes[ep, h].to(torch.float32)
+                cent = store.centroids[ep, h].to(torch.float32)
+                vs = store.value_sums[ep, h].to(torch.float32)
+                el = qq @ cent.T * scale + torch.log(size)[None]  # empty clusters: -inf
+                logits = torch.cat([logits, el], dim=1)
+                vals = torch.cat([vals, (vs / size.clamp(min=1)[:, None])[None].expand(g, -1, -1)], dim=1)
+            w = torch.softmax(logits, dim=1)
+            out[i, h * g:(h + 1) * g] = torch.einsum("gn,gnd->gd", w, vals).to(q.dtype)
+    return out
+
+
+def _in_usable_segment(p: int, layout: Layout, nseg: int, valid: list[bool]) -> bool:
+    s = (p - layout.base) // layout.seg
+    return p >= layout.base and s < nseg and valid[s]
+
+
+@triton.jit
+def _online(m, lse_sum, acc, logits, vals):
+    """One online-softmax step: ``logits`` ``[G, N]``, ``vals`` ``[N, D]`` (fp32)."""
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p, vals)
+    return m_new, lse_sum * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _exact_block(pos, mask, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks, stride_kh, scale,
+                 D: tl.constexpr):
+    slot = tl.load(row_ptr + pos, mask=mask, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    k = tl.load(k_cache + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=mask[:, None], other=0.0)
+    v = tl.load(v_cache + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=mask[:, None], other=0.0)
+    s = tl.dot(qv, tl.trans(k.to(tl.float32))) * scale
+    s = tl.where(mask[None, :], s, float("-inf"))
+    return _online(m, den, acc, s, v.to(tl.float32))
+
+
+@triton.jit
+def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_to_token, req_pool_indices,
+                   seq_lens, seg_valid, ranked, retrieved, estimated, out, stride_qb, stride_qh, stride_ks,
+                   stride_kh, stride_r2t, stride_valid, stride_rank, scale, BASE: tl.constexpr,
+                   SEG: tl.constexpr, PAGE: tl.constexpr, RECENT: tl.constexpr, MIN_SEG: tl.constexpr,
+                   HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   BLOCK: tl.constexpr, EBLOCK: tl.constexpr):
+    rh = tl.program_id(0)
+    i = rh // HKV
+    h = rh % HKV
+    n = tl.load(seq_lens + i)
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    d = tl.arange(0, D)
+    gi = tl.arange(0, GP)
+    gm = gi < G
+    qv = tl.load(q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], mask=gm[:, None],
+                 other=0.0).to(tl.float32)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    nseg = tl.maximum(n - RECENT - BASE, 0) // SEG
+    nseg = tl.where(nseg >= MIN_SEG, nseg, 0)
+    # Exact: the sink [0, BASE), the tail from the last segment's end, and unusable segments.
+    for b in range(0, tl.cdiv(tl.minimum(n, BASE), BLOCK)):
+        pos = b * BLOCK + tl.arange(0, BLOCK)
+        m, den, acc = _exact_block(pos, pos < tl.minimum(n, BASE), row_ptr, k_cache, v_cache, qv, h, m, den, acc,
+                                 stride_ks, stride_kh, scale, D)
+    tail = BASE + nseg * SEG
+    for b in range(0, tl.cdiv(tl.maximum(n - tail, 0), BLOCK)):
+        pos = tail + b * BLOCK + tl.arange(0, BLOCK)
+        m, den, acc = _exact_block(pos, pos < n, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks,
+                                 stride_kh, scale, D)
+    for s in range(0, nseg):
+        if tl.load(seg_valid + i * stride_valid + s) == 0:
+            for b in range(0, SEG // BLOCK):
+                pos = BASE + s * SEG + b * BLOCK + tl.arange(0, BLOCK)
+                m, den, acc = _exact_block(pos, pos < n, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks,
+                                         stride_kh, scale, D)
+    # Retrieved clusters: their members, exactly.
+    r = tl.load(retrieved + i)
+    e = tl.load(estimated + i)
+    rank_row = ranked + rh.to(tl.int64) * stride_rank
+    C: tl.constexpr = SEG // PAGE
+    for j in range(0, r):
+        cid = tl.load(rank_row + j)
+        if cid >= 0:
+            start = BASE + (cid // C) * SEG
+            page = tl.load(row_ptr + start + (cid % C) * PAGE).to(tl.int64) // PAGE
+            off = tl.load(offsets + page * HKV + h)
+            size = tl.load(sizes + page * HKV + h)
+            for b in range(0, tl.cdiv(size, BLOCK)):
+                t = b * BLOCK + tl.arange(0, BLOCK)
+                tm = t < size
+                slot_t = tl.load(row_ptr + start + off + t, mask=tm, other=0).to(tl.int64)
+                local = tl.load(order + slot_t * HKV + h, mask=tm, other=0).to(tl.int64)
+                m, den, acc = _exact_block(start + local, tm, row_ptr, k_cache, v_cache, qv, h, m, den, acc,
+                                         stride_ks, stride_kh, scale, D)
+    # Estimated clusters: exp(q . centroid) weighs the value sum, and the size in the denominator.
+    for b in range(0, tl.cdiv(e, EBLOCK)):
+        jr = r + b * EBLOCK + tl.arange(0, EBLOCK)
+        cid = tl.load(rank_row + jr, mask=jr < r + e, other=-1)
+        ok = cid >= 0
+        cs = tl.where(ok, cid, 0)
+        start = BASE + (cs // C) * SEG
+        page = tl.load(row_ptr + start + (cs % C) * PAGE, mask=ok, other=0).to(tl.int64) // PAGE
+        size = tl.load(sizes + page * HKV + h, mask=ok, other=0).to(tl.float32)
+        ok = ok & (size > 0)
+        ct = tl.load(cent + (page * HKV + h)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        vs = tl.load(vsum + (page * HKV + h)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(qv, tl.trans(ct)) * scale + tl.log(tl.where(ok, size, 1.0))[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m, den, acc = _online(m, den, acc, s, vs / tl.where(ok, size, 1.0)[:, None])
+    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], o.to(out.dtype.element_ty),
+             mask=gm[:, None])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store: IndexStore,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     seg_valid: torch.Tensor, ranked: torch.Tensor, retrieved: torch.Tensor, estimated: torch.Tensor,
+                     layout: Layout, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`decode_attention_torch` as one Triton kernel over the batch (grid: request x KV head)."""
+    bs, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    if bs == 0:
+        return out
+    assert d & (d - 1) == 0, "head_dim must be a power of two"
+    assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride() and q.stride(2) == 1
+    assert layout.seg % 16 == 0 and layout.base % layout.page == 0
+    g = hq // hkv
+    _decode_kernel[(bs * hkv,)](
+        q, k_cache, v_cache, store.centroids, store.value_sums, store.sizes, store.offsets, store.order,
+        req_to_token, req_pool_indices, seq_lens, seg_valid, ranked, retrieved, estimated, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0), seg_valid.stride(0),
+        ranked.stride(0), scale, BASE=layout.base, SEG=layout.seg, PAGE=layout.page, RECENT=layout.recent,
+        MIN_SEG=layout.min_segments, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16,
+        EBLOCK=16)
+    return out
+
+
+def index_bytes_per_token(page: int, hkv: int, d: int, dtype: torch.dtype, layers: int) -> int:
+    """Device bytes of :class:`IndexStore` per KV token over all layers (rounded up)."""
+    return math.ceil(IndexStore.bytes_per_token(page, hkv, d, dtype) * layers)
