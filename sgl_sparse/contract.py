@@ -38,10 +38,12 @@ no per-request Python between admission and finish::
 
 A method with a :class:`PageSelector` is also driven per layer inside each forward, batched over the
 whole step (not per request), in layer order: ``on_kv_write`` wherever a selecting layer's K is written
-(prefill and decode); in decode, ``select`` before a selecting layer's attention and ``observe`` after
-an observing (dense) layer's attention. There are no per-request per-layer hooks: per-request Python
-per layer cannot run inside a CUDA-graph replay. A ``codec`` is refused at launch until the KV pool
-uses one (:func:`served_hooks_problem`), never served with it silently skipped.
+(prefill and decode); in decode, ``select`` before a selecting layer's attention (or, for a selector
+that ``attends``, ``attend`` instead of it) and ``observe`` after an observing (dense) layer's
+attention; then, for a selector that ``maintains``, ``after_step`` once after each forward step (prefill
+and decode, outside CUDA graphs, every layer's K/V in the pool). There are no per-request per-layer
+hooks: per-request Python per layer cannot run inside a CUDA-graph replay. A ``codec`` is refused at
+launch until the KV pool uses one (:func:`served_hooks_problem`), never served with it silently skipped.
 """
 
 from __future__ import annotations
@@ -194,6 +196,20 @@ class KVGeometry:
         return -(-self.num_slots // self.page_size)
 
 
+@dataclass(frozen=True)
+class SelectorStep:
+    """What :meth:`PageSelector.after_step` sees of a finished forward step: the batch's rows
+    (``req_pool_indices``, device), each row's logical length before and after the step (CPU int64,
+    known to the scheduler without a sync), the ``req_to_token`` table and each layer's K/V pool
+    (``kv(layer) -> (k, v)``, ``[slots, Hkv, D]``)."""
+
+    req_pool_indices: torch.Tensor
+    old_lens: torch.Tensor
+    new_lens: torch.Tensor
+    req_to_token: torch.Tensor
+    kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
 class PageSelector(ABC):
     """Dynamic selection for a whole decode batch, on the device (the server drives it).
 
@@ -212,18 +228,26 @@ class PageSelector(ABC):
 
     The metadata's memory is the method's: :meth:`metadata_bytes_per_token` is added to SGLang's KV
     cell size before the pool is sized, so the pool shrinks by what :meth:`allocate` then takes.
+
+    A selector either returns pages (:meth:`select`, :attr:`pages_per_row`; the server's attention
+    kernels read them) or, when ``attends``, computes the selecting layers' decode attention itself
+    (:meth:`attend`: for reads that are not a list of tokens, e.g. RetroInfer's estimated clusters).
+    One that ``maintains`` also gets :meth:`after_step` (e.g. to build an index over K/V that a
+    step completed).
     """
 
     page_size: int
+    attends: ClassVar[bool] = False
+    maintains: ClassVar[bool] = False
 
     @abstractmethod
     def selects(self, layer_id: int) -> bool:
         """Whether decode attention of this layer reads a selection (else all of the KV)."""
 
     @property
-    @abstractmethod
     def pages_per_row(self) -> int:
         """How many pages each (request, KV head) selects at most: the static width of :meth:`select`."""
+        return 0
 
     def metadata_bytes_per_token(self, geometry: KVGeometry) -> int:
         """Device bytes of method metadata per KV token (rounded up), counted in SGLang's pool sizing."""
@@ -248,12 +272,25 @@ class PageSelector(ABC):
         the following layers read. Same rules as :meth:`select` (device only, no host sync)."""
         return None
 
-    @abstractmethod
     def select(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor) -> torch.Tensor:
         """Pages to read: ``[bs * Hkv, pages_per_row]`` int64, row ``i * Hkv + h``; each row ascending,
         ending with the request's last page (the one being written), unused entries last and at least
         the request's page count. ``q``: ``[bs, Hq, D]``; ``seq_lens``: ``[bs]``, this token included."""
+        raise NotImplementedError(f"{type(self).__name__} attends itself (attend), it returns no pages")
+
+    def attend(self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """A selecting layer's decode attention (``attends`` selectors), this step's K/V written:
+        ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, Dv]``; ``k_cache``/``v_cache`` the layer's whole pool. Same rules
+        as :meth:`select` (device only, no host sync, fixed shapes)."""
+        raise NotImplementedError(f"{type(self).__name__} returns pages (select), it does not attend")
+
+    def after_step(self, step: SelectorStep) -> None:
+        """After a forward step (``maintains`` selectors; batched over the step's rows, outside CUDA
+        graphs, no host sync needed: the lengths are on the host)."""
+        return None
 
 
 def pool_page_size(method: SparseMethod[Any]) -> int:

@@ -21,6 +21,7 @@ from sgl_sparse.contract import (
     KVGeometry,
     ObservationWindow,
     PrefillChunk,
+    SelectorStep,
     SparseMethod,
     StepInfo,
     check_keep_plan,
@@ -99,6 +100,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     sel = method.selector
     ps = sel.page_size if sel is not None else 1
     k_pool = [torch.zeros(n_total + 2 * ps, model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
+    v_pool = [torch.zeros_like(k) for k in k_pool]
     r2t = torch.zeros(2, n_total, dtype=torch.int32)
     r2t[1] = torch.arange(n_total, dtype=torch.int32) + ps
     rpi = torch.tensor([1])
@@ -121,11 +123,14 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
             q, k, v = model.project(layer, h)
             keys[layer][start:end], vals[layer][start:end] = k, v
             k_pool[layer][start + ps:end + ps] = k
+            v_pool[layer][start + ps:end + ps] = v
             selecting = sel is not None and sel.selects(layer)
             if selecting:
                 sel.on_kv_write(layer, torch.arange(start, end) + ps, k)
             seq = torch.tensor([end])
-            if selecting and not is_prefill:
+            if selecting and not is_prefill and sel.attends:
+                out = sel.attend(layer, q, k_pool[layer], v_pool[layer], r2t, rpi, seq, model.head_dim**-0.5)
+            elif selecting and not is_prefill:
                 pages = sel.select(layer, q, r2t, rpi, seq)
                 mask = selected_positions_mask(pages, seq, model.n_kv_heads, ps, end)[0]  # [Hkv, end]
                 out = _attend_per_kv_head(q, keys[layer], vals[layer], q_pos, kv_pos, mask)
@@ -137,6 +142,9 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
                 window_q[layer] = torch.cat([window_q.get(layer, q[:0]), q])[-w:]
             h = out.reshape(end - start, -1)
         outs.append(h)
+        if sel is not None and sel.maintains:
+            sel.after_step(SelectorStep(rpi, torch.tensor([start]), torch.tensor([end]), r2t,
+                                        lambda layer: (k_pool[layer], v_pool[layer])))
         retained[start:end] = True
         state.advance(end - start)
         decoded += 0 if is_prefill else 1

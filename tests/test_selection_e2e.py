@@ -1,4 +1,4 @@
-"""The selection family (Quest, OmniKV) through real SGLang servers on CPU (our launcher; the tiny model,
+"""The selection family (Quest, OmniKV, RetroInfer) through real SGLang servers on CPU (our launcher; the tiny model,
 and the small trained one).
 
 Both keep every KV entry and read, per decode step, layer and KV head, only the selected tokens: Quest
@@ -27,16 +27,21 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
 BUDGETS = {"full": {"token_budget": 2048, "sink_tokens": 16, "recent_tokens": 32},
            "small": {"token_budget": 128, "sink_tokens": 16, "recent_tokens": 32}}
 LAYERS = {"quest": {"dense_layers": 0}, "omnikv": {"filter_layers": "0,2"}}
-PAGE = {"quest": 16, "omnikv": 1}
+# RetroInfer at this scale: 64-token segments of 4 clusters, an index from 128 clustered tokens on;
+# "full" retrieves every cluster, "small" keeps the original's ratios (at 1,000 tokens: 1 cluster
+# read, 14 estimated, of 60; plus the 16 sink and up to 96 tail tokens).
+RETRO = {"segment_tokens": 64, "cluster_size": 16, "min_index_tokens": 128, "sink_tokens": 16, "recent_tokens": 32}
+CONFIGS = {**{m: {name: {**b, **LAYERS[m]} for name, b in BUDGETS.items()} for m in LAYERS},
+           "retroinfer": {"full": {**RETRO, "retrieval_ratio": 1.0, "estimation_ratio": 0.0}, "small": RETRO}}
+PAGE = {"quest": 16, "omnikv": 1, "retroinfer": 16}
 
 
-@pytest.fixture(scope="module", params=["quest", "omnikv"])
+@pytest.fixture(scope="module", params=["quest", "omnikv", "retroinfer"])
 def selection_servers(request: pytest.FixtureRequest, tiny_model: str,
                       servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
     method = request.param
-    procs = {name: ServerProcess(tiny_model, [*FLAGS, "--sparse-method", method, "--sparse-config",
-                                              json.dumps({**budget, **LAYERS[method]})])
-             for name, budget in BUDGETS.items()}
+    procs = {name: ServerProcess(tiny_model, [*FLAGS, "--sparse-method", method, "--sparse-config", json.dumps(cfg)])
+             for name, cfg in CONFIGS[method].items()}
     with running(*procs.values()):
         yield {**procs, "vanilla": servers["vanilla"], "dense": servers["ours"], "method": method}  # type: ignore[dict-item]
 

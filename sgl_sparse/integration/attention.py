@@ -37,7 +37,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
-from sgl_sparse.integration.selection import allocate_once, attend_selected, observe, write_summaries
+from sgl_sparse.integration.selection import allocate_once, attend_itself, attend_selected, observe, write_summaries
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.slots import SENTINEL_SLOT
 
@@ -159,6 +159,11 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
                                                 k, v)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if self.selector.attends:
+            o = attend_itself(self.selector, layer, q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                              self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                              self.req_to_token_pool.req_to_token, forward_batch)
+            return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
         o = attend_selected(self.selector, layer, q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                             self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
                             forward_batch.req_pool_indices, forward_batch.seq_lens)
@@ -246,7 +251,7 @@ def _flashinfer_backend_cls() -> type:
                                  "eviction (they address KV by logical position)")
             self.launcher = _flashinfer_launcher() if self.skip_sentinels else None
             self.selection = None
-            if self.selector is not None:
+            if self.selector is not None and not self.selector.attends:
                 from sgl_sparse.integration.flashinfer_selection import FlashInferSelection
 
                 self.selection = FlashInferSelection(self, self.selector)
@@ -291,6 +296,12 @@ def _flashinfer_backend_cls() -> type:
                 self.token_to_kv_pool.set_kv_buffer(
                     layer, KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc), k, v,
                     *self._kv_write_scales(layer))
+            if self.selector.attends:
+                k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+                q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+                o = attend_itself(self.selector, layer, q3, k_buf, v_buf, self.req_to_token_pool.req_to_token,
+                                  forward_batch)
+                return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
             return self.selection.attend(layer, q, self.token_to_kv_pool.get_kv_buffer(layer.layer_id),
                                          self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
                                          forward_batch.seq_lens)

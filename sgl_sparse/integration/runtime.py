@@ -194,6 +194,12 @@ class SparseRuntime:
         if self.active and batch is not None and batch.reqs:
             with no_host_sync(batch.forward_mode.is_decode()):
                 step.run(self, batch, model_runner)
+        sel = self.method.selector
+        if sel is not None and sel.maintains and batch is not None and batch.reqs:
+            from sgl_sparse.integration.selection import after_step
+
+            with no_host_sync():
+                after_step(sel, batch, model_runner)
         if self.metrics is not None:
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_sparse.contract import KVGeometry, PageSelector
+from sgl_sparse.contract import KVGeometry, PageSelector, SelectorStep
 from sgl_sparse.integration import handoff
 from sgl_sparse.kernels.pages import selected_positions_mask
 
@@ -121,3 +121,31 @@ def attend_selected(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache
                                          scale=layer.scaling, enable_gqa=hq != hkv)
         out[i] = o[0, :, 0]
     return out
+
+
+def attend_itself(selector: PageSelector, layer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  req_to_token: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+    """Decode attention of one selecting layer by a selector that ``attends`` (any base, CPU or GPU):
+    ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, Dv]``."""
+    _no_sliding_window(layer)
+    return selector.attend(layer.layer_id, q, k_cache, v_cache, req_to_token, forward_batch.req_pool_indices,
+                           forward_batch.seq_lens, float(layer.scaling))
+
+
+def after_step(selector: PageSelector, batch: Any, model_runner: Any) -> None:
+    """After a forward step, for a selector that ``maintains``: the step's rows with their logical
+    lengths before and after it, from the scheduler's host copies (no sync)."""
+    mode = batch.forward_mode
+    if batch.seq_lens_cpu is None or not (mode.is_extend() or mode.is_decode()):
+        return
+    new = batch.seq_lens_cpu[: len(batch.reqs)].to(torch.int64)
+    if mode.is_decode():
+        old = new - 1
+    else:
+        prefix = getattr(batch, "prefix_lens", None)  # ScheduleBatch: per row, the length before this step
+        if prefix is None:
+            return
+        old = torch.as_tensor(list(prefix)[: len(batch.reqs)], dtype=torch.int64)
+    pool = model_runner.token_to_kv_pool
+    selector.after_step(SelectorStep(batch.req_pool_indices[: len(batch.reqs)], old, new,
+                                     model_runner.req_to_token_pool.req_to_token, pool.get_kv_buffer))

@@ -157,9 +157,11 @@ def segment_slots(req_to_token: torch.Tensor, rows: torch.Tensor, segs: torch.Te
 
 
 def build_segments(store: IndexStore, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-                   rows: torch.Tensor, segs: torch.Tensor, layout: Layout, iters: int = 10) -> None:
+                   rows: torch.Tensor, segs: torch.Tensor, layout: Layout, iters: int = 10,
+                   write: torch.Tensor | None = None) -> None:
     """Cluster segment ``segs[i]`` of request row ``rows[i]`` (every KV head) from the pool's K/V and
-    write it into ``store`` at the segment's pages and slots."""
+    write it into ``store`` at the segment's pages and slots; only where ``write[i]`` (``[n]`` bool,
+    device) when given, without a host sync (the others' rows keep what they hold)."""
     n = int(rows.numel())
     if n == 0:
         return
@@ -172,11 +174,18 @@ def build_segments(store: IndexStore, k_cache: torch.Tensor, v_cache: torch.Tens
     pages = (slots[:, :: layout.page] // layout.page)  # [n, C]: the page holding cluster j
     def per_page(t: torch.Tensor) -> torch.Tensor:  # [n * Hkv, C, ...] -> [n, C, Hkv, ...]
         return t.reshape(n, hkv, c, *t.shape[2:]).transpose(1, 2)
-    store.centroids[pages] = per_page(idx.centroids).to(store.centroids.dtype)
-    store.value_sums[pages] = per_page(idx.value_sums).to(store.value_sums.dtype)
-    store.sizes[pages] = per_page(idx.sizes)
-    store.offsets[pages] = per_page(idx.offsets)
-    store.order[slots] = idx.order.reshape(n, hkv, layout.seg).transpose(1, 2).to(store.order.dtype)
+    def put(buf: torch.Tensor, at: torch.Tensor, new: torch.Tensor) -> None:
+        new = new.to(buf.dtype)
+        if write is not None:
+            keep = write.view(-1, *([1] * (new.dim() - 1)))
+            new = torch.where(keep, new, buf[at])
+        buf[at] = new
+
+    put(store.centroids, pages, per_page(idx.centroids))
+    put(store.value_sums, pages, per_page(idx.value_sums))
+    put(store.sizes, pages, per_page(idx.sizes))
+    put(store.offsets, pages, per_page(idx.offsets))
+    put(store.order, slots, idx.order.reshape(n, hkv, layout.seg).transpose(1, 2))
 
 
 # -- ranking ----------------------------------------------------------------------------------------
@@ -359,13 +368,14 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
         if cid >= 0:
             start = BASE + (cid // C) * SEG
             page = tl.load(row_ptr + start + (cid % C) * PAGE).to(tl.int64) // PAGE
-            off = tl.load(offsets + page * HKV + h)
-            size = tl.load(sizes + page * HKV + h)
+            off = tl.minimum(tl.maximum(tl.load(offsets + page * HKV + h), 0), SEG)
+            size = tl.minimum(tl.load(sizes + page * HKV + h), SEG - off)
             for b in range(0, tl.cdiv(size, BLOCK)):
                 t = b * BLOCK + tl.arange(0, BLOCK)
                 tm = t < size
                 slot_t = tl.load(row_ptr + start + off + t, mask=tm, other=0).to(tl.int64)
                 local = tl.load(order + slot_t * HKV + h, mask=tm, other=0).to(tl.int64)
+                local = tl.minimum(tl.maximum(local, 0), SEG - 1)  # a torn write never reads outside
                 m, den, acc = _exact_block(start + local, tm, row_ptr, k_cache, v_cache, qv, h, m, den, acc,
                                          stride_ks, stride_kh, scale, D)
     # Estimated clusters: exp(q . centroid) weighs the value sum, and the size in the denominator.

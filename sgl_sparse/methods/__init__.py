@@ -2,4 +2,4 @@
 
 from sgl_sparse.methods import dense  # noqa: F401
 from sgl_sparse.methods.eviction import snapkv, streamingllm  # noqa: F401
-from sgl_sparse.methods.selection import omnikv, quest  # noqa: F401
+from sgl_sparse.methods.selection import omnikv, quest, retroinfer  # noqa: F401
