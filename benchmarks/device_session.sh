@@ -12,7 +12,7 @@
 #                                                the headline one server per step (vanilla x 6, ours dense
 #                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60, and x 6), so one
 #                                                vanilla run serves every comparison; table130k prints the table.
-#   bash benchmarks/device_session.sh quest130k | omnikv130k   Quest / OmniKV (default config) at 130K x 6, ours
+#   bash benchmarks/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x 6, ours
 #                                                only (table130k adds them). On a fresh machine the first server of
 #                                                each compiles FlashInfer kernels for its wrappers (minutes).
 #   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's and OmniKV's selection
@@ -104,8 +104,8 @@ vanilla130k|dense130k|snapkv130k|snapkv130k6)  # the 130K table one server per s
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$batch" --output-len 256 "${only[@]}" "${cfg[@]}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
-quest130k|omnikv130k)  # Quest / OmniKV (default configs: 2,048-token budget) at 130K x 6 (vanilla's batch), ours
-  install                # only; OmniKV's GPU path is behind the launcher's opt-in until test_gpu_omnikv.py passes
+quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / RetroInfer (default configs) at 130K x 6, ours
+  install                # only; OmniKV's and RetroInfer's GPU paths are behind the launcher's opt-in until their GPU tests pass
   m=${1%130k}
   SGLSPARSE_GPU_SELECTION=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
       python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch 6 \
@@ -118,7 +118,7 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,quest130k,omnikv130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,quest130k,omnikv130k,retroinfer130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install

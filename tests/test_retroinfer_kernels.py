@@ -71,6 +71,11 @@ def _build_all(k, v, req_to_token, rows, lens, layout, valid=None):
 
 def _run_both(q, k, v, store, req_to_token, rows, lens, seg_valid, layout, max_seg):
     scores = ri.cluster_scores_torch(q, store, req_to_token, rows, lens, seg_valid, layout, SCALE, max_seg)
+    if INTERPRETED:
+        got = ri.cluster_scores(q, store, req_to_token, rows, lens, seg_valid.contiguous(), layout, SCALE, max_seg)
+        finite = scores.isfinite()
+        assert torch.equal(finite, got.isfinite())
+        torch.testing.assert_close(got[finite], scores[finite], atol=1e-5, rtol=1e-5)
     ranked = ri.rank_clusters(scores, layout.max_ranked(int(lens.max())))
     r, e = ri.row_budgets(lens, seg_valid, layout, max_seg)
     args = (q, k, v, store, req_to_token, rows, lens, seg_valid, ranked, r, e, layout, SCALE)

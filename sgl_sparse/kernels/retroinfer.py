@@ -217,6 +217,73 @@ def cluster_scores_torch(q: torch.Tensor, store: IndexStore, req_to_token: torch
     return p.reshape(bs * hkv, width)
 
 
+@triton.jit
+def _logits_kernel(q, cent, sizes, req_to_token, req_pool_indices, seq_lens, seg_valid, out, stride_qb, stride_qh,
+                   stride_r2t, stride_valid, width, scale, BASE: tl.constexpr, SEG: tl.constexpr, PAGE: tl.constexpr,
+                   RECENT: tl.constexpr, MIN_SEG: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                   D: tl.constexpr, BLOCK: tl.constexpr, NPROG: tl.constexpr):
+    """Grid (request x KV head, NPROG): ``out[rh, g, c]`` = ``q_g . centroid_c * scale`` for the row's
+    usable clusters, ``-inf`` for the rest; program ``pid`` takes cluster blocks ``pid, pid + NPROG, ...``
+    up to the row's usable width, then fills its blocks of the rest with ``-inf``."""
+    rh = tl.program_id(0)
+    pid = tl.program_id(1)
+    i = rh // HKV
+    h = rh % HKV
+    n = tl.load(seq_lens + i)
+    nseg = tl.maximum(n - RECENT - BASE, 0) // SEG
+    nseg = tl.where(nseg >= MIN_SEG, nseg, 0)
+    C: tl.constexpr = SEG // PAGE
+    used = nseg * C
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    d = tl.arange(0, D)
+    out_row = out + rh.to(tl.int64) * G * width
+    for blk in range(pid, tl.cdiv(used, BLOCK), NPROG):
+        c = blk * BLOCK + tl.arange(0, BLOCK)
+        ok = c < used
+        ok = ok & (tl.load(seg_valid + i * stride_valid + c // C, mask=ok, other=0) != 0)
+        pos = BASE + (c // C) * SEG + (c % C) * PAGE
+        page = tl.load(row_ptr + pos, mask=ok, other=0).to(tl.int64) // PAGE
+        size = tl.load(sizes + page * HKV + h, mask=ok, other=0)
+        ok = ok & (size > 0)
+        ct = tl.load(cent + (page * HKV + h)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        for g in tl.static_range(G):
+            qg = tl.load(q + i * stride_qb + (h * G + g) * stride_qh + d).to(tl.float32)
+            s = tl.sum(ct * qg[None, :], axis=1) * scale
+            tl.store(out_row + g * width + c, tl.where(ok, s, float("-inf")), mask=c < width)
+    for blk in range(tl.cdiv(used, BLOCK) + pid, tl.cdiv(width, BLOCK), NPROG):
+        c = blk * BLOCK + tl.arange(0, BLOCK)
+        for g in tl.static_range(G):
+            tl.store(out_row + g * width + c, tl.full([BLOCK], float("-inf"), tl.float32), mask=c < width)
+
+
+LOGIT_BLOCK = 64
+LOGIT_PROGRAMS = 32
+
+
+def cluster_scores(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                   seq_lens: torch.Tensor, seg_valid: torch.Tensor, layout: Layout, scale: float,
+                   max_segments: int) -> torch.Tensor:
+    """:func:`cluster_scores_torch` with the centroids read in place by a Triton kernel (the logits;
+    torch then takes each query head's softmax over them and sums the group's)."""
+    bs, hq, d = q.shape
+    hkv = store.centroids.shape[1]
+    g = hq // hkv
+    width = max_segments * layout.clusters_per_segment
+    logits = torch.empty(bs * hkv, g, width, dtype=torch.float32, device=q.device)
+    if bs == 0:
+        return logits[:, 0]
+    assert d & (d - 1) == 0 and q.stride(2) == 1 and seg_valid.stride(1) == 1
+    nprog = min(LOGIT_PROGRAMS, triton.cdiv(width, LOGIT_BLOCK))
+    _logits_kernel[(bs * hkv, nprog)](
+        q, store.centroids, store.sizes, req_to_token, req_pool_indices, seq_lens, seg_valid, logits, q.stride(0),
+        q.stride(1), req_to_token.stride(0), seg_valid.stride(0), width, scale, BASE=layout.base, SEG=layout.seg,
+        PAGE=layout.page, RECENT=layout.recent, MIN_SEG=layout.min_segments, HKV=hkv, G=g, D=d, BLOCK=LOGIT_BLOCK,
+        NPROG=nprog)
+    lse = torch.logsumexp(logits, dim=2, keepdim=True)
+    p = torch.exp(logits - torch.where(lse.isinf(), torch.zeros_like(lse), lse)).sum(dim=1)
+    return p.masked_fill(logits[:, 0] == NEG, NEG)
+
+
 def rank_clusters(scores: torch.Tensor, width: int) -> torch.Tensor:
     """The best ``width`` clusters of each row, best first (``[rows, width]`` int32, ``-1`` past the
     row's usable clusters). Static shapes, no host sync."""

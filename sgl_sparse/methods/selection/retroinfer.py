@@ -142,8 +142,8 @@ class RetroInferSelector(PageSelector):
             self._seg_valid = self._valid(req_to_token, req_pool_indices, max_seg)
         seg_valid = self._seg_valid
         store = self.stores[layer_id]
-        scores = ri.cluster_scores_torch(q, store, req_to_token, req_pool_indices, seq_lens, seg_valid, self.layout,
-                                         scale, max_seg)
+        score = ri.cluster_scores if self.use_triton else ri.cluster_scores_torch
+        scores = score(q, store, req_to_token, req_pool_indices, seq_lens, seg_valid, self.layout, scale, max_seg)
         if self.config.scoring == "random":
             scores = randomize_scores(scores)
         width = self._ranked_width.get(req_to_token.shape[1])
