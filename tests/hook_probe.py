@@ -5,7 +5,7 @@ reaches the server through ``SGLSPARSE_METHOD_MODULES=tests.hook_probe``.
 It declares everything that makes the runtime drive hooks (``evicts``, an observation window, a
 selector), and changes nothing: it keeps every token, and its selector selects every token, so its
 outputs are dense. Layer 0 observes and layers 1.. select (OmniKV's shape, with the first layer as the
-filter).
+filter); with ``attends`` they attend themselves (densely) instead, and ``after_step`` is logged too.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import (
@@ -25,6 +26,7 @@ from sgl_sparse.contract import (
     PrefillChunk,
     PrefixReuse,
     RequestState,
+    SelectorStep,
     SparseMethod,
     StepInfo,
     TreePayload,
@@ -38,6 +40,8 @@ class HookProbeConfig(MethodConfig):
     method_name = "hook_probe"
     log_path: str = ""
     width: int = 4096  # tokens per selection: at least the context, so every token is read
+    # A selector that attends itself (attend, not select) and maintains (after_step), as RetroInfer's.
+    attends: bool = False
 
 
 class _Log:
@@ -87,6 +91,28 @@ class ProbeSelector(PageSelector):
         return select_pages(scores, self.config.width).repeat_interleave(self.num_kv_heads, dim=0)
 
 
+class AttendingProbeSelector(ProbeSelector):
+    """Attends itself (densely, so outputs stay dense) and maintains: logs ``attend`` and ``after_step``."""
+
+    attends = True
+    maintains = True
+
+    def attend(self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        self.log("attend", layer=layer_id, bs=int(q.shape[0]))
+        out = torch.empty_like(q)
+        for i in range(q.shape[0]):
+            slots = req_to_token[req_pool_indices[i], : int(seq_lens[i])].long()
+            k, v = k_cache[slots].movedim(0, 1)[None], v_cache[slots].movedim(0, 1)[None]
+            out[i] = scaled_dot_product_attention(q[i][None, :, None, :], k.to(q.dtype), v.to(q.dtype), scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])[0, :, 0]
+        return out
+
+    def after_step(self, step: SelectorStep) -> None:
+        self.log("after_step", bs=int(step.new_lens.numel()), old=step.old_lens.tolist(), new=step.new_lens.tolist())
+
+
 @register_method
 class HookProbe(SparseMethod[HookProbeConfig]):
     name = "hook_probe"
@@ -98,7 +124,7 @@ class HookProbe(SparseMethod[HookProbeConfig]):
     def __init__(self, config: HookProbeConfig) -> None:
         super().__init__(config)
         self.log = _Log(config.log_path)
-        self._selector = ProbeSelector(config, self.log)
+        self._selector = (AttendingProbeSelector if config.attends else ProbeSelector)(config, self.log)
 
     @property
     def selector(self) -> ProbeSelector:

@@ -21,10 +21,14 @@ from tests.test_eviction_e2e import _abort_after, _assert_idle_and_sound, _ids
 pytestmark = pytest.mark.server
 
 ROOT = Path(__file__).resolve().parent.parent
-SELECTOR_HOOKS = {"on_kv_write", "select", "observe"}
+SELECTOR_HOOKS = {"on_kv_write", "select", "attend", "observe"}
 LAYERS = 4  # the tiny model's; the probe observes layer 0 and selects in 1..3
-DECODE_FORWARD = [("observe", 0)] + [(h, layer) for layer in range(1, LAYERS) for h in ("on_kv_write", "select")]
 PREFILL_FORWARD = [("on_kv_write", layer) for layer in range(1, LAYERS)]
+
+
+def _decode_forward(read: str) -> list[tuple[str, int]]:
+    return [("observe", 0)] + [(h, layer) for layer in range(1, LAYERS) for h in ("on_kv_write", read)]
+
 
 
 def _events(path: Path) -> list[dict]:
@@ -46,7 +50,8 @@ def _forwards(events: list[dict]) -> list[tuple[int, int, list[tuple[str, int]]]
     return runs
 
 
-def _check_request(rid: str, evs: list[tuple[int, dict]], forwards: list[tuple[int, int, list]]) -> None:
+def _check_request(rid: str, evs: list[tuple[int, dict]], forwards: list[tuple[int, int, list]],
+                   decode_forward: list[tuple[str, int]]) -> None:
     """One request's hooks follow the docstring: new_state (+ restore_state) first; per prefill chunk
     on_prefill_chunk -> (a prefill forward) -> [on_observation, on the final chunk] -> on_step_end; per
     decode step (a decode forward) -> on_step_end; on_finish once, last."""
@@ -77,17 +82,21 @@ def _check_request(rid: str, evs: list[tuple[int, dict]], forwards: list[tuple[i
             k += 3 if final else 2
         else:
             assert e["hook"] == "on_step_end" and not e["prefill"] and prompt_done, (rid, hooks)
-            assert forward_between(last, idx)[-1:] == [DECODE_FORWARD], (rid, e)
+            assert forward_between(last, idx)[-1:] == [decode_forward], (rid, e)
             last = idx
             k += 1
 
 
-def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("attends", [False, True], ids=["select", "attend"])
+def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: Path, attends: bool) -> None:
+    """``attends``: the probe's selector attends itself and maintains (RetroInfer's kind): ``attend``
+    instead of ``select`` in each decode forward, and ``after_step`` once after every forward."""
+    decode_forward = _decode_forward("attend" if attends else "select")
     log = tmp_path / "hooks.jsonl"
     env = {"SGLSPARSE_METHOD_MODULES": "tests.hook_probe",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     args = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--sparse-method", "hook_probe",
-            "--sparse-config", json.dumps({"log_path": str(log)})]
+            "--sparse-config", json.dumps({"log_path": str(log), "attends": attends})]
     rng = random.Random(21)
     with ServerProcess(tiny_model, args, env=env) as srv:
         prompt = _ids(rng, 300)  # 3 chunks
@@ -112,9 +121,19 @@ def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: P
 
     events = _events(log)
     assert events[0]["hook"] == "allocate" and len({e["pid"] for e in events}) == 1  # one scheduler
+    if attends:  # after_step: exactly once after each forward, before the next one
+        marks = [e["hook"] for e in events if e["hook"] == "after_step" or e["hook"] in ("observe", "on_kv_write")]
+        runs = "".join("s" if h == "after_step" else "f" for h in marks)
+        collapsed = "".join(c for i, c in enumerate(runs) if i == 0 or c != runs[i - 1] or c == "s")
+        assert collapsed == "fs" * (len(collapsed) // 2), collapsed[:80]
+        steps = [e for e in events if e["hook"] == "after_step"]
+        assert all(o < n for e in steps for o, n in zip(e["old"], e["new"])), steps[:3]
+        events = [e for e in events if e["hook"] != "after_step"]
+    else:
+        assert not any(e["hook"] == "after_step" for e in events)
     forwards = _forwards(events)
-    assert all(p in (PREFILL_FORWARD, DECODE_FORWARD) for _, _, p in forwards), [p for _, _, p in forwards]
-    assert any(p == DECODE_FORWARD for _, _, p in forwards) and any(p == PREFILL_FORWARD for _, _, p in forwards)
+    assert all(p in (PREFILL_FORWARD, decode_forward) for _, _, p in forwards), [p for _, _, p in forwards]
+    assert any(p == decode_forward for _, _, p in forwards) and any(p == PREFILL_FORWARD for _, _, p in forwards)
     by_rid: dict[str, list[tuple[int, dict]]] = {}
     for i, e in enumerate(events):
         if "rid" in e:
@@ -123,4 +142,4 @@ def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: P
     assert any(e["hook"] == "restore_state" for evs in by_rid.values() for _, e in evs)
     assert "abort-probe" in by_rid
     for rid, evs in by_rid.items():
-        _check_request(rid, evs, forwards)
+        _check_request(rid, evs, forwards, decode_forward)
