@@ -28,7 +28,8 @@
 #   bash benchmarks/device_session.sh layout     benchmarks/attention_layout.py: FlashInfer decode over contiguous,
 #                                                SnapKV-like and random slot layouts (LAYOUT_BATCH, default 60).
 #   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
-#                                                .toml: vanilla FlashInfer, snapkv 8192, dense (~12 min).
+#                                                .toml: vanilla FlashInfer, snapkv 8192, dense (AGENT_DENSE=0: without
+#                                                dense); each replay ~6 min, a summary per run as it ends.
 #   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (~10 min on a fresh machine).
 #   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
 #   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
@@ -166,7 +167,8 @@ agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer,
   python3 -m bench_agent generate --config bench_agent/configs/agent_overflow_h200.toml --out /root/bench/agent.jsonl
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/agent.txt python3 -m bench_agent compare \
       --model-path $MODEL --trace /root/bench/agent.jsonl --time-scale 0.5 --out /root/bench/agent \
-      --sparse-method snapkv --sparse-config '{"budget": 8192}' --sparse-method dense --sparse-config '{}' \
+      --sparse-method snapkv --sparse-config '{"budget": 8192}' \
+      $([ "${AGENT_DENSE:-1}" = 1 ] && echo "--sparse-method dense --sparse-config {}") \
       --server-args='--load-format dummy --mem-fraction-static 0.80 --context-length 131072 --sampling-backend pytorch --disable-piecewise-cuda-graph --chunked-prefill-size 16384 --cuda-graph-max-bs 32'
   ;;
 gputests)  # the GPU test suite; server logs in /root/bench/gpu-logs

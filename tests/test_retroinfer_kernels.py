@@ -79,7 +79,7 @@ def _run_both(q, k, v, store, req_to_token, rows, lens, seg_valid, layout, max_s
     ranked = ri.rank_clusters(scores, layout.max_ranked(int(lens.max())))
     r, e = ri.row_budgets(lens, seg_valid, layout, max_seg)
     args = (q, k, v, store, req_to_token, rows, lens, seg_valid, ranked, r, e, layout, SCALE)
-    return ri.decode_attention_torch(*args), ri.decode_attention(*args) if INTERPRETED else None, ranked, r, e
+    return ri.decode_attention_torch(*args), ri.decode_attention(*args, splits=3) if INTERPRETED else None, ranked, r, e
 
 
 def _dense(q, k, v, req_to_token, rows, lens):

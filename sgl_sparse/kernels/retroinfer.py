@@ -258,6 +258,7 @@ def _logits_kernel(q, cent, sizes, req_to_token, req_pool_indices, seq_lens, seg
 
 LOGIT_BLOCK = 64
 LOGIT_PROGRAMS = 32
+DECODE_SPLITS = 16  # per (request, KV head): 6 x 8 heads x 16 = 768 programs at 130K x 6
 
 
 def cluster_scores(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -389,12 +390,16 @@ def _exact_block(pos, mask, row_ptr, k_cache, v_cache, qv, h, m, den, acc, strid
 
 @triton.jit
 def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_to_token, req_pool_indices,
-                   seq_lens, seg_valid, ranked, retrieved, estimated, out, stride_qb, stride_qh, stride_ks,
-                   stride_kh, stride_r2t, stride_valid, stride_rank, scale, BASE: tl.constexpr,
+                   seq_lens, seg_valid, ranked, retrieved, estimated, ws_m, ws_l, ws_acc, stride_qb, stride_qh,
+                   stride_ks, stride_kh, stride_r2t, stride_valid, stride_rank, scale, BASE: tl.constexpr,
                    SEG: tl.constexpr, PAGE: tl.constexpr, RECENT: tl.constexpr, MIN_SEG: tl.constexpr,
                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                   BLOCK: tl.constexpr, EBLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, EBLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+    """Grid (request x KV head, NSPLIT): split ``pid`` takes every NSPLIT-th block of each kind of read
+    (sink, tail, unusable segments, retrieved clusters, estimated clusters) and writes its partial
+    softmax state (max, sum, weighted values) to the workspace; :func:`decode_attention` merges."""
     rh = tl.program_id(0)
+    pid = tl.program_id(1)
     i = rh // HKV
     h = rh % HKV
     n = tl.load(seq_lens + i)
@@ -410,18 +415,18 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
     nseg = tl.maximum(n - RECENT - BASE, 0) // SEG
     nseg = tl.where(nseg >= MIN_SEG, nseg, 0)
     # Exact: the sink [0, BASE), the tail from the last segment's end, and unusable segments.
-    for b in range(0, tl.cdiv(tl.minimum(n, BASE), BLOCK)):
+    for b in range(pid, tl.cdiv(tl.minimum(n, BASE), BLOCK), NSPLIT):
         pos = b * BLOCK + tl.arange(0, BLOCK)
         m, den, acc = _exact_block(pos, pos < tl.minimum(n, BASE), row_ptr, k_cache, v_cache, qv, h, m, den, acc,
                                  stride_ks, stride_kh, scale, D)
     tail = BASE + nseg * SEG
-    for b in range(0, tl.cdiv(tl.maximum(n - tail, 0), BLOCK)):
+    for b in range(pid, tl.cdiv(tl.maximum(n - tail, 0), BLOCK), NSPLIT):
         pos = tail + b * BLOCK + tl.arange(0, BLOCK)
         m, den, acc = _exact_block(pos, pos < n, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks,
                                  stride_kh, scale, D)
     for s in range(0, nseg):
         if tl.load(seg_valid + i * stride_valid + s) == 0:
-            for b in range(0, SEG // BLOCK):
+            for b in range(pid, SEG // BLOCK, NSPLIT):
                 pos = BASE + s * SEG + b * BLOCK + tl.arange(0, BLOCK)
                 m, den, acc = _exact_block(pos, pos < n, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks,
                                          stride_kh, scale, D)
@@ -430,7 +435,7 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
     e = tl.load(estimated + i)
     rank_row = ranked + rh.to(tl.int64) * stride_rank
     C: tl.constexpr = SEG // PAGE
-    for j in range(0, r):
+    for j in range(pid, r, NSPLIT):
         cid = tl.load(rank_row + j)
         if cid >= 0:
             start = BASE + (cid // C) * SEG
@@ -446,7 +451,7 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
                 m, den, acc = _exact_block(start + local, tm, row_ptr, k_cache, v_cache, qv, h, m, den, acc,
                                          stride_ks, stride_kh, scale, D)
     # Estimated clusters: exp(q . centroid) weighs the value sum, and the size in the denominator.
-    for b in range(0, tl.cdiv(e, EBLOCK)):
+    for b in range(pid, tl.cdiv(e, EBLOCK), NSPLIT):
         jr = r + b * EBLOCK + tl.arange(0, EBLOCK)
         cid = tl.load(rank_row + jr, mask=jr < r + e, other=-1)
         ok = cid >= 0
@@ -460,32 +465,45 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
         s = tl.dot(qv, tl.trans(ct)) * scale + tl.log(tl.where(ok, size, 1.0))[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = _online(m, den, acc, s, vs / tl.where(ok, size, 1.0)[:, None])
-    o = acc / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], o.to(out.dtype.element_ty),
-             mask=gm[:, None])
+    w = (rh.to(tl.int64) * NSPLIT + pid) * G
+    tl.store(ws_m + w + gi, m, mask=gm)
+    tl.store(ws_l + w + gi, den, mask=gm)
+    tl.store(ws_acc + (w + gi)[:, None] * D + d[None, :], acc, mask=gm[:, None])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store: IndexStore,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      seg_valid: torch.Tensor, ranked: torch.Tensor, retrieved: torch.Tensor, estimated: torch.Tensor,
-                     layout: Layout, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`decode_attention_torch` as one Triton kernel over the batch (grid: request x KV head)."""
+                     layout: Layout, scale: float, out: torch.Tensor | None = None,
+                     splits: int = DECODE_SPLITS) -> torch.Tensor:
+    """:func:`decode_attention_torch` as one Triton kernel over the batch (grid: request x KV head x
+    ``splits``: a batch of a few long requests still fills the GPU), then the splits' merge."""
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
-    out = torch.empty_like(q) if out is None else out
     if bs == 0:
-        return out
+        return torch.empty_like(q) if out is None else out
     assert d & (d - 1) == 0, "head_dim must be a power of two"
     assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride() and q.stride(2) == 1
     assert layout.seg % 16 == 0 and layout.base % layout.page == 0
     g = hq // hkv
-    _decode_kernel[(bs * hkv,)](
+    ws_m = torch.empty(bs * hkv, splits, g, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty(bs * hkv, splits, g, d, dtype=torch.float32, device=q.device)
+    _decode_kernel[(bs * hkv, splits)](
         q, k_cache, v_cache, store.centroids, store.value_sums, store.sizes, store.offsets, store.order,
-        req_to_token, req_pool_indices, seq_lens, seg_valid, ranked, retrieved, estimated, out,
+        req_to_token, req_pool_indices, seq_lens, seg_valid, ranked, retrieved, estimated, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0), seg_valid.stride(0),
         ranked.stride(0), scale, BASE=layout.base, SEG=layout.seg, PAGE=layout.page, RECENT=layout.recent,
         MIN_SEG=layout.min_segments, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16,
-        EBLOCK=16)
+        EBLOCK=16, NSPLIT=splits)
+    top = ws_m.amax(dim=1, keepdim=True)
+    w = torch.exp(ws_m - torch.where(top.isinf(), torch.zeros_like(top), top))  # a split that read nothing: 0
+    den = (w * ws_l).sum(dim=1)
+    o = (w[..., None] * ws_acc).sum(dim=1) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+    res = o.view(bs, hq, d).to(q.dtype)
+    if out is None:
+        return res
+    out.copy_(res)
     return out
 
 
