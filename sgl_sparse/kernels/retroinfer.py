@@ -310,59 +310,63 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                            seg_valid: torch.Tensor, ranked: torch.Tensor, retrieved: torch.Tensor,
                            estimated: torch.Tensor, layout: Layout, scale: float) -> torch.Tensor:
-    """The decode output ``[bs, Hq, D]`` (q's dtype) as the module docstring defines it, row by row
-    (the reference and CPU path). ``ranked`` ``[bs * Hkv, K]`` from :func:`rank_clusters`,
-    ``retrieved``/``estimated`` ``[bs]`` from :func:`row_budgets`."""
+    """The decode output ``[bs, Hq, D]`` (q's dtype) as the module docstring defines it, one request at
+    a time, every KV head at once: a mask of the positions read exactly, plus the estimated clusters
+    as weighted pseudo-tokens (the reference and the CPU path). ``ranked`` ``[bs * Hkv, K]`` from
+    :func:`rank_clusters`, ``retrieved``/``estimated`` ``[bs]`` from :func:`row_budgets`."""
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
     c = layout.clusters_per_segment
     out = torch.empty_like(q)
     nseg = layout.num_segments(seq_lens.long()).tolist()
+    dev = q.device
+    heads = torch.arange(hkv, device=dev)
     for i in range(bs):
         n = int(seq_lens[i])
-        row = req_to_token[int(req_pool_indices[i])]
-        valid = [bool(seg_valid[i, s]) for s in range(nseg[i])]
-        exact_base = [p for p in range(n) if not _in_usable_segment(p, layout, nseg[i], valid)]
+        row = req_to_token[int(req_pool_indices[i]), :n].long()
+        pos = torch.arange(n, device=dev)
+        seg = torch.div(pos - layout.base, layout.seg, rounding_mode="floor")
+        usable = (pos >= layout.base) & (seg < nseg[i])
+        if nseg[i]:
+            usable &= seg_valid[i, seg.clamp(0, nseg[i] - 1)].bool()
+        read = (~usable)[None, :].repeat(hkv, 1)  # [Hkv, n]
         r, e = int(retrieved[i]), int(estimated[i])
-        for h in range(hkv):
-            ids = ranked[i * hkv + h].tolist()
-            pos = list(exact_base)
-            est_pages = []
-            for rank, cid in enumerate(ids[: r + e]):
-                if cid < 0:
-                    continue
-                seg, jj = divmod(cid, c)
-                start = layout.base + seg * layout.seg
-                page = int(row[start + jj * layout.page]) // layout.page
-                if rank < r:
-                    off, size = int(store.offsets[page, h]), int(store.sizes[page, h])
-                    members = store.order[row[start + off: start + off + size].long(), h].long()
-                    pos.extend((start + members).tolist())
-                else:
-                    est_pages.append(page)
-            slots = row[torch.tensor(sorted(pos), dtype=torch.long)].long()
-            kk = k_cache[slots, h].to(torch.float32)
-            vv = v_cache[slots, h].to(torch.float32)
-            qq = q[i, h * g:(h + 1) * g].to(torch.float32)
-            logits = qq @ kk.T * scale  # [G, n_exact]
-            vals = vv[None].expand(g, -1, -1)
-            if est_pages:
-                ep = torch.tensor(est_pages, dtype=torch.long)
-                size = store.sizes[ep, h].to(torch.float32)
-                cent = store.centroids[ep, h].to(torch.float32)
-                vs = store.value_sums[ep, h].to(torch.float32)
-                el = qq @ cent.T * scale + torch.log(size)[None]  # empty clusters: -inf
-                logits = torch.cat([logits, el], dim=1)
-                vals = torch.cat([vals, (vs / size.clamp(min=1)[:, None])[None].expand(g, -1, -1)], dim=1)
-            w = torch.softmax(logits, dim=1)
-            out[i, h * g:(h + 1) * g] = torch.einsum("gn,gnd->gd", w, vals).to(q.dtype)
+        ids = ranked[i * hkv:(i + 1) * hkv, : r + e].long()  # [Hkv, r + e]
+        ok = ids >= 0
+        cid = ids.clamp(min=0)
+        start = layout.base + (cid // c) * layout.seg
+        page = row[(start + (cid % c) * layout.page).clamp(max=max(n - 1, 0))] // layout.page  # [Hkv, r + e]
+        hh = heads[:, None].expand_as(cid)
+        size = store.sizes[page, hh]
+        if r:
+            off, sz, st = store.offsets[page[:, :r], hh[:, :r]].long(), size[:, :r].long(), start[:, :r]
+            width = int(sz.max()) if sz.numel() else 0
+            t = torch.arange(width, device=dev)
+            m = (t[None, None, :] < sz[:, :, None]) & ok[:, :r, None]
+            at = (st[:, :, None] + off[:, :, None] + t[None, None, :]).clamp(max=n - 1)
+            local = store.order[row[at], hh[:, :r, None].expand_as(at)].long()
+            member = (st[:, :, None] + local).clamp(max=n - 1)
+            read[hh[:, :r, None].expand_as(member)[m], member[m]] = True
+        slots = row
+        kk = k_cache[slots].to(torch.float32).transpose(0, 1)  # [Hkv, n, D]
+        vv = v_cache[slots].to(torch.float32).transpose(0, 1)
+        qq = q[i].to(torch.float32).view(hkv, g, d)
+        logits = torch.einsum("hgd,hnd->hgn", qq, kk) * scale
+        logits = logits.masked_fill(~read[:, None, :], NEG)
+        vals = vv[:, None].expand(hkv, g, n, d)
+        if e:
+            ep, es = page[:, r:], size[:, r:].to(torch.float32)
+            eok = ok[:, r:] & (es > 0)
+            cent = store.centroids[ep, hh[:, r:]].to(torch.float32)  # [Hkv, e, D]
+            vs = store.value_sums[ep, hh[:, r:]].to(torch.float32)
+            el = torch.einsum("hgd,hed->hge", qq, cent) * scale + torch.log(es.clamp(min=1))[:, None, :]
+            el = el.masked_fill(~eok[:, None, :], NEG)
+            logits = torch.cat([logits, el], dim=2)
+            vals = torch.cat([vals, (vs / es.clamp(min=1)[:, :, None])[:, None].expand(hkv, g, e, d)], dim=2)
+        w = torch.softmax(logits, dim=2)
+        out[i] = torch.einsum("hgn,hgnd->hgd", w, vals).reshape(hq, d).to(q.dtype)
     return out
-
-
-def _in_usable_segment(p: int, layout: Layout, nseg: int, valid: list[bool]) -> bool:
-    s = (p - layout.base) // layout.seg
-    return p >= layout.base and s < nseg and valid[s]
 
 
 @triton.jit
