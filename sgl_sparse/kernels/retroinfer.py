@@ -211,10 +211,15 @@ def cluster_scores_torch(q: torch.Tensor, store: IndexStore, req_to_token: torch
     qg = q.to(torch.float32).view(bs, hkv, hq // hkv, d)
     s = torch.einsum("bhgd,bwhd->bhgw", qg, cent) * scale  # [bs, Hkv, G, W]
     s = s.masked_fill(~ok.permute(0, 2, 1)[:, :, None, :], NEG)
-    lse = torch.logsumexp(s, dim=3, keepdim=True)
-    p = torch.exp(s - torch.where(lse.isinf(), torch.zeros_like(lse), lse)).sum(dim=2)  # [bs, Hkv, W]
-    p = p.masked_fill(~ok.permute(0, 2, 1), NEG)
-    return p.reshape(bs * hkv, width)
+    return _group_probs(s.reshape(bs * hkv, hq // hkv, width))
+
+
+def _group_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``[rows, G, W]`` logits (``-inf`` where unusable) -> each cluster's softmax probability summed
+    over the group's G query heads, ``-inf`` where unusable (a row with nothing usable stays all ``-inf``)."""
+    lse = torch.logsumexp(logits, dim=2, keepdim=True)
+    p = torch.exp(logits - torch.where(lse.isinf(), torch.zeros_like(lse), lse)).sum(dim=1)
+    return p.masked_fill(logits[:, 0] == NEG, NEG)
 
 
 @triton.jit
@@ -280,9 +285,7 @@ def cluster_scores(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tenso
         q.stride(1), req_to_token.stride(0), seg_valid.stride(0), width, scale, BASE=layout.base, SEG=layout.seg,
         PAGE=layout.page, RECENT=layout.recent, MIN_SEG=layout.min_segments, HKV=hkv, G=g, D=d, BLOCK=LOGIT_BLOCK,
         NPROG=nprog)
-    lse = torch.logsumexp(logits, dim=2, keepdim=True)
-    p = torch.exp(logits - torch.where(lse.isinf(), torch.zeros_like(lse), lse)).sum(dim=1)
-    return p.masked_fill(logits[:, 0] == NEG, NEG)
+    return _group_probs(logits)
 
 
 def rank_clusters(scores: torch.Tensor, width: int) -> torch.Tensor:
@@ -478,14 +481,13 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store: IndexStore,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                      seg_valid: torch.Tensor, ranked: torch.Tensor, retrieved: torch.Tensor, estimated: torch.Tensor,
-                     layout: Layout, scale: float, out: torch.Tensor | None = None,
-                     splits: int = DECODE_SPLITS) -> torch.Tensor:
+                     layout: Layout, scale: float, splits: int = DECODE_SPLITS) -> torch.Tensor:
     """:func:`decode_attention_torch` as one Triton kernel over the batch (grid: request x KV head x
     ``splits``: a batch of a few long requests still fills the GPU), then the splits' merge."""
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
     if bs == 0:
-        return torch.empty_like(q) if out is None else out
+        return torch.empty_like(q)
     assert d & (d - 1) == 0, "head_dim must be a power of two"
     assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride() and q.stride(2) == 1
     assert layout.seg % 16 == 0 and layout.base % layout.page == 0
@@ -504,11 +506,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     w = torch.exp(ws_m - torch.where(top.isinf(), torch.zeros_like(top), top))  # a split that read nothing: 0
     den = (w * ws_l).sum(dim=1)
     o = (w[..., None] * ws_acc).sum(dim=1) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
-    res = o.view(bs, hq, d).to(q.dtype)
-    if out is None:
-        return res
-    out.copy_(res)
-    return out
+    return o.view(bs, hq, d).to(q.dtype)
 
 
 def index_bytes_per_token(page: int, hkv: int, d: int, dtype: torch.dtype, layers: int) -> int:
