@@ -30,7 +30,9 @@
 #   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
 #                                                .toml: vanilla FlashInfer, snapkv 8192, dense (AGENT_DENSE=0: without
 #                                                dense); each replay ~6 min, a summary per run as it ends.
-#   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (~10 min on a fresh machine).
+#   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (test_gpu_eviction.py alone took ~9 min on
+#                                                a fresh machine, JIT included); GPU_TESTS="tests/gpu/a.py tests/gpu/b.py"
+#                                                runs only those.
 #   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
 #   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
 #                                                (e.g. `queue gputests headline floorref`); its progress
@@ -171,10 +173,11 @@ agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer,
       $([ "${AGENT_DENSE:-1}" = 1 ] && echo "--sparse-method dense --sparse-config {}") \
       --server-args='--load-format dummy --mem-fraction-static 0.80 --context-length 131072 --sampling-backend pytorch --disable-piecewise-cuda-graph --chunked-prefill-size 16384 --cuda-graph-max-bs 32'
   ;;
-gputests)  # the GPU test suite; server logs in /root/bench/gpu-logs
+gputests)  # the GPU test suite (GPU_TESTS: files or node ids, default all of tests/gpu); logs in /root/bench/gpu-logs
   install
+  # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
   SGL_SPARSE_GPU_LOG_DIR=/root/bench/gpu-logs CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" \
-      launch /root/bench/gpu-tests.txt python3 -m pytest tests/gpu -v
+      launch /root/bench/gpu-tests.txt python3 -m pytest ${GPU_TESTS:-tests/gpu} -v
   ;;
 quality16k)  # quality-large at 16K under QUALITY_METHODS (default: dense, snapkv 2048 and 4096, streamingllm)
   eviction='dense snapkv:{"budget":2048} snapkv:{"budget":4096} streamingllm'
