@@ -8,19 +8,16 @@ The Triton kernel's checks run when ``TRITON_INTERPRET=1`` was set before Triton
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import INTERPRETED, rerun_interpreted
 
 from sgl_sparse.kernels import retroinfer as ri
 
 HKV, G, D, PAGE = 2, 2, 32, 16
 POOL_PAGES = 96
 SCALE = 1 / math.sqrt(D)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _layout(retrieval: float = 0.018, estimation: float = 0.232, recent: int = 8, min_segments: int = 1) -> ri.Layout:
@@ -232,9 +229,4 @@ def _close_if_run(out: torch.Tensor | None, ref: torch.Tensor) -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_triton_kernel_under_the_interpreter() -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not interpreter"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    rerun_interpreted(__file__)

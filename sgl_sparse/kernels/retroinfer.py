@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_sparse.kernels.splits import merge_splits
+
 NEG = float("-inf")
 
 
@@ -502,11 +504,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ranked.stride(0), scale, BASE=layout.base, SEG=layout.seg, PAGE=layout.page, RECENT=layout.recent,
         MIN_SEG=layout.min_segments, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16,
         EBLOCK=16, NSPLIT=splits)
-    top = ws_m.amax(dim=1, keepdim=True)
-    w = torch.exp(ws_m - torch.where(top.isinf(), torch.zeros_like(top), top))  # a split that read nothing: 0
-    den = (w * ws_l).sum(dim=1)
-    o = (w[..., None] * ws_acc).sum(dim=1) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
-    return o.view(bs, hq, d).to(q.dtype)
+    return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
 def index_bytes_per_token(page: int, hkv: int, d: int, dtype: torch.dtype, layers: int) -> int:

@@ -1,0 +1,95 @@
+"""FP8 KV decode (sgl_sparse/kernels/fp8_attention.py) against plain torch written here.
+
+The Triton kernel's checks run when ``TRITON_INTERPRET=1`` was set before Triton was imported:
+:func:`test_triton_kernel_under_the_interpreter` re-runs this file so, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from interpreted import INTERPRETED, rerun_interpreted
+
+from sgl_sparse.kernels import fp8_attention as fa
+from sgl_sparse.kernels import quant
+
+HKV, G, D = 2, 3, 32
+SLOTS = 400
+SCALE = 1 / math.sqrt(D)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Plain softmax attention of each request's query heads over its rows' bf16 K/V."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for i, slots in enumerate(rows):
+        if len(slots) == 0:
+            continue
+        kk = k[slots].float().repeat_interleave(G, dim=1)  # [n, Hq, D]
+        vv = v[slots].float().repeat_interleave(G, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), kk) * SCALE, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", w, vv)
+    return out
+
+
+def _batch(lens: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(SLOTS, HKV, D, generator=g) * torch.logspace(-3, 0, SLOTS)[:, None, None]  # tiny to unit
+    v = torch.randn(SLOTS, HKV, D, generator=g)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    r2t = torch.zeros(len(lens) + 1, 128, dtype=torch.int32)
+    perm = torch.randperm(SLOTS, generator=g)
+    rows, at = [], 0
+    for i, n in enumerate(lens):
+        rows.append(perm[at: at + n].long())
+        r2t[i + 1, :n] = perm[at: at + n].to(torch.int32)  # row 0 unused: the pool indices are data
+        at += n
+    q = torch.randn(len(lens), HKV * G, D, generator=g).to(torch.bfloat16)
+    kc, ks = quant.fp8_quantize(k)
+    vc, vs = quant.fp8_quantize(v)
+    rpi = torch.arange(1, len(lens) + 1, dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    args = (q, kc.view(torch.uint8), ks, vc.view(torch.uint8), vs, r2t, rpi, seq, SCALE)
+    return args, (q, k, v, rows)
+
+
+@pytest.mark.parametrize("lens", [[37, 128, 1], [0, 90], [5]])
+def test_reference_is_dense_attention_within_fp8_error_and_the_kernel_equals_it(lens: list[int]) -> None:
+    args, (q, k, v, rows) = _batch(lens, seed=len(lens))
+    ref = fa.decode_attention_torch(*args)
+    dense = _dense(q, k, v, rows)
+    # E4M3 keeps ~4 significant bits: outputs (convex mixes of values ~N(0, 1)) within a few percent
+    assert (ref.float() - dense).abs().max() < 0.1
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(ref[i], torch.zeros_like(ref[i]))
+    if INTERPRETED:
+        got = fa.decode_attention(*args, splits=3)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)  # bf16 output rounding
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted re-run")
+def test_every_finite_e4m3_code_decodes_as_torch_does() -> None:
+    # one token per code: keys carry a one-hot query's code, so the kernel's logit is the decoded value
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    n = codes.numel()
+    k = torch.zeros(n, 1, 16, dtype=torch.uint8)
+    k[:, 0, 0] = codes
+    v = torch.zeros(n, 1, 16, dtype=torch.uint8)
+    v[:, 0, 0] = codes
+    ones = torch.ones(n, 1)
+    r2t = torch.arange(n, dtype=torch.int32)[None]
+    want = codes.view(torch.float8_e4m3fn).float()
+    for j in range(n):
+        # attend one token at a time: the output is exactly that token's value
+        seq = torch.tensor([1], dtype=torch.int32)
+        row = r2t[:, j:j + 1].contiguous()
+        q = torch.zeros(1, 1, 16)
+        out = fa.decode_attention(q, k, ones, v, ones, row, torch.tensor([0], dtype=torch.int32), seq, 1.0, splits=1)
+        assert out[0, 0, 0].item() == want[j].item(), (int(codes[j]), out[0, 0, 0].item(), want[j].item())
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
+def test_triton_kernel_under_the_interpreter() -> None:
+    rerun_interpreted(__file__)
