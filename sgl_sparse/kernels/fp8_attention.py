@@ -8,8 +8,8 @@ through ``req_to_token`` as in SGLang's own decode kernels.
 Grid: request x KV head x ``splits`` (split-KV, so a batch of a few long requests fills the GPU); each
 program walks its share of the row's ``seq_lens`` tokens (a graph captured at full width does no work
 past a row's real length), keeps the online-softmax state of the group's query heads, and the splits
-are merged in torch. The scale multiplies the logits (``q . (s_k c) = s_k (q . c)``) and the values'
-probabilities, so dequantization costs two multiplies per token, not one per element.
+are merged in torch. The key scale multiplies the logits (``q . (s_k c) = s_k (q . c)``: one multiply
+per token and query head, not one per element); the value scale multiplies the decoded value rows.
 
 E4M3 is decoded from its bits by arithmetic (sign, 4-bit exponent of bias 7, 3-bit mantissa,
 subnormals at exponent 0): the same code runs under ``TRITON_INTERPRET=1``, where fp8 types are not
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.splits import merge_splits
+from sgl_sparse.kernels.splits import merge_splits, online_step
 
 SPLITS = 16
 
@@ -89,13 +89,7 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
         vs = tl.load(v_scale + slot * stride_ss + h, mask=ok, other=0.0)
         s = tl.dot(qv, tl.trans(_e4m3(kc))) * (ks * scale)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p * vs[None, :], _e4m3(vc))
-        den = den * alpha + tl.sum(p, 1)
-        m = m_new
+        m, den, acc = online_step(m, den, acc, s, _e4m3(vc) * vs[:, None])
     w = (rh.to(tl.int64) * NSPLIT + pid) * G
     tl.store(ws_m + w + gi, m, mask=gm)
     tl.store(ws_l + w + gi, den, mask=gm)

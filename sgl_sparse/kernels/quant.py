@@ -172,7 +172,3 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     planes = bitsof.flatten(-2)  # [..., bits, D]
     weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32))[:, None]
     return (planes * weights).sum(dim=-2).to(torch.uint8)
-
-
-def packed_bytes_per_value(bits: int) -> float:
-    return bits / 8

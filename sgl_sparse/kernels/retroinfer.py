@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from sgl_sparse.kernels.splits import merge_splits
+from sgl_sparse.kernels.splits import online_step as _online
 
 NEG = float("-inf")
 
@@ -372,17 +373,6 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         w = torch.softmax(logits, dim=2)
         out[i] = torch.einsum("hgn,hgnd->hgd", w, vals).reshape(hq, d).to(q.dtype)
     return out
-
-
-@triton.jit
-def _online(m, lse_sum, acc, logits, vals):
-    """One online-softmax step: ``logits`` ``[G, N]``, ``vals`` ``[N, D]`` (fp32)."""
-    m_new = tl.maximum(m, tl.max(logits, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(logits - m_safe[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p, vals)
-    return m_new, lse_sum * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
