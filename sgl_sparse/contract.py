@@ -8,8 +8,8 @@ One contract serves four families:
 * dynamic selection (Quest, OmniKV, RetroInfer): keep every slot; a :class:`PageSelector`
   (:attr:`SparseMethod.selector`) picks, per decode step, layer and KV head, the pages attention
   reads, batched on the device.
-* compression / quantization (Palu, DeltaKV, KIVI, FP8, ...): a :class:`KVCodec` changes how K/V is
-  stored and read back (not served yet).
+* compression / quantization (Palu, DeltaKV, KIVI, FP8, ...): a :class:`KVStore`
+  (:attr:`SparseMethod.store`) owns how K/V is laid out in the pool, written and read by attention.
 * dense: every hook is a no-op, and the runtime must then behave exactly like vanilla SGLang.
 
 Positions are always *logical* (index of the token in the request's sequence, the RoPE position).
@@ -42,8 +42,12 @@ whole step (not per request), in layer order: ``on_kv_write`` wherever a selecti
 that ``attends``, ``attend`` instead of it) and ``observe`` after an observing (dense) layer's
 attention; then, for a selector that ``maintains``, ``after_step`` once after each forward step (prefill
 and decode, outside CUDA graphs, every layer's K/V in the pool). There are no per-request per-layer
-hooks: per-request Python per layer cannot run inside a CUDA-graph replay. A ``codec`` is refused at
-launch until the KV pool uses one (:func:`served_hooks_problem`), never served with it silently skipped.
+hooks: per-request Python per layer cannot run inside a CUDA-graph replay.
+
+A method with a :class:`KVStore` (:attr:`SparseMethod.store`) owns the pool's layout: its ``write``
+runs wherever SGLang stores a layer's K/V (prefill and decode), its ``decode`` is every layer's decode
+attention and its ``prefix`` the cached-prefix part of every extend. A store beside eviction or
+selection (composition) is refused at launch for now (:func:`served_hooks_problem`).
 """
 
 from __future__ import annotations
@@ -294,15 +298,18 @@ class PageSelector(ABC):
 
 
 def pool_page_size(method: SparseMethod[Any]) -> int:
-    """The KV pool page size ``method`` is served with: its selector's (page metadata needs SGLang's
-    paged allocator), else 1 (eviction frees single slots)."""
-    return method.selector.page_size if method.selector is not None else 1
+    """The KV pool page size ``method`` is served with: its selector's or its store's (page metadata and
+    token groups need SGLang's paged allocator), else 1 (eviction frees single slots)."""
+    if method.selector is not None:
+        return method.selector.page_size
+    return method.store.page_size if method.store is not None else 1
 
 
 def served_hooks_problem(method: SparseMethod[Any]) -> str | None:
     """Why the server runtime cannot serve ``method`` (``None``: it can)."""
-    if method.codec is not None:
-        return f"{method.name} declares a KV codec, which the server's KV pool does not use yet"
+    if method.store is not None and (method.evicts or method.selector is not None):
+        return (f"{method.name} has a KV store beside {'eviction' if method.evicts else 'selection'}: a quantized "
+                "pool under another method (composition) is not served yet")
     if not method.evicts and method.observation_window() == 0:
         hooks = ("new_state", "restore_state", "on_prefill_chunk", "wants_observation", "on_observation",
                  "on_step_end", "on_finish")
@@ -335,19 +342,92 @@ class TreePayload:
     data: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class KVCodec(ABC):
-    """Compression / quantization families: how K/V of one layer is stored and read back.
+class KVStore(ABC):
+    """Method-owned K/V storage (the quantization and compression families): the layout of every
+    layer's K/V in the pool, how the write path stores it, and how attention reads it back without
+    materializing a dequantized layer.
 
-    ``encode`` runs when the runtime writes new K/V to the pool; ``decode`` when attention reads it.
-    Round-trip error is the method's quality cost; the codec owns its own scales/bases as metadata
-    kept per physical slot so that prefixes shared through the tree stay decodable.
+    The server builds SGLang's KV pool around it (``integration/kv_pool.py``): SGLang's memory planner
+    sizes the pool from :meth:`bytes_per_token` (fewer bytes, more tokens), :meth:`allocate` creates
+    the buffers for that many slots, wherever SGLang stores a layer's post-RoPE K/V :meth:`write`
+    encodes it, and attention reads only through :meth:`decode` (a decode step, inside CUDA graphs:
+    device only, fixed shapes, no host sync) and :meth:`prefix` (an extend step: the new tokens'
+    queries over their cached prefix; the new tokens attend to each other at full precision, as in
+    SGLang's own extend). Everything is indexed by physical slot and written once by the slot's
+    owner, so a prefix shared through the radix tree is read back exactly as it was written.
+
+    The defaults of :meth:`decode` and :meth:`prefix` are the plain-torch reference (dequantize the
+    row through :meth:`read`, then attend): the CPU path, and what a store's kernels are tested
+    against.
     """
 
-    @abstractmethod
-    def encode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]: ...
+    page_size: int = 1  # pool page size the layout needs (a group of tokens never straddles two owners)
 
     @abstractmethod
-    def decode(self, layer_id: int, k_stored: Any, v_stored: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def bytes_per_token(self, geometry: KVGeometry) -> int:
+        """Device bytes per KV token over all ``geometry.num_layers`` layers (K, V, their scales)."""
+
+    @abstractmethod
+    def allocate(self, geometry: KVGeometry) -> None:
+        """Allocate the buffers for ``geometry.num_slots`` slots (once, as SGLang builds its pool)."""
+
+    @abstractmethod
+    def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
+        """Every per-slot tensor of a layer (leading dim: slots), the K codes first and the V codes
+        second: the pool lists the first two as its K/V buffers and all of them as what a slot move copies."""
+
+    @abstractmethod
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode ``k``/``v`` (``[n, Hkv, D]``, post-RoPE, model dtype) into slots ``loc`` (``[n]``)."""
+
+    @abstractmethod
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K/V of ``slots`` (``[n]``): ``[n, Hkv, D]`` each, in the model dtype."""
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/server_info`` reports of the layout (e.g. bits); JSON values."""
+        return {}
+
+    def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention, this step's K/V written: ``q`` ``[bs, Hq, D]`` over the first ``seq_lens[i]``
+        slots of each row ``req_to_token[req_pool_indices[i]]`` -> ``[bs, Hq, D]``."""
+        out = torch.zeros_like(q)
+        for i in range(q.shape[0]):
+            n = int(seq_lens[i])
+            if n > 0:
+                k, v = self.read(layer_id, req_to_token[req_pool_indices[i], :n].long())
+                out[i] = _attend(q[i:i + 1], k, v, scale)[0][0]
+        return out
+
+    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+               kv_indices: torch.Tensor, scale: float, extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The extend queries of request ``i`` (``q[qo_indptr[i]:qo_indptr[i + 1]]``, ``[n, Hq, D]``; their
+        counts ``extend_lens`` also on the host, as an extend step knows them without a sync) over its
+        cached prefix ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` (no mask: every prefix token precedes
+        every new one) -> (output ``[n, Hq, D]``, fp32 log-sum-exp of the logits ``[n, Hq]``, ``-inf``
+        for an empty prefix), to be merged with the new tokens' own attention."""
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for i in range(qo_indptr.shape[0] - 1):
+            q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            k0, k1 = int(kv_indptr[i]), int(kv_indptr[i + 1])
+            if q1 > q0 and k1 > k0:
+                k, v = self.read(layer_id, kv_indices[k0:k1].long())
+                out[q0:q1], lse[q0:q1] = _attend(q[q0:q1], k, v, scale)
+        return out, lse
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[n, Hq, D]`` over every row of ``k``/``v`` ``[m, Hkv, D]`` (grouped heads, no mask), in fp32:
+    (output in ``q``'s dtype, log-sum-exp ``[n, Hq]``)."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [m, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale
+    lse = torch.logsumexp(logits, dim=-1)  # [Hq, n]
+    out = torch.einsum("hnm,mhd->nhd", torch.softmax(logits, dim=-1), vf)
+    return out.to(q.dtype), lse.transpose(0, 1)
 
 
 C = TypeVar("C", bound=MethodConfig)
@@ -358,7 +438,7 @@ class SparseMethod(ABC, Generic[C]):
     override only the hooks the method uses (every default is the dense behaviour).
 
     Class attributes tell the runtime what to wire: ``evicts`` (may return a :class:`KeepPlan`),
-    ``prefix_reuse``; properties ``selector`` and ``codec``.
+    ``prefix_reuse``; properties ``selector`` and ``store``.
     """
 
     name: ClassVar[str]
@@ -373,8 +453,8 @@ class SparseMethod(ABC, Generic[C]):
         self.config: C = config
 
     @property
-    def codec(self) -> KVCodec | None:
-        """The K/V codec of compression/quantization methods; ``None`` stores K/V as the model dtype."""
+    def store(self) -> KVStore | None:
+        """The K/V storage of compression/quantization methods; ``None``: SGLang's pool in the model dtype."""
         return None
 
     @property

@@ -1,4 +1,4 @@
-"""FP8 KV decode (sgl_sparse/kernels/fp8_attention.py) against plain torch written here.
+"""FP8 KV decode and prefix attention (sgl_sparse/kernels/fp8_attention.py) against plain torch written here.
 
 The Triton kernel's checks run when ``TRITON_INTERPRET=1`` was set before Triton was imported:
 :func:`test_triton_kernel_under_the_interpreter` re-runs this file so, in a subprocess.
@@ -88,6 +88,55 @@ def test_every_finite_e4m3_code_decodes_as_torch_does() -> None:
         q = torch.zeros(1, 1, 16)
         out = fa.decode_attention(q, k, ones, v, ones, row, torch.tensor([0], dtype=torch.int32), seq, 1.0, splits=1)
         assert out[0, 0, 0].item() == want[j].item(), (int(codes[j]), out[0, 0, 0].item(), want[j].item())
+
+
+def _prefix_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo: list[int], rows: list[torch.Tensor]):
+    """Each request's new-token queries over its prefix rows' bf16 K/V, no mask: (output, natural lse)."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full(q.shape[:2], float("-inf"))
+    for i, slots in enumerate(rows):
+        q0, q1 = qo[i], qo[i + 1]
+        if q1 == q0 or len(slots) == 0:
+            continue
+        kk = k[slots].float().repeat_interleave(G, dim=1)
+        vv = v[slots].float().repeat_interleave(G, dim=1)
+        logits = torch.einsum("thd,nhd->thn", q[q0:q1].float(), kk) * SCALE
+        lse[q0:q1] = torch.logsumexp(logits, dim=-1)
+        out[q0:q1] = torch.einsum("thn,nhd->thd", torch.softmax(logits, dim=-1), vv)
+    return out, lse
+
+
+@pytest.mark.parametrize(("new", "prefix"), [([3, 40, 1], [50, 0, 130]), ([17], [9]), ([0, 5], [20, 64])])
+def test_prefix_attention_is_dense_over_the_prefix_and_the_kernel_equals_its_reference(new: list[int],
+                                                                                      prefix: list[int]) -> None:
+    g = torch.Generator().manual_seed(sum(new) + sum(prefix))
+    k = torch.randn(SLOTS, HKV, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(SLOTS, HKV, D, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(SLOTS, generator=g)
+    rows, at = [], 0
+    for n in prefix:
+        rows.append(perm[at: at + n].long())
+        at += n
+    qo = [0]
+    for n in new:
+        qo.append(qo[-1] + n)
+    q = torch.randn(qo[-1], HKV * G, D, generator=g).to(torch.bfloat16)
+    kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
+    kv_indices = torch.cat([*rows, torch.zeros(0, dtype=torch.long)]).to(torch.int32)
+    kc, ks = quant.fp8_quantize(k)
+    vc, vs = quant.fp8_quantize(v)
+    args = (q, kc.view(torch.uint8), ks, vc.view(torch.uint8), vs, torch.tensor(qo, dtype=torch.int32), kv_indptr,
+            kv_indices, SCALE)
+    ref, ref_lse = fa.prefix_attention_torch(*args)
+    dense, dense_lse = _prefix_dense(q, k, v, qo, rows)
+    assert (ref.float() - dense).abs().max() < 0.1
+    assert torch.equal(ref_lse.isinf(), dense_lse.isinf())  # -inf exactly where the prefix is empty
+    fin = dense_lse.isfinite()
+    assert (ref_lse[fin] - dense_lse[fin]).abs().max() < 0.1
+    if INTERPRETED:
+        got, got_lse = fa.prefix_attention(*args, extend_lens=new, block_m=4, block_n=16)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got_lse, ref_lse, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")

@@ -38,6 +38,14 @@ from torch.nn.functional import scaled_dot_product_attention
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
 from sgl_sparse.integration.selection import allocate_once, attend_itself, attend_selected, observe, write_summaries
+from sgl_sparse.integration.store_attention import (
+    LN2,
+    ExtendLists,
+    causal_attention_torch,
+    extend_lists,
+    store_decode,
+    store_extend,
+)
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.slots import SENTINEL_SLOT
 
@@ -58,6 +66,11 @@ class _SparseBackendMixin:
         self.selector = self.method.selector
         if self.selector is not None:
             allocate_once(self.selector, model_runner)
+        self.store = self.method.store
+        self.store_lists: ExtendLists | None = None  # the extend step's prefix lists (method-owned layouts)
+        if self.store is not None and not hasattr(model_runner.token_to_kv_pool, "store"):
+            raise RuntimeError(f"sgl_sparse: {self.method.name} owns the KV layout but the pool was built by "
+                               "SGLang (the plug-in's pool hook did not run)")
         # Decided once: the per-layer hot path of dense requests does no method calls.
         self.capture_prefill = self.method.observation_window() > 0
         self.capture_decode = self.capture_prefill and self.method.observes_decode()
@@ -65,6 +78,8 @@ class _SparseBackendMixin:
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
         super().init_forward_metadata(forward_batch)  # type: ignore[misc]
+        if self.store is not None and forward_batch.forward_mode.is_extend():
+            self.store_lists = extend_lists(forward_batch, self.req_to_token_pool.req_to_token)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
@@ -86,6 +101,9 @@ class _SparseBackendMixin:
     # Every base: capture the window queries, then the stock attention (each base's own signature);
     # a selecting layer's K also goes into the selector's page metadata, and its decode reads a selection.
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.store is not None:
+            return store_extend(self, q, k, v, layer, forward_batch, self.store_lists,
+                                kwargs.get("save_kv_cache", args[0] if args else True), self._new_tokens_attention)
         self._capture(q, layer, forward_batch, is_decode=False)
         out = super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
         if self.selector is not None:
@@ -93,6 +111,9 @@ class _SparseBackendMixin:
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.store is not None:
+            return store_decode(self, q, k, v, layer, forward_batch,
+                                kwargs.get("save_kv_cache", args[0] if args else True))
         self._capture(q, layer, forward_batch, is_decode=True)
         if self.selector is not None and self.selector.selects(layer.layer_id) and not layer.is_cross_attention:
             write_summaries(self.selector, layer, forward_batch.out_cache_loc, k)
@@ -105,6 +126,11 @@ class _SparseBackendMixin:
 
     def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
         raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} base")
+
+    def _new_tokens_attention(self, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, layer: Any,
+                              lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
+        """An extend step's new tokens over themselves (causal, full precision): (output, natural lse)."""
+        return causal_attention_torch(q3, k3, v3, lists.extend_lens, float(layer.scaling))
 
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
         if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
@@ -256,6 +282,14 @@ def _flashinfer_backend_cls() -> type:
 
                 self.selection = FlashInferSelection(self, self.selector)
 
+        def _new_tokens_attention(self, q3, k3, v3, layer, lists):  # type: ignore[no-untyped-def]
+            if not self.forward_metadata.use_ragged:
+                raise RuntimeError(f"sgl_sparse: {self.method.name} reads an extend's new tokens through "
+                                   "FlashInfer's ragged prefill, which this step did not plan (deterministic "
+                                   "inference or a piecewise prefill graph)")
+            o, lse2 = self.prefill_wrapper_ragged.forward_return_lse(q3, k3, v3, causal=True, sm_scale=layer.scaling)
+            return o, lse2 * LN2  # FlashInfer's log-sum-exp is base 2
+
         def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
             super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
             if self.selection is not None:
@@ -345,7 +379,11 @@ def choose_base(model_runner: Any) -> str:
 def create_backend(model_runner: Any) -> _SparseBackendMixin:
     """Factory for ``register_attention_backend``."""
     base = choose_base(model_runner)
-    if get_runtime().method.evicts and getattr(model_runner, "sliding_window_size", None):
+    method = get_runtime().method
+    if method.store is not None and base == "triton":
+        raise ValueError(f"sgl_sparse: {method.name} (a method-owned KV layout) serves on the flashinfer base "
+                         "(GPU) or torch_native (CPU), not triton")
+    if (method.evicts or method.store is not None) and getattr(model_runner, "sliding_window_size", None):
         raise ValueError(f"sgl_sparse: sliding-window models are not supported with {get_runtime().method.name} "
                          "(the window counts logical positions, the compacted KV lists do not)")
     if base == "torch_native":

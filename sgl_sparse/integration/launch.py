@@ -145,6 +145,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         # scores would never be captured. Set as --cuda-graph-backend-prefill disabled would.
         args.cuda_graph_backend_prefill = DISABLED
         prefill_off = f"{method.name} captures prefill queries, which a replayed prefill graph skips"
+    elif method.store is not None and requested_graph_backend(args, "prefill") is None:
+        # Our extend over a method-owned layout reads the new tokens through FlashInfer's ragged prefill,
+        # which SGLang plans only outside piecewise prefill graphs (flashinfer_backend.py L959-963), and
+        # builds its prefix lists from the host's extend lengths.
+        args.cuda_graph_backend_prefill = DISABLED
+        prefill_off = f"{method.name}'s extend attention (ragged new tokens + its quantized prefix) runs eagerly"
     args.attention_backend = BACKEND_NAME
     # Both None, so SGLang resolves prefill and decode to our backend: a prefill == decode pair would
     # otherwise replace --attention-backend (arg_groups/overrides.py L2014-2018).
@@ -215,6 +221,20 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its scores read the raw FP8 keys and "
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
+    if method.store is not None:
+        if kv_dtype != "auto":
+            problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: the method owns the KV layout "
+                            "(its codes and scales); drop the flag")
+        if args.enable_lmcache or args.enable_flexkv:
+            problems.append(f"--enable-lmcache / --enable-flexkv with {method.name}: external KV stores copy "
+                            "SGLang's K/V buffers, not a method-owned layout")
+        if args.enable_deterministic_inference:
+            problems.append(f"deterministic inference with {method.name}: its extend needs FlashInfer's ragged "
+                            "prefill, which SGLang turns off for determinism")
+        prefill = requested_graph_backend(args, "prefill")
+        if device != "cpu" and prefill not in (None, DISABLED):
+            problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: its extend attention runs "
+                            "eagerly (the launcher turns prefill CUDA graphs off for it); drop the flag")
     if args.enable_hisparse:
         problems.append("--enable-hisparse: SGLang's hierarchical sparse attention manages its own KV layout and "
                         "index lists; it cannot be combined with sgl_sparse's backends")

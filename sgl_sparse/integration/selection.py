@@ -1,11 +1,10 @@
 """Dynamic selection in the server: sizing and placing a :class:`PageSelector`'s metadata, and the
 CPU attention path that reads a selection.
 
-* Memory: an AROUND hook on SGLang's per-token KV cell size (``DefaultPoolConfigurator.
-  _compute_cell_size``, model_executor/pool_configurator.py L183) adds the selector's metadata bytes
-  per token, so SGLang sizes a pool that leaves room for it (``max_total_num_tokens = available //
-  cell_size``, L317-326); the attention backend then allocates it beside that pool, before CUDA-graph
-  capture. So the metadata never comes from outside SGLang's memory budget.
+* Memory: an AROUND hook on SGLang's per-token KV cell size (``integration/kv_pool.py``) adds the
+  selector's metadata bytes per token, so SGLang sizes a pool that leaves room for it
+  (``max_total_num_tokens = available // cell_size``); the attention backend then allocates it beside
+  that pool, before CUDA-graph capture. So the metadata never comes from outside SGLang's memory budget.
 * Attention: the backends call :func:`write_summaries` wherever a selecting layer's K is written and,
   in decode, read only the selected pages. On CPU (``torch_native``) :func:`attend_selected` does it
   per request with a mask over positions; the GPU path reads slot lists (``kernels/pages.py``).
@@ -20,39 +19,9 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.contract import KVGeometry, PageSelector, SelectorStep
-from sgl_sparse.integration import handoff
 from sgl_sparse.kernels.pages import selected_positions_mask
 
 logger = logging.getLogger(__name__)
-
-
-def _served_selector() -> PageSelector | None:
-    """The selector of the method this server was launched with (``None`` in a vanilla server)."""
-    h = handoff.read()
-    if h.method == "dense":
-        return None
-    from sgl_sparse.integration.runtime import get_runtime
-
-    return get_runtime().method.selector
-
-
-def around_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: int) -> int:
-    """AROUND ``DefaultPoolConfigurator._compute_cell_size``: SGLang's bytes per KV token plus the
-    selector's metadata per token."""
-    cell = original(configurator, kvc, num_layers)
-    selector = _served_selector()
-    if selector is None:
-        return cell
-    from sglang.srt.runtime_context import get_parallel
-
-    tp = get_parallel().attn_tp_size
-    mc = kvc.model_config
-    g = KVGeometry(num_layers=num_layers, num_q_heads=mc.num_attention_heads // tp,
-                   num_kv_heads=mc.get_num_kv_heads(tp), head_dim=mc.head_dim, page_size=kvc.page_size, num_slots=0,
-                   dtype=kvc.kv_cache_dtype, device=torch.device(kvc.device))
-    extra = selector.metadata_bytes_per_token(g)
-    logger.info("sgl_sparse: KV cell %d bytes per token + %d of selection metadata", cell, extra)
-    return cell + extra
 
 
 def geometry_of(model_runner: Any) -> KVGeometry:

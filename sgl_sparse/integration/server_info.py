@@ -47,6 +47,12 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "decode_count_mismatches": rt.tables.read_mismatches(),
         **vars(rt.counters),
     }
+    pool = runner.token_to_kv_pool
+    store = getattr(pool, "store", None)
+    if store is not None:
+        # The method-owned layout: what one token costs over all layers, and the tokens that bought.
+        state["kv_store"] = {"class": type(store).__name__, "pool_class": type(pool).__name__,
+                             "bytes_per_token": store.bytes_per_token(pool.geometry()), **store.describe()}
     if hasattr(tree, "stats"):
         state.update(tree.stats())
     return state

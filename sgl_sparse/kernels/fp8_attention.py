@@ -1,6 +1,7 @@
-"""Decode attention over an FP8 (E4M3) KV pool with per-(token, head) scales, dequantized in registers.
+"""Attention over an FP8 (E4M3) KV pool with per-(token, head) scales, dequantized in registers: the
+decode kernel and the extend kernel over a cached prefix, served by ``fp8_kv`` (``methods/quantization``).
 
-Not served yet (the quantization issue's method-owned pool will call it). Layout: codes ``[slots, Hkv,
+Layout: codes ``[slots, Hkv,
 D]`` uint8 (the bits of ``float8_e4m3fn``: :func:`sgl_sparse.kernels.quant.fp8_quantize` viewed as
 uint8), scales ``[slots, Hkv]`` fp32, one per token and head, for K and for V. A row's tokens are read
 through ``req_to_token`` as in SGLang's own decode kernels.
@@ -14,6 +15,12 @@ per token and query head, not one per element); the value scale multiplies the d
 E4M3 is decoded from its bits by arithmetic (sign, 4-bit exponent of bias 7, 3-bit mantissa,
 subnormals at exponent 0): the same code runs under ``TRITON_INTERPRET=1``, where fp8 types are not
 available. :func:`decode_attention_torch` is the reference.
+
+Extend (:func:`prefix_attention`): the new tokens' queries over their request's cached prefix, read
+through a slot list, no mask (every prefix token precedes every new one); output and log-sum-exp, to
+be merged with the new tokens' own causal attention. One program per block of ``BLOCK_M`` query tokens
+of one request and one KV head, all ``G`` query heads of the group as rows of one tile, so the prefix
+is read once per block, not once per query.
 """
 
 from __future__ import annotations
@@ -117,3 +124,108 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0),
         scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16, NSPLIT=splits)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
+
+
+def prefix_attention_torch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                           v_scale: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                           kv_indices: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`prefix_attention`, one request at a time."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_codes.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[0], hq), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(qo_indptr.shape[0] - 1):
+        q0, q1, k0, k1 = int(qo_indptr[i]), int(qo_indptr[i + 1]), int(kv_indptr[i]), int(kv_indptr[i + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        slots = kv_indices[k0:k1].long()
+        k = k_codes[slots].view(torch.float8_e4m3fn).to(torch.float32) * k_scale[slots][..., None]
+        v = v_codes[slots].view(torch.float8_e4m3fn).to(torch.float32) * v_scale[slots][..., None]
+        qg = q[q0:q1].to(torch.float32).view(q1 - q0, hkv, hq // hkv, d)
+        logits = torch.einsum("thgd,nhd->thgn", qg, k) * scale
+        lse[q0:q1] = torch.logsumexp(logits, dim=-1).reshape(q1 - q0, hq)
+        o = torch.einsum("thgn,nhd->thgd", torch.softmax(logits, dim=-1), v)
+        out[q0:q1] = o.reshape(q1 - q0, hq, d).to(q.dtype)
+    return out, lse
+
+
+@triton.jit
+def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, kv_indices, blk_req, blk_start,
+                   out, lse, stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_ss, scale,
+                   HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.load(blk_req + b)
+    q_lo = tl.load(qo_indptr + i)
+    q_hi = tl.load(qo_indptr + i + 1)
+    kv_lo = tl.load(kv_indptr + i)
+    kv_hi = tl.load(kv_indptr + i + 1)
+    r = tl.arange(0, BLOCK_M * GP)  # row = (token, head of the group)
+    tok = (q_lo + tl.load(blk_start + b) + r // GP).to(tl.int64)
+    g = r % GP
+    rm = (tok < q_hi) & (g < G)
+    head = h * G + g
+    d = tl.arange(0, D)
+    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rm[:, None],
+                 other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M * GP], tl.float32)
+    acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < kv_hi
+        slot = tl.load(kv_indices + pos, mask=ok, other=0).to(tl.int64)
+        kc = tl.load(k_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
+        vc = tl.load(v_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
+        ks = tl.load(k_scale + slot * stride_ss + h, mask=ok, other=0.0)
+        vs = tl.load(v_scale + slot * stride_ss + h, mask=ok, other=0.0)
+        s = tl.dot(qv, tl.trans(_e4m3(kc))) * (ks * scale)[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m, den, acc = online_step(m, den, acc, s, _e4m3(vc) * vs[:, None])
+    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
+             mask=rm[:, None])
+    tl.store(lse + tok * HQ + head, tl.where(den > 0, m + tl.log(den), float("-inf")), mask=rm)
+
+
+def prefix_blocks(extend_lens: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (request, first query token) of every block of ``block_m`` new tokens: the extend grid, from
+    the host's extend lengths (extend steps run eagerly)."""
+    req: list[int] = []
+    start: list[int] = []
+    for i, n in enumerate(extend_lens):
+        for t in range(0, n, block_m):
+            req.append(i)
+            start.append(t)
+    as_tensor = torch.tensor([req, start], dtype=torch.int32)
+    as_tensor = as_tensor.pin_memory() if device.type == "cuda" else as_tensor
+    both = as_tensor.to(device, non_blocking=True)
+    return both[0], both[1]
+
+
+def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                     v_scale: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     scale: float, extend_lens: list[int], block_m: int = 16,
+                     block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefix_attention_torch` as one Triton kernel: ``q`` ``[n, Hq, D]`` (row ``qo_indptr[i]`` on
+    for request ``i``, ``extend_lens[i]`` of them) over the prefix slots ``kv_indices[kv_indptr[i]:kv_indptr[i
+    + 1]]`` -> (output ``[n, Hq, D]``, fp32 natural log-sum-exp ``[n, Hq]``, ``-inf`` over an empty prefix)."""
+    n, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out, lse
+    assert d & (d - 1) == 0, "head_dim must be a power of two"
+    assert k_codes.dtype == torch.uint8 and v_codes.stride() == k_codes.stride() and k_codes.stride(2) == 1
+    assert v_scale.stride() == k_scale.stride() and k_scale.stride(1) == 1 and q.stride(2) == 1
+    g = hq // hkv
+    gp = triton.next_power_of_2(g)
+    bm = max(block_m, 16 // gp)  # a tile of at least 16 rows (tl.dot's minimum)
+    blk_req, blk_start = prefix_blocks(extend_lens, bm, q.device)
+    _prefix_kernel[(blk_req.shape[0], hkv)](
+        q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, kv_indices, blk_req, blk_start, out, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_codes.stride(0), k_codes.stride(1),
+        k_scale.stride(0), scale, HQ=hq, G=g, GP=gp, D=d, BLOCK_M=bm, BLOCK_N=block_n)
+    return out, lse

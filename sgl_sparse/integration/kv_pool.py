@@ -1,0 +1,175 @@
+"""The KV pool of a method that owns its layout (:class:`sgl_sparse.contract.KVStore`), and the pool's size.
+
+SGLang 0.5.17 has no registry of MHA pools; two AROUND hooks are the narrowest seam
+(../shared/notes/sglang-0.5.17-wave2-map.md §B.2):
+
+* ``DefaultPoolConfigurator._compute_cell_size`` (bytes per token, all layers): for a store, its
+  :meth:`~sgl_sparse.contract.KVStore.bytes_per_token` replaces SGLang's bf16 cell, so the planner's
+  ``max_total_num_tokens = available // cell`` gives more tokens for fewer bytes; for a selector, its
+  metadata bytes are added (the pool shrinks by what the metadata then takes).
+* ``KVCacheConfigurator._build_mha_kv_pool``: for a store, :class:`SparseStorePool` (a subclass of
+  SGLang's ``MHATokenToKVPool``) instead of the stock pool, same arguments.
+
+The pool keeps SGLang's interface: its ``k_buffer``/``v_buffer`` lists are the store's code tensors (so
+slot pointers, sizes and the allocator work unchanged), every K/V write SGLang makes (``set_kv_buffer``,
+from every attention backend) goes to :meth:`~sgl_sparse.contract.KVStore.write`, and a slot move copies
+all the store's per-slot tensors. Nothing reads the codes as K/V: our attention backend reads through the
+store (``integration/attention.py``); ``get_key_buffer`` returns the raw codes for SGLang's shape probes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sgl_sparse.contract import KVGeometry, KVStore, PageSelector
+from sgl_sparse.integration import handoff
+
+logger = logging.getLogger(__name__)
+
+
+def _served_method() -> Any:
+    """The method this server was launched with (``None`` in a vanilla or dense server)."""
+    if handoff.read().method in (None, "dense"):
+        return None
+    from sgl_sparse.integration.runtime import get_runtime
+
+    return get_runtime().method
+
+
+def _served_store() -> KVStore | None:
+    method = _served_method()
+    return None if method is None else method.store
+
+
+def _served_selector() -> PageSelector | None:
+    method = _served_method()
+    return None if method is None else method.selector
+
+
+def _sizing_geometry(kvc: Any, num_layers: int) -> KVGeometry:
+    from sglang.srt.runtime_context import get_parallel
+
+    tp = get_parallel().attn_tp_size
+    mc = kvc.model_config
+    return KVGeometry(num_layers=num_layers, num_q_heads=mc.num_attention_heads // tp,
+                      num_kv_heads=mc.get_num_kv_heads(tp), head_dim=mc.head_dim, page_size=kvc.page_size,
+                      num_slots=0, dtype=kvc.kv_cache_dtype, device=torch.device(kvc.device))
+
+
+def around_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: int) -> int:
+    """AROUND ``DefaultPoolConfigurator._compute_cell_size``: a store's bytes per token instead of
+    SGLang's; a selector's metadata per token beside SGLang's."""
+    cell = original(configurator, kvc, num_layers)
+    store, selector = _served_store(), _served_selector()
+    if store is not None:
+        own = store.bytes_per_token(_sizing_geometry(kvc, num_layers))
+        logger.info("sgl_sparse: KV cell %d bytes per token in %s's layout (SGLang's %s: %d)", own,
+                    type(store).__name__, kvc.kv_cache_dtype, cell)
+        return own
+    if selector is not None:
+        extra = selector.metadata_bytes_per_token(_sizing_geometry(kvc, num_layers))
+        logger.info("sgl_sparse: KV cell %d bytes per token + %d of selection metadata", cell, extra)
+        return cell + extra
+    return cell
+
+
+def around_build_mha_kv_pool(original: Any, configurator: Any, *, max_total_num_tokens: int, mha_pool_class: type,
+                             quant_method: Any = None) -> Any:
+    """AROUND ``KVCacheConfigurator._build_mha_kv_pool``: the store's pool for a method that has one."""
+    store = _served_store()
+    if store is None:
+        return original(configurator, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class,
+                        quant_method=quant_method)
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    if mha_pool_class is not MHATokenToKVPool or quant_method is not None:
+        raise ValueError(f"sgl_sparse: {type(store).__name__} replaces SGLang's MHA pool, not "
+                         f"{getattr(mha_pool_class, '__name__', mha_pool_class)}"
+                         f"{' with a KV quant method' if quant_method is not None else ''}")
+    mc = configurator.model_config
+    tp = get_parallel().attn_tp_size
+    return store_pool_class()(
+        store, mc.num_attention_heads // tp, max_total_num_tokens, page_size=configurator.pool_page_size,
+        dtype=configurator.kv_cache_dtype, head_num=mc.get_num_kv_heads(tp), head_dim=mc.head_dim,
+        v_head_dim=mc.v_head_dim, layer_num=configurator.layer_info.num_effective_layers,
+        device=configurator.device, enable_memory_saver=get_exec().features.enable_memory_saver,
+        start_layer=configurator.layer_info.start_layer, end_layer=configurator.layer_info.end_layer)
+
+
+_POOL_CLASS: type | None = None
+
+
+def store_pool_class() -> type:
+    """:class:`SparseStorePool`, defined on first use (it subclasses an SGLang class)."""
+    global _POOL_CLASS
+    if _POOL_CLASS is None:
+        _POOL_CLASS = _define_pool_class()
+    return _POOL_CLASS
+
+
+def _define_pool_class() -> type:
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, get_tensor_size_bytes, unwrap_write_loc
+
+    class SparseStorePool(MHATokenToKVPool):
+        """SGLang's MHA pool with a :class:`KVStore`'s buffers and write path."""
+
+        def __init__(self, store: KVStore, num_q_heads: int, *args: Any, **kwargs: Any) -> None:
+            self.store = store
+            self.num_q_heads = num_q_heads
+            super().__init__(*args, **kwargs)
+
+        def geometry(self) -> KVGeometry:
+            return KVGeometry(num_layers=self.layer_num, num_q_heads=self.num_q_heads, num_kv_heads=self.head_num,
+                              head_dim=self.head_dim, page_size=self.page_size, num_slots=self.size + self.page_size,
+                              dtype=self.dtype, device=torch.device(self.device))
+
+        def _create_buffers(self) -> None:
+            if self.post_capture_active or self.kv_cache_layout != "nhd" or self.start_layer != 0:
+                raise ValueError("sgl_sparse: a method-owned KV layout needs the plain NHD pool of every layer "
+                                 "(no post-capture sizing, HND layout or pipeline stages)")
+            if self.v_head_dim != self.head_dim:
+                raise ValueError(f"sgl_sparse: {type(self.store).__name__} needs equal K and V head dims "
+                                 f"({self.head_dim} and {self.v_head_dim})")
+            self.k_scale_buffer = self.v_scale_buffer = self.dq_k_buffer = self.dq_v_buffer = None
+            with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+                self.store.allocate(self.geometry())
+            self.k_buffer = [self.store.slot_tensors(i)[0] for i in range(self.layer_num)]
+            self.v_buffer = [self.store.slot_tensors(i)[1] for i in range(self.layer_num)]
+            self._kv_buffer_descs = []  # PD transfer and post-capture backing only, both refused
+            self._init_data_ptrs_and_strides()
+
+        def _slot_move_pointer_buffers(self) -> list[torch.Tensor]:
+            return [t for i in range(self.layer_num) for t in self.store.slot_tensors(i)]
+
+        def get_kv_size_bytes(self) -> tuple[int, int]:
+            k = sum(get_tensor_size_bytes(self.store.slot_tensors(i)[0]) for i in range(self.layer_num))
+            rest = sum(get_tensor_size_bytes(self.store.slot_tensors(i)[1:]) for i in range(self.layer_num))
+            return k, rest
+
+        def set_kv_buffer(self, layer: Any, loc_info: Any, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                          k_scale: Any = None, v_scale: Any = None, layer_id_override: int | None = None,
+                          dcp_kv_mask: Any = None) -> None:
+            if dcp_kv_mask is not None:
+                raise RuntimeError("sgl_sparse: decode context parallelism is not supported with a method-owned KV "
+                                   "layout")
+            for s in (k_scale, v_scale):
+                if s is not None and float(s) != 1.0:
+                    raise RuntimeError("sgl_sparse: checkpoint KV scales are not supported with a method-owned KV "
+                                       "layout (its scales are per token)")
+            loc, _, _ = unwrap_write_loc(loc_info)
+            layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+            self.store.write(layer_id, loc, cache_k.view(-1, self.head_num, self.head_dim),
+                             cache_v.view(-1, self.head_num, self.head_dim))
+
+        def get_cpu_copy(self, indices: Any, mamba_indices: Any = None) -> Any:
+            raise NotImplementedError("sgl_sparse: host copies of a method-owned KV layout (HiCache) are not supported")
+
+        def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None) -> Any:
+            raise NotImplementedError("sgl_sparse: host copies of a method-owned KV layout (HiCache) are not supported")
+
+    return SparseStorePool

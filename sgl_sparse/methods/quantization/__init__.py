@@ -1,0 +1,1 @@
+"""Quantization family: methods that own the KV pool's layout (:class:`sgl_sparse.contract.KVStore`)."""

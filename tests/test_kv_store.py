@@ -1,0 +1,139 @@
+"""Method-owned KV layouts (contract ``KVStore``): FP8's store, the extend merge, and the SGLang pool around it.
+
+References are plain torch written here: attention over the dequantized K/V (what the store must read
+back), causal attention over prefix + new tokens in one softmax (what the split extend must equal).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sgl_sparse.contract import KVGeometry
+from sgl_sparse.integration.store_attention import causal_attention_torch, merge
+from sgl_sparse.kernels import quant
+from sgl_sparse.methods.quantization.fp8_kv import FP8Store
+from sgl_sparse.registry import create_method
+
+HKV, G, D, LAYERS, SLOTS = 2, 2, 16, 3, 64
+SCALE = 1 / math.sqrt(D)
+
+
+def _geometry(dtype: torch.dtype = torch.float32) -> KVGeometry:
+    return KVGeometry(num_layers=LAYERS, num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, page_size=1,
+                      num_slots=SLOTS, dtype=dtype, device=torch.device("cpu"))
+
+
+def _store() -> FP8Store:
+    store = create_method("fp8_kv").store
+    assert isinstance(store, FP8Store)
+    store.allocate(_geometry())
+    return store
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_from: int | None = None) -> torch.Tensor:
+    """``q`` over ``k``/``v``; with ``causal_from``, query t sees keys up to ``causal_from + t``."""
+    kk, vv = k.float().repeat_interleave(G, dim=1), v.float().repeat_interleave(G, dim=1)
+    logits = torch.einsum("thd,shd->ths", q.float(), kk) * SCALE
+    if causal_from is not None:
+        t = torch.arange(q.shape[0])[:, None, None]
+        s = torch.arange(k.shape[0])[None, None, :]
+        logits = logits.masked_fill(s > causal_from + t, float("-inf"))
+    return torch.einsum("ths,shd->thd", torch.softmax(logits, dim=-1), vv)
+
+
+def test_bytes_per_token_count_codes_and_scales() -> None:
+    g = _geometry(torch.bfloat16)
+    store = create_method("fp8_kv").store
+    assert store.bytes_per_token(g) == LAYERS * 2 * HKV * (D + 4)
+    store.allocate(g)
+    allocated = sum(t.numel() * t.element_size() for i in range(LAYERS) for t in store.slot_tensors(i))
+    assert allocated == store.bytes_per_token(g) * SLOTS  # what is counted is what is taken
+
+
+def test_write_then_read_is_the_fp8_round_trip_per_slot_and_layer() -> None:
+    store = _store()
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(10, HKV, D, generator=gen) * torch.logspace(-2, 2, 10)[:, None, None]  # per-token ranges
+    v = torch.randn(10, HKV, D, generator=gen)
+    loc = torch.randperm(SLOTS - 1, generator=gen)[:10] + 1
+    store.write(1, loc, k, v)
+    got_k, got_v = store.read(1, loc)
+    want_k = quant.fp8_dequantize(*quant.fp8_quantize(k), torch.float32)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, quant.fp8_dequantize(*quant.fp8_quantize(v),
+                                                                                  torch.float32))
+    # per-(token, head) scales: every row keeps ~3 significant bits whatever its magnitude
+    assert ((got_k - k).abs() <= k.abs().amax(-1, keepdim=True) / 8 + 1e-12).all()
+    assert store.read(0, loc)[0].abs().sum() == 0  # other layers untouched
+
+
+def test_reference_decode_and_prefix_read_the_dequantized_rows() -> None:
+    store = _store()
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(40, HKV, D, generator=gen), torch.randn(40, HKV, D, generator=gen)
+    slots = torch.randperm(SLOTS - 1, generator=gen)[:40] + 1
+    store.write(2, slots, k, v)
+    kd, vd = store.read(2, slots)
+    r2t = torch.zeros(3, 50, dtype=torch.int32)
+    r2t[1, :25], r2t[2, :15] = slots[:25], slots[25:]
+    q = torch.randn(2, HKV * G, D, generator=gen)
+    out = store.decode(2, q, r2t, torch.tensor([1, 2]), torch.tensor([25, 15]), SCALE)
+    torch.testing.assert_close(out[0], _attend(q[:1], kd[:25], vd[:25])[0])
+    torch.testing.assert_close(out[1], _attend(q[1:], kd[25:], vd[25:])[0])
+    qe = torch.randn(7, HKV * G, D, generator=gen)  # 3 new tokens of row 0 over 25 cached, 4 of row 1 over none
+    o, lse = store.prefix(2, qe, torch.tensor([0, 3, 7]), torch.tensor([0, 25, 25]), slots[:25].to(torch.int32),
+                          SCALE, [3, 4])
+    torch.testing.assert_close(o[:3], _attend(qe[:3], kd[:25], vd[:25]))
+    assert torch.isinf(lse[3:]).all() and torch.isfinite(lse[:3]).all()
+
+
+@pytest.mark.parametrize(("prefix", "new"), [(0, 6), (9, 1), (20, 7)])
+def test_new_tokens_causal_merged_with_the_prefix_is_one_causal_softmax(prefix: int, new: int) -> None:
+    """The split extend (new tokens among themselves + prefix, merged by log-sum-exp) equals causal attention
+    over prefix + new keys in one softmax."""
+    gen = torch.Generator().manual_seed(prefix + new)
+    k, v = torch.randn(prefix + new, HKV, D, generator=gen), torch.randn(prefix + new, HKV, D, generator=gen)
+    q = torch.randn(new, HKV * G, D, generator=gen)
+    o_new, lse_new = causal_attention_torch(q, k[prefix:], v[prefix:], [new], SCALE)
+    store = _store()
+    slots = torch.arange(1, prefix + 1)
+    o = o_new
+    if prefix:
+        store.write(0, slots, k[:prefix], v[:prefix])
+        kd, vd = store.read(0, slots)
+        k, v = torch.cat([kd, k[prefix:]]), torch.cat([vd, v[prefix:]])
+        o_pre, lse_pre = store.prefix(0, q, torch.tensor([0, new]), torch.tensor([0, prefix]), slots.to(torch.int32),
+                                      SCALE, [new])
+        o = merge(o_new, lse_new, o_pre, lse_pre)
+    torch.testing.assert_close(o, _attend(q, k, v, causal_from=prefix), atol=1e-5, rtol=1e-5)
+
+
+def test_sglang_pool_writes_through_the_store_and_lists_its_buffers() -> None:
+    """SGLang's real MHA pool class, subclassed: every ``set_kv_buffer`` is the store's write, the K/V buffer
+    lists are the store's codes and a slot move covers the scales too."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    from sgl_sparse.integration.kv_pool import store_pool_class
+
+    store = create_method("fp8_kv").store
+    pool = store_pool_class()(store, HKV * G, SLOTS - 1, page_size=1, dtype=torch.float32, head_num=HKV,
+                              head_dim=D, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                              enable_alt_stream=False)
+    assert pool.k_buffer[1] is store.k_codes[1] and pool.v_buffer[2] is store.v_codes[2]
+    assert len(pool._slot_move_pointer_buffers()) == 4 * LAYERS
+    k_bytes, rest = pool.get_kv_size_bytes()
+    assert k_bytes + rest == store.bytes_per_token(pool.geometry()) * SLOTS
+
+    class Layer:
+        layer_id = 1
+
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(4, HKV * D, generator=gen), torch.randn(4, HKV * D, generator=gen)
+    loc = torch.tensor([3, 9, 10, 40])
+    pool.set_kv_buffer(Layer(), KVWriteLoc(loc), k, v)
+    got_k, _ = store.read(1, loc)
+    torch.testing.assert_close(got_k, quant.fp8_dequantize(*quant.fp8_quantize(k.view(4, HKV, D)), torch.float32))
+    with pytest.raises(RuntimeError, match="checkpoint KV scales"):
+        pool.set_kv_buffer(Layer(), loc, k, v, k_scale=0.5)
