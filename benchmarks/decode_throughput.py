@@ -204,6 +204,8 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
         backend = ours["attention_backend_class"] if ours else info["attention_backend"]
         if ours:
             base = ours.get("attention_base") or base
+            # A method-owned KV layout (quantization): a step reads its bytes per token, not bf16's.
+            kv_b = int((ours.get("kv_store") or {}).get("bytes_per_token", kv_b))
     assert all(len(o["output_ids"]) == args.output_len for o in outs)
     try:
         w = decode_window(log.read_text(errors="replace"), batch)

@@ -20,7 +20,9 @@ Extend (:func:`prefix_attention`): the new tokens' queries over their request's 
 through a slot list, no mask (every prefix token precedes every new one); output and log-sum-exp, to
 be merged with the new tokens' own causal attention. One program per block of ``BLOCK_M`` query tokens
 of one request and one KV head, all ``G`` query heads of the group as rows of one tile, so the prefix
-is read once per block, not once per query.
+is read once per block, not once per query. On the GPU its dots run in bf16 on the tensor cores (E4M3
+codes are exact in bf16; the scales multiply logits and probabilities), accumulating in fp32; under the
+interpreter in fp32.
 """
 
 from __future__ import annotations
@@ -65,10 +67,19 @@ def _e4m3(b):
 
 
 @triton.jit
+def _decode_codes(b, NATIVE: tl.constexpr):
+    """E4M3 bits -> fp32: the hardware conversion on the GPU (one instruction per pair on Hopper), the
+    arithmetic one under the interpreter, which has no fp8 types."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _e4m3(b)
+
+
+@triton.jit
 def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l,
                    ws_acc, stride_qb, stride_qh, stride_cs, stride_ch, stride_ss, stride_r2t, scale,
                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                   NSPLIT: tl.constexpr):
+                   NSPLIT: tl.constexpr, NATIVE: tl.constexpr):
     rh = tl.program_id(0)
     pid = tl.program_id(1)
     i = rh // HKV
@@ -94,9 +105,9 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
         vc = tl.load(v_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
         ks = tl.load(k_scale + slot * stride_ss + h, mask=ok, other=0.0)
         vs = tl.load(v_scale + slot * stride_ss + h, mask=ok, other=0.0)
-        s = tl.dot(qv, tl.trans(_e4m3(kc))) * (ks * scale)[None, :]
+        s = tl.dot(qv, tl.trans(_decode_codes(kc, NATIVE))) * (ks * scale)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
-        m, den, acc = online_step(m, den, acc, s, _e4m3(vc) * vs[:, None])
+        m, den, acc = online_step(m, den, acc, s, _decode_codes(vc, NATIVE) * vs[:, None])
     w = (rh.to(tl.int64) * NSPLIT + pid) * G
     tl.store(ws_m + w + gi, m, mask=gm)
     tl.store(ws_l + w + gi, den, mask=gm)
@@ -122,7 +133,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0),
-        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16, NSPLIT=splits)
+        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16, NSPLIT=splits,
+        NATIVE=q.is_cuda)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
@@ -153,7 +165,7 @@ def prefix_attention_torch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torc
 def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, kv_indices, blk_req, blk_start,
                    out, lse, stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_ss, scale,
                    HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.load(blk_req + b)
@@ -168,7 +180,8 @@ def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, 
     head = h * G + g
     d = tl.arange(0, D)
     qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rm[:, None],
-                 other=0.0).to(tl.float32)
+                 other=0.0)
+    qv = qv.to(tl.bfloat16) if NATIVE else qv.to(tl.float32)
     m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
@@ -180,9 +193,23 @@ def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, 
         vc = tl.load(v_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
         ks = tl.load(k_scale + slot * stride_ss + h, mask=ok, other=0.0)
         vs = tl.load(v_scale + slot * stride_ss + h, mask=ok, other=0.0)
-        s = tl.dot(qv, tl.trans(_e4m3(kc))) * (ks * scale)[None, :]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m, den, acc = online_step(m, den, acc, s, _e4m3(vc) * vs[:, None])
+        if NATIVE:
+            # E4M3 values are exact in bf16: tensor-core dots of the raw codes, the scales applied to the
+            # logits (keys) and to the probabilities (values), accumulation in fp32.
+            s = tl.dot(qv, tl.trans(kc.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16))) * (ks * scale)[None, :]
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            den = den * alpha + tl.sum(p, 1)
+            pv = (p * vs[None, :]).to(tl.bfloat16)
+            acc = acc * alpha[:, None] + tl.dot(pv, vc.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16))
+            m = m_new
+        else:
+            s = tl.dot(qv, tl.trans(_e4m3(kc))) * (ks * scale)[None, :]
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m, den, acc = online_step(m, den, acc, s, _e4m3(vc) * vs[:, None])
     o = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
              mask=rm[:, None])
@@ -206,7 +233,7 @@ def prefix_blocks(extend_lens: list[int], block_m: int, device: torch.device) ->
 
 def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                      v_scale: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                     scale: float, extend_lens: list[int], block_m: int = 16,
+                     scale: float, extend_lens: list[int], block_m: int | None = None,
                      block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`prefix_attention_torch` as one Triton kernel: ``q`` ``[n, Hq, D]`` (row ``qo_indptr[i]`` on
     for request ``i``, ``extend_lens[i]`` of them) over the prefix slots ``kv_indices[kv_indptr[i]:kv_indptr[i
@@ -222,10 +249,13 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     assert v_scale.stride() == k_scale.stride() and k_scale.stride(1) == 1 and q.stride(2) == 1
     g = hq // hkv
     gp = triton.next_power_of_2(g)
+    if block_m is None:
+        block_m = max(1, 128 // gp) if q.is_cuda else 16  # 128-row tiles for the tensor cores
     bm = max(block_m, 16 // gp)  # a tile of at least 16 rows (tl.dot's minimum)
     blk_req, blk_start = prefix_blocks(extend_lens, bm, q.device)
     _prefix_kernel[(blk_req.shape[0], hkv)](
         q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, kv_indices, blk_req, blk_start, out, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_codes.stride(0), k_codes.stride(1),
-        k_scale.stride(0), scale, HQ=hq, G=g, GP=gp, D=d, BLOCK_M=bm, BLOCK_N=block_n)
+        k_scale.stride(0), scale, HQ=hq, G=g, GP=gp, D=d, BLOCK_M=bm, BLOCK_N=block_n, NATIVE=q.is_cuda,
+        num_warps=8 if q.is_cuda else 4)
     return out, lse
