@@ -377,8 +377,10 @@ class KVStore(ABC):
         second: the pool lists the first two as its K/V buffers and all of them as what a slot move copies."""
 
     @abstractmethod
-    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Encode ``k``/``v`` (``[n, Hkv, D]``, post-RoPE, model dtype) into slots ``loc`` (``[n]``)."""
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+        """Encode ``k``/``v`` (``[n, Hkv, D]``, post-RoPE, model dtype) into slots ``loc`` (``[n]``); ``rows``
+        (``[n]``) is each token's ``req_pool_idx``, for layouts that keep a request's unfinished group of
+        tokens aside (KIVI's residual). Decode steps call it inside CUDA graphs (device only)."""
 
     @abstractmethod
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,20 +402,21 @@ class KVStore(ABC):
                 out[i] = _attend(q[i:i + 1], k, v, scale)[0][0]
         return out
 
-    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-               kv_indices: torch.Tensor, scale: float, extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The extend queries of request ``i`` (``q[qo_indptr[i]:qo_indptr[i + 1]]``, ``[n, Hq, D]``; their
-        counts ``extend_lens`` also on the host, as an extend step knows them without a sync) over its
-        cached prefix ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` (no mask: every prefix token precedes
-        every new one) -> (output ``[n, Hq, D]``, fp32 log-sum-exp of the logits ``[n, Hq]``, ``-inf``
-        for an empty prefix), to be merged with the new tokens' own attention."""
+    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """An extend step's queries over their cached prefix: request ``i``'s new tokens
+        (``q[qo_indptr[i]:qo_indptr[i + 1]]``, ``[n, Hq, D]``; their counts ``extend_lens`` also on the host, as
+        an extend step knows them without a sync) over the first ``prefix_lens[i]`` slots of its row
+        ``req_to_token[req_pool_indices[i]]``, no mask (every prefix token precedes every new one) ->
+        (output ``[n, Hq, D]``, fp32 natural log-sum-exp of the logits ``[n, Hq]``, ``-inf`` for an empty
+        prefix), to be merged with the new tokens' own attention."""
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for i in range(qo_indptr.shape[0] - 1):
-            q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
-            k0, k1 = int(kv_indptr[i]), int(kv_indptr[i + 1])
-            if q1 > q0 and k1 > k0:
-                k, v = self.read(layer_id, kv_indices[k0:k1].long())
+            q0, q1, n = int(qo_indptr[i]), int(qo_indptr[i + 1]), int(prefix_lens[i])
+            if q1 > q0 and n > 0:
+                k, v = self.read(layer_id, req_to_token[req_pool_indices[i], :n].long())
                 out[q0:q1], lse[q0:q1] = _attend(q[q0:q1], k, v, scale)
         return out, lse
 

@@ -121,12 +121,13 @@ def test_prefix_attention_is_dense_over_the_prefix_and_the_kernel_equals_its_ref
     for n in new:
         qo.append(qo[-1] + n)
     q = torch.randn(qo[-1], HKV * G, D, generator=g).to(torch.bfloat16)
-    kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
-    kv_indices = torch.cat([*rows, torch.zeros(0, dtype=torch.long)]).to(torch.int32)
+    r2t = torch.zeros(len(prefix) + 1, 256, dtype=torch.int32)  # row 0 unused: the pool indices are data
+    for i, slots in enumerate(rows):
+        r2t[i + 1, :len(slots)] = slots.to(torch.int32)
     kc, ks = quant.fp8_quantize(k)
     vc, vs = quant.fp8_quantize(v)
-    args = (q, kc.view(torch.uint8), ks, vc.view(torch.uint8), vs, torch.tensor(qo, dtype=torch.int32), kv_indptr,
-            kv_indices, SCALE)
+    args = (q, kc.view(torch.uint8), ks, vc.view(torch.uint8), vs, torch.tensor(qo, dtype=torch.int32), r2t,
+            torch.arange(1, len(prefix) + 1, dtype=torch.int32), torch.tensor(prefix, dtype=torch.int32), SCALE)
     ref, ref_lse = fa.prefix_attention_torch(*args)
     dense, dense_lse = _prefix_dense(q, k, v, qo, rows)
     assert (ref.float() - dense).abs().max() < 0.1

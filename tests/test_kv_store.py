@@ -59,7 +59,7 @@ def test_write_then_read_is_the_fp8_round_trip_per_slot_and_layer() -> None:
     k = torch.randn(10, HKV, D, generator=gen) * torch.logspace(-2, 2, 10)[:, None, None]  # per-token ranges
     v = torch.randn(10, HKV, D, generator=gen)
     loc = torch.randperm(SLOTS - 1, generator=gen)[:10] + 1
-    store.write(1, loc, k, v)
+    store.write(1, loc, k, v, torch.zeros_like(loc))
     got_k, got_v = store.read(1, loc)
     want_k = quant.fp8_dequantize(*quant.fp8_quantize(k), torch.float32)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, quant.fp8_dequantize(*quant.fp8_quantize(v),
@@ -74,7 +74,7 @@ def test_reference_decode_and_prefix_read_the_dequantized_rows() -> None:
     gen = torch.Generator().manual_seed(1)
     k, v = torch.randn(40, HKV, D, generator=gen), torch.randn(40, HKV, D, generator=gen)
     slots = torch.randperm(SLOTS - 1, generator=gen)[:40] + 1
-    store.write(2, slots, k, v)
+    store.write(2, slots, k, v, torch.zeros_like(slots))
     kd, vd = store.read(2, slots)
     r2t = torch.zeros(3, 50, dtype=torch.int32)
     r2t[1, :25], r2t[2, :15] = slots[:25], slots[25:]
@@ -83,8 +83,8 @@ def test_reference_decode_and_prefix_read_the_dequantized_rows() -> None:
     torch.testing.assert_close(out[0], _attend(q[:1], kd[:25], vd[:25])[0])
     torch.testing.assert_close(out[1], _attend(q[1:], kd[25:], vd[25:])[0])
     qe = torch.randn(7, HKV * G, D, generator=gen)  # 3 new tokens of row 0 over 25 cached, 4 of row 1 over none
-    o, lse = store.prefix(2, qe, torch.tensor([0, 3, 7]), torch.tensor([0, 25, 25]), slots[:25].to(torch.int32),
-                          SCALE, [3, 4])
+    o, lse = store.prefix(2, qe, torch.tensor([0, 3, 7]), r2t, torch.tensor([1, 2]), torch.tensor([25, 0]), [3, 4],
+                          SCALE)
     torch.testing.assert_close(o[:3], _attend(qe[:3], kd[:25], vd[:25]))
     assert torch.isinf(lse[3:]).all() and torch.isfinite(lse[:3]).all()
 
@@ -101,20 +101,19 @@ def test_new_tokens_causal_merged_with_the_prefix_is_one_causal_softmax(prefix: 
     slots = torch.arange(1, prefix + 1)
     o = o_new
     if prefix:
-        store.write(0, slots, k[:prefix], v[:prefix])
+        store.write(0, slots, k[:prefix], v[:prefix], torch.zeros_like(slots))
         kd, vd = store.read(0, slots)
         k, v = torch.cat([kd, k[prefix:]]), torch.cat([vd, v[prefix:]])
-        o_pre, lse_pre = store.prefix(0, q, torch.tensor([0, new]), torch.tensor([0, prefix]), slots.to(torch.int32),
-                                      SCALE, [new])
+        o_pre, lse_pre = store.prefix(0, q, torch.tensor([0, new]), slots[None].to(torch.int32), torch.tensor([0]),
+                                      torch.tensor([prefix]), [new], SCALE)
         o = merge(o_new, lse_new, o_pre, lse_pre)
     torch.testing.assert_close(o, _attend(q, k, v, causal_from=prefix), atol=1e-5, rtol=1e-5)
 
 
-def test_sglang_pool_writes_through_the_store_and_lists_its_buffers() -> None:
-    """SGLang's real MHA pool class, subclassed: every ``set_kv_buffer`` is the store's write, the K/V buffer
-    lists are the store's codes and a slot move covers the scales too."""
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
+def test_sglang_pool_lists_the_store_buffers_and_refuses_raw_writes() -> None:
+    """SGLang's real MHA pool class, subclassed: the K/V buffer lists are the store's codes, a slot move
+    covers the scales too, the size is the store's, and SGLang's own write path raises (K/V goes through
+    the store, with each token's row)."""
     from sgl_sparse.integration.kv_pool import store_pool_class
 
     store = create_method("fp8_kv").store
@@ -126,14 +125,5 @@ def test_sglang_pool_writes_through_the_store_and_lists_its_buffers() -> None:
     k_bytes, rest = pool.get_kv_size_bytes()
     assert k_bytes + rest == store.bytes_per_token(pool.geometry()) * SLOTS
 
-    class Layer:
-        layer_id = 1
-
-    gen = torch.Generator().manual_seed(2)
-    k, v = torch.randn(4, HKV * D, generator=gen), torch.randn(4, HKV * D, generator=gen)
-    loc = torch.tensor([3, 9, 10, 40])
-    pool.set_kv_buffer(Layer(), KVWriteLoc(loc), k, v)
-    got_k, _ = store.read(1, loc)
-    torch.testing.assert_close(got_k, quant.fp8_dequantize(*quant.fp8_quantize(k.view(4, HKV, D)), torch.float32))
-    with pytest.raises(RuntimeError, match="checkpoint KV scales"):
-        pool.set_kv_buffer(Layer(), loc, k, v, k_scale=0.5)
+    with pytest.raises(RuntimeError, match="written by sgl_sparse's attention backend"):
+        pool.set_kv_buffer(None, torch.tensor([3]), torch.zeros(1, HKV * D), torch.zeros(1, HKV * D))

@@ -11,10 +11,11 @@ SGLang 0.5.17 has no registry of MHA pools; two AROUND hooks are the narrowest s
   SGLang's ``MHATokenToKVPool``) instead of the stock pool, same arguments.
 
 The pool keeps SGLang's interface: its ``k_buffer``/``v_buffer`` lists are the store's code tensors (so
-slot pointers, sizes and the allocator work unchanged), every K/V write SGLang makes (``set_kv_buffer``,
-from every attention backend) goes to :meth:`~sgl_sparse.contract.KVStore.write`, and a slot move copies
-all the store's per-slot tensors. Nothing reads the codes as K/V: our attention backend reads through the
-store (``integration/attention.py``); ``get_key_buffer`` returns the raw codes for SGLang's shape probes.
+slot pointers, sizes and the allocator work unchanged), K/V is written only by our attention backend,
+through :meth:`~sgl_sparse.contract.KVStore.write` with each token's row (``set_kv_buffer`` raises), and a
+slot move copies all the store's per-slot tensors. Nothing reads the codes as K/V: our attention backend
+reads through the store (``integration/attention.py``); ``get_key_buffer`` returns the raw codes for
+SGLang's shape probes.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def store_pool_class() -> type:
 
 def _define_pool_class() -> type:
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, get_tensor_size_bytes, unwrap_write_loc
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, get_tensor_size_bytes
 
     class SparseStorePool(MHATokenToKVPool):
         """SGLang's MHA pool with a :class:`KVStore`'s buffers and write path."""
@@ -151,20 +152,11 @@ def _define_pool_class() -> type:
             rest = sum(get_tensor_size_bytes(self.store.slot_tensors(i)[1:]) for i in range(self.layer_num))
             return k, rest
 
-        def set_kv_buffer(self, layer: Any, loc_info: Any, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                          k_scale: Any = None, v_scale: Any = None, layer_id_override: int | None = None,
-                          dcp_kv_mask: Any = None) -> None:
-            if dcp_kv_mask is not None:
-                raise RuntimeError("sgl_sparse: decode context parallelism is not supported with a method-owned KV "
-                                   "layout")
-            for s in (k_scale, v_scale):
-                if s is not None and float(s) != 1.0:
-                    raise RuntimeError("sgl_sparse: checkpoint KV scales are not supported with a method-owned KV "
-                                       "layout (its scales are per token)")
-            loc, _, _ = unwrap_write_loc(loc_info)
-            layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-            self.store.write(layer_id, loc, cache_k.view(-1, self.head_num, self.head_dim),
-                             cache_v.view(-1, self.head_num, self.head_dim))
+        def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
+            # Our attention backend writes through the store with each token's row (KVStore.write); a
+            # write without one would skip what per-request layouts keep aside.
+            raise RuntimeError(f"sgl_sparse: K/V of a {type(self.store).__name__} layout is written by sgl_sparse's "
+                               "attention backend (KVStore.write), not through set_kv_buffer")
 
         def get_cpu_copy(self, indices: Any, mamba_indices: Any = None) -> Any:
             raise NotImplementedError("sgl_sparse: host copies of a method-owned KV layout (HiCache) are not supported")

@@ -1,13 +1,13 @@
 """Attention over a method-owned KV layout (:class:`sgl_sparse.contract.KVStore`), for every base.
 
-* Decode: this step's K/V goes through the pool's ``set_kv_buffer`` (the store encodes it), then the
-  store's :meth:`~sgl_sparse.contract.KVStore.decode` reads each row through ``req_to_token`` (device
-  only: CUDA-graph safe).
+* Decode: the store encodes this step's K/V (:meth:`~sgl_sparse.contract.KVStore.write`, with each
+  token's row), then its :meth:`~sgl_sparse.contract.KVStore.decode` reads each row through
+  ``req_to_token`` (device only: CUDA-graph safe).
 * Extend: the new tokens attend to each other at full precision (causal; FlashInfer's ragged prefill on
   the GPU, plain torch on CPU), their queries attend to the cached prefix through the store's
   :meth:`~sgl_sparse.contract.KVStore.prefix`, and the two parts are merged by their log-sum-exp, as
-  SGLang's own ragged + paged extend does; then the new K/V is stored. The prefix lists are built once
-  per forward from ``req_to_token`` with the host's prefix lengths (no sync).
+  SGLang's own ragged + paged extend does; then the new K/V is stored. The rows' offsets and each new
+  token's row are computed once per forward (sizes from the host: no sync).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ LN2 = math.log(2.0)
 
 @dataclass
 class ExtendLists:
-    """An extend step's rows: new tokens per row (``qo_indptr``, device; ``extend_lens``, host) and the
-    cached prefix's slots (``kv_indptr``/``kv_indices``, device)."""
+    """An extend step's rows: new tokens per row (``qo_indptr``, device; ``extend_lens``, host), cached
+    prefix lengths (device), and each new token's row (``rows``, its ``req_pool_idx``, for the write)."""
 
     qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    rows: torch.Tensor
     extend_lens: list[int]
     has_prefix: bool
 
@@ -38,19 +38,13 @@ class ExtendLists:
 def extend_lists(forward_batch: Any, req_to_token: torch.Tensor) -> ExtendLists:
     device = req_to_token.device
     extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-    prefix_cpu = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
     bs = len(extend_lens)
-    total = sum(prefix_cpu)
-    prefix = forward_batch.extend_prefix_lens.to(torch.int64)
-    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
-    kv_indptr[1:] = torch.cumsum(prefix, 0)
+    seq = forward_batch.extend_seq_lens.to(torch.int64)
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
-    qo_indptr[1:] = torch.cumsum(forward_batch.extend_seq_lens.to(torch.int64), 0)
-    # Slot j of the flat list: row r = the request it falls in, offset j - kv_indptr[r] (sizes from the host).
-    rows = torch.repeat_interleave(torch.arange(bs, device=device), prefix, output_size=total)
-    offs = torch.arange(total, device=device) - kv_indptr[rows].to(torch.int64)
-    kv_indices = req_to_token[forward_batch.req_pool_indices[rows].to(torch.int64), offs].to(torch.int32)
-    return ExtendLists(qo_indptr, kv_indptr, kv_indices, extend_lens, total > 0)
+    qo_indptr[1:] = torch.cumsum(seq, 0)
+    rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), seq, output_size=sum(extend_lens))
+    return ExtendLists(qo_indptr, forward_batch.extend_prefix_lens.to(torch.int32), rows, extend_lens,
+                       any(int(n) > 0 for n in forward_batch.extend_prefix_lens_cpu))
 
 
 def causal_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
@@ -86,6 +80,10 @@ def check_layer(layer: Any, store: KVStore) -> None:
                          "attention or sliding windows)")
     if getattr(layer, "logit_cap", 0) not in (None, 0, 0.0):
         raise ValueError(f"sgl_sparse: {type(store).__name__} does not apply logit soft-capping")
+    if getattr(layer, "k_scale_float", None) not in (None, 1.0) or getattr(layer, "v_scale_float", None) not in (
+            None, 1.0):
+        raise ValueError(f"sgl_sparse: checkpoint KV scales are not supported with {type(store).__name__} (its "
+                         "scales are its own)")
 
 
 def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
@@ -95,15 +93,16 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     store: KVStore = backend.token_to_kv_pool.store
     check_layer(layer, store)
     hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-    q3 = q.reshape(-1, hq, d)
-    k3, v3 = k.reshape(-1, hkv, d), v.reshape(-1, hkv, layer.v_head_dim)
+    q3 = q.reshape(-1, hq, d).contiguous()
+    k3, v3 = k.reshape(-1, hkv, d).contiguous(), v.reshape(-1, hkv, layer.v_head_dim).contiguous()
     o, lse = new_tokens(q3, k3, v3, layer, lists)
     if lists.has_prefix:
-        o2, lse2 = store.prefix(layer.layer_id, q3, lists.qo_indptr, lists.kv_indptr, lists.kv_indices,
-                                float(layer.scaling), lists.extend_lens)
+        o2, lse2 = store.prefix(layer.layer_id, q3, lists.qo_indptr, backend.req_to_token_pool.req_to_token,
+                                forward_batch.req_pool_indices, lists.prefix_lens, lists.extend_lens,
+                                float(layer.scaling))
         o = merge(o, lse, o2, lse2)
     if save_kv_cache:
-        backend.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k3, v3)
+        store.write(layer.layer_id, forward_batch.out_cache_loc, k3, v3, lists.rows)
     return o.reshape(-1, hq * layer.v_head_dim)
 
 
@@ -113,7 +112,8 @@ def store_decode(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     check_layer(layer, store)
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
     if save_kv_cache and k is not None:
-        backend.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        store.write(layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, layer.tp_k_head_num, d),
+                    v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim), forward_batch.req_pool_indices)
     q3 = q.reshape(-1, hq, d)
     o = store.decode(layer.layer_id, q3, backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
                      forward_batch.seq_lens, float(layer.scaling))

@@ -12,13 +12,13 @@ past a row's real length), keeps the online-softmax state of the group's query h
 are merged in torch. The key scale multiplies the logits (``q . (s_k c) = s_k (q . c)``: one multiply
 per token and query head, not one per element); the value scale multiplies the decoded value rows.
 
-E4M3 is decoded from its bits by arithmetic (sign, 4-bit exponent of bias 7, 3-bit mantissa,
-subnormals at exponent 0): the same code runs under ``TRITON_INTERPRET=1``, where fp8 types are not
-available. :func:`decode_attention_torch` is the reference.
+On the GPU the codes are converted by the hardware (a bitcast to ``float8e4nv``); under
+``TRITON_INTERPRET=1``, which has no fp8 types, E4M3 is decoded from its bits by arithmetic (sign, 4-bit
+exponent of bias 7, 3-bit mantissa, subnormals at exponent 0). :func:`decode_attention_torch` is the reference.
 
 Extend (:func:`prefix_attention`): the new tokens' queries over their request's cached prefix, read
-through a slot list, no mask (every prefix token precedes every new one); output and log-sum-exp, to
-be merged with the new tokens' own causal attention. One program per block of ``BLOCK_M`` query tokens
+through ``req_to_token`` as decode reads, no mask (every prefix token precedes every new one); output and
+log-sum-exp, to be merged with the new tokens' own causal attention. One program per block of ``BLOCK_M`` query tokens
 of one request and one KV head, all ``G`` query heads of the group as rows of one tile, so the prefix
 is read once per block, not once per query. On the GPU its dots run in bf16 on the tensor cores (E4M3
 codes are exact in bf16; the scales multiply logits and probabilities), accumulating in fp32; under the
@@ -133,24 +133,26 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0),
-        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16, NSPLIT=splits,
+        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=64 if q.is_cuda else 16,
+        NSPLIT=splits,
         NATIVE=q.is_cuda)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
 def prefix_attention_torch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
-                           v_scale: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                           kv_indices: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           v_scale: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+                           req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`prefix_attention`, one request at a time."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k_codes.shape[1]
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[0], hq), float("-inf"), dtype=torch.float32, device=q.device)
     for i in range(qo_indptr.shape[0] - 1):
-        q0, q1, k0, k1 = int(qo_indptr[i]), int(qo_indptr[i + 1]), int(kv_indptr[i]), int(kv_indptr[i + 1])
-        if q1 == q0 or k1 == k0:
+        q0, q1, n = int(qo_indptr[i]), int(qo_indptr[i + 1]), int(prefix_lens[i])
+        if q1 == q0 or n == 0:
             continue
-        slots = kv_indices[k0:k1].long()
+        slots = req_to_token[int(req_pool_indices[i]), :n].long()
         k = k_codes[slots].view(torch.float8_e4m3fn).to(torch.float32) * k_scale[slots][..., None]
         v = v_codes[slots].view(torch.float8_e4m3fn).to(torch.float32) * v_scale[slots][..., None]
         qg = q[q0:q1].to(torch.float32).view(q1 - q0, hkv, hq // hkv, d)
@@ -162,8 +164,9 @@ def prefix_attention_torch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torc
 
 
 @triton.jit
-def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, kv_indices, blk_req, blk_start,
-                   out, lse, stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_ss, scale,
+def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, req_to_token, req_pool_indices, prefix_lens,
+                   blk_req, blk_start, out, lse, stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
+                   stride_ss, stride_r2t, scale,
                    HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
     b = tl.program_id(0)
@@ -171,8 +174,8 @@ def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, 
     i = tl.load(blk_req + b)
     q_lo = tl.load(qo_indptr + i)
     q_hi = tl.load(qo_indptr + i + 1)
-    kv_lo = tl.load(kv_indptr + i)
-    kv_hi = tl.load(kv_indptr + i + 1)
+    kv_hi = tl.load(prefix_lens + i)
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
     r = tl.arange(0, BLOCK_M * GP)  # row = (token, head of the group)
     tok = (q_lo + tl.load(blk_start + b) + r // GP).to(tl.int64)
     g = r % GP
@@ -185,10 +188,10 @@ def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, 
     m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
+    for start in range(0, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < kv_hi
-        slot = tl.load(kv_indices + pos, mask=ok, other=0).to(tl.int64)
+        slot = tl.load(row_ptr + pos, mask=ok, other=0).to(tl.int64)
         kc = tl.load(k_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
         vc = tl.load(v_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
         ks = tl.load(k_scale + slot * stride_ss + h, mask=ok, other=0.0)
@@ -232,12 +235,13 @@ def prefix_blocks(extend_lens: list[int], block_m: int, device: torch.device) ->
 
 
 def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
-                     v_scale: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                     scale: float, extend_lens: list[int], block_m: int | None = None,
-                     block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                     v_scale: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, extend_lens: list[int],
+                     block_m: int | None = None, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`prefix_attention_torch` as one Triton kernel: ``q`` ``[n, Hq, D]`` (row ``qo_indptr[i]`` on
-    for request ``i``, ``extend_lens[i]`` of them) over the prefix slots ``kv_indices[kv_indptr[i]:kv_indptr[i
-    + 1]]`` -> (output ``[n, Hq, D]``, fp32 natural log-sum-exp ``[n, Hq]``, ``-inf`` over an empty prefix)."""
+    for request ``i``, ``extend_lens[i]`` of them) over the first ``prefix_lens[i]`` slots of its row
+    ``req_to_token[req_pool_indices[i]]`` -> (output ``[n, Hq, D]``, fp32 natural log-sum-exp ``[n, Hq]``,
+    ``-inf`` over an empty prefix)."""
     n, hq, d = q.shape
     hkv = k_codes.shape[1]
     out = torch.zeros_like(q)
@@ -254,8 +258,8 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     bm = max(block_m, 16 // gp)  # a tile of at least 16 rows (tl.dot's minimum)
     blk_req, blk_start = prefix_blocks(extend_lens, bm, q.device)
     _prefix_kernel[(blk_req.shape[0], hkv)](
-        q, k_codes, k_scale, v_codes, v_scale, qo_indptr, kv_indptr, kv_indices, blk_req, blk_start, out, lse,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_codes.stride(0), k_codes.stride(1),
-        k_scale.stride(0), scale, HQ=hq, G=g, GP=gp, D=d, BLOCK_M=bm, BLOCK_N=block_n, NATIVE=q.is_cuda,
-        num_warps=8 if q.is_cuda else 4)
+        q, k_codes, k_scale, v_codes, v_scale, qo_indptr, req_to_token, req_pool_indices, prefix_lens, blk_req,
+        blk_start, out, lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_codes.stride(0),
+        k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0), scale, HQ=hq, G=g, GP=gp, D=d, BLOCK_M=bm,
+        BLOCK_N=block_n, NATIVE=q.is_cuda, num_warps=8 if q.is_cuda else 4)
     return out, lse

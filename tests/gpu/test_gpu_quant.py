@@ -57,10 +57,12 @@ def test_prefix_kernel_at_a_serving_shape_matches_torch() -> None:
     n_slots = sum(prefix) + 8
     kc, ks, vc, vs = _pool(n_slots, 3)
     perm = (torch.randperm(n_slots - 1, generator=torch.Generator().manual_seed(4)) + 1)[: sum(prefix)]
-    kv_indptr = torch.tensor([0, 6000, 18000, 18000], dtype=torch.int32, device=DEV)
+    r2t = torch.zeros(4, 131072, dtype=torch.int32)
+    r2t[1, :6000], r2t[2, :12000] = perm[:6000].to(torch.int32), perm[6000:].to(torch.int32)
     qo_indptr = torch.tensor([0, 2048, 2348, 2365], dtype=torch.int32, device=DEV)
     q = torch.randn(sum(new), HKV * G, D, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
-    args = (q, kc, ks, vc, vs, qo_indptr, kv_indptr, perm.to(DEV, torch.int32), D**-0.5)
+    args = (q, kc, ks, vc, vs, qo_indptr, r2t.to(DEV), torch.tensor([1, 2, 3], device=DEV),
+            torch.tensor(prefix, dtype=torch.int32, device=DEV), D**-0.5)
     got, got_lse = fa.prefix_attention(*args, extend_lens=new)
     ref, ref_lse = fa.prefix_attention_torch(*args)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

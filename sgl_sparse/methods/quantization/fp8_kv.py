@@ -59,7 +59,7 @@ class FP8Store(KVStore):
     def describe(self) -> dict[str, Any]:
         return {"format": "e4m3", "bits": 8, "scales": "per token and KV head, fp32"}
 
-    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         kc, ks = quant.fp8_quantize(k)
         vc, vs = quant.fp8_quantize(v)
         self.k_codes[layer_id][loc] = kc.view(torch.uint8)
@@ -82,13 +82,15 @@ class FP8Store(KVStore):
                                               self.v_codes[layer_id], self.v_scale[layer_id], req_to_token,
                                               req_pool_indices, seq_lens, scale)
 
-    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-               kv_indices: torch.Tensor, scale: float, extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.use_triton:
-            return super().prefix(layer_id, q, qo_indptr, kv_indptr, kv_indices, scale, extend_lens)
+            return super().prefix(layer_id, q, qo_indptr, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                                  scale)
         return fp8_attention.prefix_attention(q, self.k_codes[layer_id], self.k_scale[layer_id],
-                                              self.v_codes[layer_id], self.v_scale[layer_id], qo_indptr, kv_indptr,
-                                              kv_indices, scale, extend_lens)
+                                              self.v_codes[layer_id], self.v_scale[layer_id], qo_indptr,
+                                              req_to_token, req_pool_indices, prefix_lens, scale, extend_lens)
 
 
 @register_method
