@@ -194,6 +194,7 @@ class KVGeometry:
     num_slots: int  # pool slots, SGLang's padding page included
     dtype: torch.dtype
     device: torch.device
+    max_requests: int = 0  # rows of SGLang's req_to_token (request slots), for per-request buffers
 
     @property
     def num_pages(self) -> int:
@@ -367,6 +368,11 @@ class KVStore(ABC):
     def bytes_per_token(self, geometry: KVGeometry) -> int:
         """Device bytes per KV token over all ``geometry.num_layers`` layers (K, V, their scales)."""
 
+    def fixed_bytes(self, geometry: KVGeometry) -> int:
+        """Device bytes that do not grow with tokens (e.g. a per-request residual for
+        ``geometry.max_requests`` rows), taken from SGLang's KV budget before the pool is sized."""
+        return 0
+
     @abstractmethod
     def allocate(self, geometry: KVGeometry) -> None:
         """Allocate the buffers for ``geometry.num_slots`` slots (once, as SGLang builds its pool)."""
@@ -377,10 +383,12 @@ class KVStore(ABC):
         second: the pool lists the first two as its K/V buffers and all of them as what a slot move copies."""
 
     @abstractmethod
-    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              decode: bool) -> None:
         """Encode ``k``/``v`` (``[n, Hkv, D]``, post-RoPE, model dtype) into slots ``loc`` (``[n]``); ``rows``
         (``[n]``) is each token's ``req_pool_idx``, for layouts that keep a request's unfinished group of
-        tokens aside (KIVI's residual). Decode steps call it inside CUDA graphs (device only)."""
+        tokens aside (KIVI's residual). ``decode``: one token per row, maybe inside a CUDA graph (device only,
+        no host sync); else an extend step's tokens, each row's in position order."""
 
     @abstractmethod
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,13 +402,8 @@ class KVStore(ABC):
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention, this step's K/V written: ``q`` ``[bs, Hq, D]`` over the first ``seq_lens[i]``
         slots of each row ``req_to_token[req_pool_indices[i]]`` -> ``[bs, Hq, D]``."""
-        out = torch.zeros_like(q)
-        for i in range(q.shape[0]):
-            n = int(seq_lens[i])
-            if n > 0:
-                k, v = self.read(layer_id, req_to_token[req_pool_indices[i], :n].long())
-                out[i] = _attend(q[i:i + 1], k, v, scale)[0][0]
-        return out
+        return attend_rows(q, [self.read(layer_id, req_to_token[r, :n].long())
+                               for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)], scale)
 
     def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
@@ -417,11 +420,20 @@ class KVStore(ABC):
             q0, q1, n = int(qo_indptr[i]), int(qo_indptr[i + 1]), int(prefix_lens[i])
             if q1 > q0 and n > 0:
                 k, v = self.read(layer_id, req_to_token[req_pool_indices[i], :n].long())
-                out[q0:q1], lse[q0:q1] = _attend(q[q0:q1], k, v, scale)
+                out[q0:q1], lse[q0:q1] = attend(q[q0:q1], k, v, scale)
         return out, lse
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_rows(q: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """Decode reference: query ``i`` (``q`` ``[bs, Hq, D]``) over ``rows[i]``'s K/V (an empty row gives 0)."""
+    out = torch.zeros_like(q)
+    for i, (k, v) in enumerate(rows):
+        if k.shape[0] > 0:
+            out[i] = attend(q[i:i + 1], k, v, scale)[0][0]
+    return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[n, Hq, D]`` over every row of ``k``/``v`` ``[m, Hkv, D]`` (grouped heads, no mask), in fp32:
     (output in ``q``'s dtype, log-sum-exp ``[n, Hq]``)."""
     group = q.shape[1] // k.shape[1]

@@ -31,7 +31,8 @@ class PlainStore(KVStore):
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
         return [self.k[layer_id], self.v[layer_id]]
 
-    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              decode: bool) -> None:
         self.k[layer_id][loc] = k.to(self.k[layer_id].dtype)
         self.v[layer_id][loc] = v.to(self.v[layer_id].dtype)
 

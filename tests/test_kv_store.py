@@ -59,7 +59,7 @@ def test_write_then_read_is_the_fp8_round_trip_per_slot_and_layer() -> None:
     k = torch.randn(10, HKV, D, generator=gen) * torch.logspace(-2, 2, 10)[:, None, None]  # per-token ranges
     v = torch.randn(10, HKV, D, generator=gen)
     loc = torch.randperm(SLOTS - 1, generator=gen)[:10] + 1
-    store.write(1, loc, k, v, torch.zeros_like(loc))
+    store.write(1, loc, k, v, torch.zeros_like(loc), decode=False)
     got_k, got_v = store.read(1, loc)
     want_k = quant.fp8_dequantize(*quant.fp8_quantize(k), torch.float32)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, quant.fp8_dequantize(*quant.fp8_quantize(v),
@@ -74,7 +74,7 @@ def test_reference_decode_and_prefix_read_the_dequantized_rows() -> None:
     gen = torch.Generator().manual_seed(1)
     k, v = torch.randn(40, HKV, D, generator=gen), torch.randn(40, HKV, D, generator=gen)
     slots = torch.randperm(SLOTS - 1, generator=gen)[:40] + 1
-    store.write(2, slots, k, v, torch.zeros_like(slots))
+    store.write(2, slots, k, v, torch.zeros_like(slots), decode=False)
     kd, vd = store.read(2, slots)
     r2t = torch.zeros(3, 50, dtype=torch.int32)
     r2t[1, :25], r2t[2, :15] = slots[:25], slots[25:]
@@ -101,7 +101,7 @@ def test_new_tokens_causal_merged_with_the_prefix_is_one_causal_softmax(prefix: 
     slots = torch.arange(1, prefix + 1)
     o = o_new
     if prefix:
-        store.write(0, slots, k[:prefix], v[:prefix], torch.zeros_like(slots))
+        store.write(0, slots, k[:prefix], v[:prefix], torch.zeros_like(slots), decode=False)
         kd, vd = store.read(0, slots)
         k, v = torch.cat([kd, k[prefix:]]), torch.cat([vd, v[prefix:]])
         o_pre, lse_pre = store.prefix(0, q, torch.tensor([0, new]), slots[None].to(torch.int32), torch.tensor([0]),
@@ -117,7 +117,7 @@ def test_sglang_pool_lists_the_store_buffers_and_refuses_raw_writes() -> None:
     from sgl_sparse.integration.kv_pool import store_pool_class
 
     store = create_method("fp8_kv").store
-    pool = store_pool_class()(store, HKV * G, SLOTS - 1, page_size=1, dtype=torch.float32, head_num=HKV,
+    pool = store_pool_class()(store, HKV * G, 4, SLOTS - 1, page_size=1, dtype=torch.float32, head_num=HKV,
                               head_dim=D, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                               enable_alt_stream=False)
     assert pool.k_buffer[1] is store.k_codes[1] and pool.v_buffer[2] is store.v_codes[2]

@@ -43,6 +43,7 @@ from sgl_sparse.integration.store_attention import (
     ExtendLists,
     causal_attention_torch,
     extend_lists,
+    merge,
     store_decode,
     store_extend,
 )
@@ -103,7 +104,8 @@ class _SparseBackendMixin:
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.store is not None:
             return store_extend(self, q, k, v, layer, forward_batch, self.store_lists,
-                                kwargs.get("save_kv_cache", args[0] if args else True), self._new_tokens_attention)
+                                kwargs.get("save_kv_cache", args[0] if args else True), self._new_tokens_attention,
+                                self._merge_parts)
         self._capture(q, layer, forward_batch, is_decode=False)
         out = super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
         if self.selector is not None:
@@ -131,6 +133,10 @@ class _SparseBackendMixin:
                               lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
         """An extend step's new tokens over themselves (causal, full precision): (output, natural lse)."""
         return causal_attention_torch(q3, k3, v3, lists.extend_lens, float(layer.scaling))
+
+    @staticmethod
+    def _merge_parts(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+        return merge(o1, lse1, o2, lse2)
 
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
         if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
@@ -272,6 +278,11 @@ def _flashinfer_backend_cls() -> type:
             self._check_kv_attention_access("prefill", self.prefill_kv_access)
             self._check_kv_attention_access("decode", self.decode_kv_access)
             self._bind_runtime(model_runner)
+            deterministic = getattr(model_runner.server_args, "enable_deterministic_inference", False)
+            if self.store is not None and (self.is_multimodal or getattr(self, "use_paged", False) or deterministic):
+                raise ValueError(f"sgl_sparse: {self.method.name}'s extend reads new tokens through FlashInfer's "
+                                 "ragged prefill, which SGLang turns off for multimodal models, deterministic "
+                                 "inference and SGLANG_FLASHINFER_USE_PAGED")
             if self.skip_sentinels and (self.use_sliding_window_kv_pool or self.enable_mis):
                 raise ValueError("sgl_sparse: sliding-window pools and multi-item scoring are not supported with "
                                  "eviction (they address KV by logical position)")
@@ -289,6 +300,13 @@ def _flashinfer_backend_cls() -> type:
                                    "inference or a piecewise prefill graph)")
             o, lse2 = self.prefill_wrapper_ragged.forward_return_lse(q3, k3, v3, causal=True, sm_scale=layer.scaling)
             return o, lse2 * LN2  # FlashInfer's log-sum-exp is base 2
+
+        @staticmethod
+        def _merge_parts(o1, lse1, o2, lse2):  # type: ignore[no-untyped-def]
+            # FlashInfer's merge (bf16 in and out, base-2 lse): no fp32 copies of a 16K-token chunk per layer.
+            from flashinfer.cascade import merge_state
+
+            return merge_state(o1, lse1 / LN2, o2, lse2 / LN2)[0]
 
         def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
             super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
@@ -361,6 +379,8 @@ def _flashinfer_backend_cls() -> type:
     return SparseFlashInferBackend
 
 
+# Models that fuse the K/V write into RoPE on CUDA with a bf16 pool (sglang/srt/models/*.py, 0.5.17).
+FUSED_KV_WRITE_MODELS = frozenset({"qwen3_moe", "gpt_oss", "bailing_moe", "mellum", "sdar", "sdar_moe", "llada2"})
 IMPL_ENV = "SGLSPARSE_ATTENTION_IMPL"  # overrides the base, for tests: torch_native | triton | flashinfer
 
 
@@ -383,6 +403,11 @@ def create_backend(model_runner: Any) -> _SparseBackendMixin:
     if method.store is not None and base == "triton":
         raise ValueError(f"sgl_sparse: {method.name} (a method-owned KV layout) serves on the flashinfer base "
                          "(GPU) or torch_native (CPU), not triton")
+    arch = type(model_runner.model).__module__.rsplit(".", 1)[-1]
+    if method.store is not None and arch in FUSED_KV_WRITE_MODELS and model_runner.device != "cpu":
+        raise ValueError(f"sgl_sparse: {method.name} cannot serve {arch}: on CUDA that model writes K/V into "
+                         "SGLang's bf16 buffers inside its RoPE kernel (models/utils.py enable_fused_set_kv_buffer), "
+                         "bypassing a method-owned layout")
     if (method.evicts or method.store is not None) and getattr(model_runner, "sliding_window_size", None):
         raise ValueError(f"sgl_sparse: sliding-window models are not supported with {get_runtime().method.name} "
                          "(the window counts logical positions, the compacted KV lists do not)")

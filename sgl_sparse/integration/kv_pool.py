@@ -9,6 +9,9 @@ SGLang 0.5.17 has no registry of MHA pools; two AROUND hooks are the narrowest s
   metadata bytes are added (the pool shrinks by what the metadata then takes).
 * ``KVCacheConfigurator._build_mha_kv_pool``: for a store, :class:`SparseStorePool` (a subclass of
   SGLang's ``MHATokenToKVPool``) instead of the stock pool, same arguments.
+* A store's fixed bytes (per-request buffers, e.g. KIVI's residual) come out of the budget in an AFTER
+  hook on ``KVCacheConfigurator._profile_available_bytes``, accounted for ``--max-running-requests`` + 1
+  request rows; the rows SGLang then builds are noted around ``_build_token_to_kv_pool``.
 
 The pool keeps SGLang's interface: its ``k_buffer``/``v_buffer`` lists are the store's code tensors (so
 slot pointers, sizes and the allocator work unchanged), K/V is written only by our attention backend,
@@ -65,6 +68,10 @@ def around_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: int
     SGLang's; a selector's metadata per token beside SGLang's."""
     cell = original(configurator, kvc, num_layers)
     store, selector = _served_store(), _served_selector()
+    if store is not None and (getattr(kvc, "use_mla_backend", False) or getattr(kvc, "is_hybrid_swa", False)
+                              or getattr(kvc, "mambaish_config", None) is not None):
+        raise ValueError(f"sgl_sparse: {type(store).__name__} replaces SGLang's MHA pool; MLA, hybrid SWA and "
+                         "hybrid SSM models build other pools")
     if store is not None:
         own = store.bytes_per_token(_sizing_geometry(kvc, num_layers))
         logger.info("sgl_sparse: KV cell %d bytes per token in %s's layout (SGLang's %s: %d)", own,
@@ -75,6 +82,39 @@ def around_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: int
         logger.info("sgl_sparse: KV cell %d bytes per token + %d of selection metadata", cell, extra)
         return cell + extra
     return cell
+
+
+def _accounted_requests(configurator: Any) -> int:
+    """The request rows a store's per-request buffers are accounted for: SGLang's ``req_to_token`` has
+    ``--max-running-requests`` + 1 rows (the launcher sets the flag for stores that need it)."""
+    return int(configurator.server_args.max_running_requests or 0) + 1
+
+
+def after_profile_available_bytes(result: int, configurator: Any, *args: Any, **kwargs: Any) -> int:
+    """AFTER ``KVCacheConfigurator._profile_available_bytes``: a store's fixed bytes (per-request
+    buffers) come out of the KV budget before SGLang divides it by the cell size."""
+    store = _served_store()
+    if store is None:
+        return result
+    g = _sizing_geometry(configurator, configurator.model_config.num_hidden_layers)
+    g = KVGeometry(**{**vars(g), "max_requests": _accounted_requests(configurator)})
+    fixed = store.fixed_bytes(g)
+    if fixed:
+        logger.info("sgl_sparse: %.1f MiB of %s's per-request buffers (%d request rows) taken from the KV budget",
+                    fixed / 2**20, type(store).__name__, g.max_requests)
+    return result - fixed
+
+
+_REQUEST_ROWS: list[int] = []
+
+
+def around_build_token_to_kv_pool(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``KVCacheConfigurator._build_token_to_kv_pool``: note the request rows SGLang built (its
+    ``req_to_token_pool``), which the store's per-request buffers are indexed by."""
+    pool = kwargs.get("req_to_token_pool")
+    if pool is not None:
+        _REQUEST_ROWS[:] = [int(pool.req_to_token.shape[0])]
+    return original(configurator, *args, **kwargs)
 
 
 def around_build_mha_kv_pool(original: Any, configurator: Any, *, max_total_num_tokens: int, mha_pool_class: type,
@@ -93,8 +133,18 @@ def around_build_mha_kv_pool(original: Any, configurator: Any, *, max_total_num_
                          f"{' with a KV quant method' if quant_method is not None else ''}")
     mc = configurator.model_config
     tp = get_parallel().attn_tp_size
+    rows = _REQUEST_ROWS[0] if _REQUEST_ROWS else 0
+    g = _sizing_geometry(configurator, configurator.layer_info.num_effective_layers)
+    accounted = _accounted_requests(configurator)
+    if store.fixed_bytes(KVGeometry(**{**vars(g), "max_requests": rows})) > store.fixed_bytes(
+            KVGeometry(**{**vars(g), "max_requests": accounted})):
+        raise ValueError(f"sgl_sparse: SGLang built {rows} request rows, more than the {accounted} that "
+                         f"{type(store).__name__}'s per-request buffers were accounted for (--max-running-requests)")
+    if configurator.post_capture_kv_active:
+        raise ValueError(f"sgl_sparse: {type(store).__name__} does not support post-capture KV sizing "
+                         "(SGLANG_ENABLE_POST_CAPTURE_KV_SIZING)")
     return store_pool_class()(
-        store, mc.num_attention_heads // tp, max_total_num_tokens, page_size=configurator.pool_page_size,
+        store, mc.num_attention_heads // tp, rows, max_total_num_tokens, page_size=configurator.pool_page_size,
         dtype=configurator.kv_cache_dtype, head_num=mc.get_num_kv_heads(tp), head_dim=mc.head_dim,
         v_head_dim=mc.v_head_dim, layer_num=configurator.layer_info.num_effective_layers,
         device=configurator.device, enable_memory_saver=get_exec().features.enable_memory_saver,
@@ -119,15 +169,16 @@ def _define_pool_class() -> type:
     class SparseStorePool(MHATokenToKVPool):
         """SGLang's MHA pool with a :class:`KVStore`'s buffers and write path."""
 
-        def __init__(self, store: KVStore, num_q_heads: int, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, store: KVStore, num_q_heads: int, max_requests: int, *args: Any, **kwargs: Any) -> None:
             self.store = store
             self.num_q_heads = num_q_heads
+            self.max_requests = max_requests
             super().__init__(*args, **kwargs)
 
         def geometry(self) -> KVGeometry:
             return KVGeometry(num_layers=self.layer_num, num_q_heads=self.num_q_heads, num_kv_heads=self.head_num,
                               head_dim=self.head_dim, page_size=self.page_size, num_slots=self.size + self.page_size,
-                              dtype=self.dtype, device=torch.device(self.device))
+                              dtype=self.dtype, device=torch.device(self.device), max_requests=self.max_requests)
 
         def _create_buffers(self) -> None:
             if self.post_capture_active or self.kv_cache_layout != "nhd" or self.start_layer != 0:
@@ -148,9 +199,10 @@ def _define_pool_class() -> type:
             return [t for i in range(self.layer_num) for t in self.store.slot_tensors(i)]
 
         def get_kv_size_bytes(self) -> tuple[int, int]:
+            # What sizing counted: the per-token layout (K codes, then the rest) and the fixed buffers.
             k = sum(get_tensor_size_bytes(self.store.slot_tensors(i)[0]) for i in range(self.layer_num))
-            rest = sum(get_tensor_size_bytes(self.store.slot_tensors(i)[1:]) for i in range(self.layer_num))
-            return k, rest
+            total = self.store.bytes_per_token(self.geometry()) * (self.size + self.page_size)
+            return k, total - k + self.store.fixed_bytes(self.geometry())
 
         def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
             # Our attention backend writes through the store with each token's row (KVStore.write); a

@@ -124,14 +124,21 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier", _after_war_barrier, HookType.AFTER
     )
-    from sgl_sparse.integration.kv_pool import around_build_mha_kv_pool, around_cell_size
+    from sgl_sparse.integration.kv_pool import (
+        after_profile_available_bytes,
+        around_build_mha_kv_pool,
+        around_build_token_to_kv_pool,
+        around_cell_size,
+    )
 
     # A store's bytes per token replace SGLang's KV cell (more tokens for fewer bytes); a selector's page
     # metadata is added to it (the pool shrinks by it). A store also builds the pool.
     HookRegistry.register("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
                           around_cell_size, HookType.AROUND)
-    HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
-                          around_build_mha_kv_pool, HookType.AROUND)
+    configurator = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+    HookRegistry.register(f"{configurator}._build_mha_kv_pool", around_build_mha_kv_pool, HookType.AROUND)
+    HookRegistry.register(f"{configurator}._build_token_to_kv_pool", around_build_token_to_kv_pool, HookType.AROUND)
+    HookRegistry.register(f"{configurator}._profile_available_bytes", after_profile_available_bytes, HookType.AFTER)
     from sgl_sparse.integration import validation
 
     # Rejects bad requests in the HTTP process (the TokenizerManager's), only in servers whose tree is ours.

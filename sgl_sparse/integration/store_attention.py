@@ -78,6 +78,8 @@ def check_layer(layer: Any, store: KVStore) -> None:
     if getattr(layer, "is_cross_attention", False) or getattr(layer, "sliding_window_size", -1) not in (None, -1):
         raise ValueError(f"sgl_sparse: {type(store).__name__} serves full causal self-attention only (no cross "
                          "attention or sliding windows)")
+    if str(getattr(layer, "attn_type", "")).endswith("ENCODER_ONLY"):
+        raise ValueError(f"sgl_sparse: {type(store).__name__} serves causal decoders only (encoder-only layer)")
     if getattr(layer, "logit_cap", 0) not in (None, 0, 0.0):
         raise ValueError(f"sgl_sparse: {type(store).__name__} does not apply logit soft-capping")
     if getattr(layer, "k_scale_float", None) not in (None, 1.0) or getattr(layer, "v_scale_float", None) not in (
@@ -87,9 +89,9 @@ def check_layer(layer: Any, store: KVStore) -> None:
 
 
 def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
-                 lists: ExtendLists, save_kv_cache: bool, new_tokens: Any) -> torch.Tensor:
+                 lists: ExtendLists, save_kv_cache: bool, new_tokens: Any, merge_fn: Any = merge) -> torch.Tensor:
     """One layer's extend attention over ``backend``'s store pool; ``new_tokens(q3, k3, v3, layer, lists)`` is
-    the base's causal attention of the new tokens (output, natural lse)."""
+    the base's causal attention of the new tokens (output, natural lse), ``merge_fn`` its merge of two parts."""
     store: KVStore = backend.token_to_kv_pool.store
     check_layer(layer, store)
     hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
@@ -100,9 +102,9 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         o2, lse2 = store.prefix(layer.layer_id, q3, lists.qo_indptr, backend.req_to_token_pool.req_to_token,
                                 forward_batch.req_pool_indices, lists.prefix_lens, lists.extend_lens,
                                 float(layer.scaling))
-        o = merge(o, lse, o2, lse2)
+        o = merge_fn(o, lse, o2, lse2)
     if save_kv_cache:
-        store.write(layer.layer_id, forward_batch.out_cache_loc, k3, v3, lists.rows)
+        store.write(layer.layer_id, forward_batch.out_cache_loc, k3, v3, lists.rows, decode=False)
     return o.reshape(-1, hq * layer.v_head_dim)
 
 
@@ -113,7 +115,7 @@ def store_decode(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
     if save_kv_cache and k is not None:
         store.write(layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, layer.tp_k_head_num, d),
-                    v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim), forward_batch.req_pool_indices)
+                    v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim), forward_batch.req_pool_indices, decode=True)
     q3 = q.reshape(-1, hq, d)
     o = store.decode(layer.layer_id, q3, backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
                      forward_batch.seq_lens, float(layer.scaling))

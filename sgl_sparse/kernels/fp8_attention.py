@@ -219,6 +219,15 @@ def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, req_to_toke
     tl.store(lse + tok * HQ + head, tl.where(den > 0, m + tl.log(den), float("-inf")), mask=rm)
 
 
+def prefix_block_m(group: int, cuda: bool, block_m: int | None = None) -> int:
+    """Query tokens per program: 128-row tiles (tokens x the group's heads) for the tensor cores on the GPU,
+    at least 16 rows (``tl.dot``'s minimum)."""
+    gp = triton.next_power_of_2(group)
+    if block_m is None:
+        block_m = max(1, 128 // gp) if cuda else 16
+    return max(block_m, 16 // gp)
+
+
 def prefix_blocks(extend_lens: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The (request, first query token) of every block of ``block_m`` new tokens: the extend grid, from
     the host's extend lengths (extend steps run eagerly)."""
@@ -237,11 +246,13 @@ def prefix_blocks(extend_lens: list[int], block_m: int, device: torch.device) ->
 def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                      v_scale: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, extend_lens: list[int],
-                     block_m: int | None = None, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_m: int | None = None, block_n: int = 64,
+                     blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`prefix_attention_torch` as one Triton kernel: ``q`` ``[n, Hq, D]`` (row ``qo_indptr[i]`` on
     for request ``i``, ``extend_lens[i]`` of them) over the first ``prefix_lens[i]`` slots of its row
     ``req_to_token[req_pool_indices[i]]`` -> (output ``[n, Hq, D]``, fp32 natural log-sum-exp ``[n, Hq]``,
-    ``-inf`` over an empty prefix)."""
+    ``-inf`` over an empty prefix). ``blocks``: :func:`prefix_blocks` of this step, if the caller keeps them
+    (every layer of a step has the same)."""
     n, hq, d = q.shape
     hkv = k_codes.shape[1]
     out = torch.zeros_like(q)
@@ -253,10 +264,8 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     assert v_scale.stride() == k_scale.stride() and k_scale.stride(1) == 1 and q.stride(2) == 1
     g = hq // hkv
     gp = triton.next_power_of_2(g)
-    if block_m is None:
-        block_m = max(1, 128 // gp) if q.is_cuda else 16  # 128-row tiles for the tensor cores
-    bm = max(block_m, 16 // gp)  # a tile of at least 16 rows (tl.dot's minimum)
-    blk_req, blk_start = prefix_blocks(extend_lens, bm, q.device)
+    bm = prefix_block_m(hq // hkv, q.is_cuda, block_m)
+    blk_req, blk_start = blocks if blocks is not None else prefix_blocks(extend_lens, bm, q.device)
     _prefix_kernel[(blk_req.shape[0], hkv)](
         q, k_codes, k_scale, v_codes, v_scale, qo_indptr, req_to_token, req_pool_indices, prefix_lens, blk_req,
         blk_start, out, lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_codes.stride(0),

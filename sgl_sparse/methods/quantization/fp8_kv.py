@@ -38,6 +38,7 @@ class FP8Store(KVStore):
         self.v_scale: list[torch.Tensor] = []
         self.dtype = torch.bfloat16
         self.use_triton = False
+        self._blocks: tuple[list[int], tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's extend grid
 
     def bytes_per_token(self, g: KVGeometry) -> int:
         return g.num_layers * 2 * g.num_kv_heads * (g.head_dim + 4)
@@ -59,7 +60,8 @@ class FP8Store(KVStore):
     def describe(self) -> dict[str, Any]:
         return {"format": "e4m3", "bits": 8, "scales": "per token and KV head, fp32"}
 
-    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              decode: bool) -> None:
         kc, ks = quant.fp8_quantize(k)
         vc, vs = quant.fp8_quantize(v)
         self.k_codes[layer_id][loc] = kc.view(torch.uint8)
@@ -88,9 +90,13 @@ class FP8Store(KVStore):
         if not self.use_triton:
             return super().prefix(layer_id, q, qo_indptr, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                   scale)
+        if self._blocks is None or self._blocks[0] is not extend_lens:  # once per step, not per layer
+            bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], True)
+            self._blocks = (extend_lens, fp8_attention.prefix_blocks(extend_lens, bm, q.device))
         return fp8_attention.prefix_attention(q, self.k_codes[layer_id], self.k_scale[layer_id],
                                               self.v_codes[layer_id], self.v_scale[layer_id], qo_indptr,
-                                              req_to_token, req_pool_indices, prefix_lens, scale, extend_lens)
+                                              req_to_token, req_pool_indices, prefix_lens, scale, extend_lens,
+                                              blocks=self._blocks[1])
 
 
 @register_method

@@ -1,0 +1,203 @@
+"""KIVI (Liu et al., 2024, arXiv:2402.02750): asymmetric 2/4-bit KV, keys per channel, values per token.
+
+Keys have outlier *channels*, so KIVI quantizes them per channel over a group of ``group_size``
+consecutive tokens; values per token over groups of ``group_size`` channels. A group of keys can only
+be quantized once all its tokens exist, so the most recent tokens stay in full precision (KIVI's
+residual) until their group fills. Defaults per jy-yuan/KIVI's example: 4 bits (2 also), group 32,
+residual 32 (one group).
+
+Layout, per layer (``--page-size group_size``, set by the launcher, so a key group is one physical
+page: groups never straddle two owners and pages shared through the radix tree are whole, quantized
+groups):
+
+* K and V codes ``[slots, Hkv, bits, D / 8]`` uint8, bit planes (``kernels/quant.py::pack_bits``);
+* K scale and zero per page and channel ``[pages, Hkv, D]``, V scale and zero per token and channel
+  group ``[slots, Hkv, D / group_size]``, fp16 as in KIVI;
+* the residual: each running request's open page in the model dtype, ``[max requests, group_size,
+  Hkv, D]`` for K and V, indexed by ``req_pool_idx``. A position is in the residual exactly when it
+  lies past its row's last whole page (radix hits are page-aligned, so a hit starts with an empty
+  residual); when a write fills the page, the page is quantized from the residual.
+
+At 4 bits a Llama-3-8B layer costs 1,280 bytes per token (codes 1,024, scales 256) against bf16's 4,096:
+3.2x the tokens (2 bits: 768, 5.3x), plus the fixed residual (``--max-running-requests`` x 2 x 32 x 8 x
+128 x 2 bytes a layer). This file is the plain-torch layout and reference path (the CPU server); the
+GPU kernels are not written yet, so the launcher refuses ``kivi`` on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl_sparse.config import MethodConfig
+from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend, attend_rows
+from sgl_sparse.kernels import quant
+from sgl_sparse.registry import register_method
+
+
+@dataclass(frozen=True)
+class KIVIConfig(MethodConfig):
+    """``bits`` per key and value code; ``group_size`` tokens per key group (the pool's page size) and
+    channels per value group; the open group is the full-precision residual."""
+
+    method_name = "kivi"
+    bits: int = 4
+    group_size: int = 32
+
+    def validate(self) -> None:
+        self.require(self.bits in (2, 4), "bits", "must be 2 or 4")
+        self.require(self.group_size in (8, 16, 32, 64, 128), "group_size", "must be a power of two from 8 to 128")
+
+
+class KIVIStore(KVStore):
+    def __init__(self, config: KIVIConfig) -> None:
+        self.bits = config.bits
+        self.page_size = self.group = config.group_size
+        self.dtype = torch.bfloat16
+
+    # -- sizing ------------------------------------------------------------------------------------
+    def bytes_per_token(self, g: KVGeometry) -> int:
+        self._check(g)
+        codes = 2 * g.num_kv_heads * g.head_dim * self.bits // 8
+        key_groups = -(-2 * g.num_kv_heads * g.head_dim * 2 // self.group)  # fp16 scale + zero per page
+        value_groups = 2 * g.num_kv_heads * (g.head_dim // self.group) * 2
+        return g.num_layers * (codes + key_groups + value_groups)
+
+    def fixed_bytes(self, g: KVGeometry) -> int:
+        elem = torch.empty(0, dtype=g.dtype).element_size()
+        return g.num_layers * 2 * g.max_requests * self.group * g.num_kv_heads * g.head_dim * elem
+
+    def _check(self, g: KVGeometry) -> None:
+        if g.head_dim % self.group or g.head_dim % 8:
+            raise ValueError(f"kivi: head_dim {g.head_dim} is not a multiple of group_size {self.group}")
+        if g.page_size not in (0, self.group) and g.num_slots:
+            raise ValueError(f"kivi: the pool's page size {g.page_size} must be group_size {self.group}")
+
+    def allocate(self, g: KVGeometry) -> None:
+        self._check(g)
+        if g.max_requests < 1:
+            raise ValueError("kivi: the residual needs the number of request rows (KVGeometry.max_requests)")
+        dev, h, d, gs = g.device, g.num_kv_heads, g.head_dim, self.group
+        pages = -(-g.num_slots // gs)
+        codes = (g.num_slots, h, self.bits, d // 8)
+        self.k_codes = [torch.zeros(codes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+        self.v_codes = [torch.zeros(codes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+        self.k_scale = [torch.zeros(pages, h, d, dtype=torch.float16, device=dev) for _ in range(g.num_layers)]
+        self.k_zero = [torch.zeros(pages, h, d, dtype=torch.float16, device=dev) for _ in range(g.num_layers)]
+        vg = (g.num_slots, h, d // gs)
+        self.v_scale = [torch.zeros(vg, dtype=torch.float16, device=dev) for _ in range(g.num_layers)]
+        self.v_zero = [torch.zeros(vg, dtype=torch.float16, device=dev) for _ in range(g.num_layers)]
+        res = (g.max_requests, gs, h, d)
+        self.res_k = [torch.zeros(res, dtype=g.dtype, device=dev) for _ in range(g.num_layers)]
+        self.res_v = [torch.zeros(res, dtype=g.dtype, device=dev) for _ in range(g.num_layers)]
+        self.dtype = g.dtype
+
+    def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
+        return [self.k_codes[layer_id], self.v_codes[layer_id], self.v_scale[layer_id], self.v_zero[layer_id]]
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": "kivi", "bits": self.bits, "group_size": self.group,
+                "scales": "keys per page and channel, values per token and channel group, fp16",
+                "residual": "each running request's open page, model dtype"}
+
+    # -- write -------------------------------------------------------------------------------------
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              decode: bool) -> None:
+        gs = self.group
+        off = loc % gs
+        page = loc // gs
+        rows = rows.long()
+        if decode:  # one token per row: the rows' residuals are distinct (no host sync: CUDA graphs)
+            self.res_k[layer_id][rows, off] = k.to(self.dtype)
+            self.res_v[layer_id][rows, off] = v.to(self.dtype)
+            full = off == gs - 1
+            # Quantize every row's residual; store it only for rows whose page this token filled (the others
+            # write page 0, SGLang's padding page, which no request reads).
+            target = torch.where(full, page, torch.zeros_like(page))
+            self._store_pages(layer_id, target, self.res_k[layer_id][rows], self.res_v[layer_id][rows])
+            return
+        # Extend: the chunk's tokens grouped by page; a page begun by an earlier chunk starts from its row's
+        # residual (its first offsets), a page the chunk fills is quantized, the others go back to the residual.
+        pages, inv = torch.unique(page, return_inverse=True)
+        first_row = torch.zeros_like(pages).scatter_(0, inv, rows)
+        buf_k = self.res_k[layer_id][first_row].clone()
+        buf_v = self.res_v[layer_id][first_row].clone()
+        buf_k[inv, off] = k.to(self.dtype)
+        buf_v[inv, off] = v.to(self.dtype)
+        filled = torch.zeros_like(pages, dtype=torch.bool).scatter_(0, inv, off == gs - 1)
+        if bool(filled.any()):
+            self._store_pages(layer_id, pages[filled], buf_k[filled], buf_v[filled])
+        open_ = ~filled
+        self.res_k[layer_id][first_row[open_]] = buf_k[open_]
+        self.res_v[layer_id][first_row[open_]] = buf_v[open_]
+
+    def _store_pages(self, layer_id: int, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize whole pages ``k``/``v`` ``[p, G, Hkv, D]`` into pages ``pages`` ``[p]``."""
+        p, gs, h, d = k.shape
+        kc, ks, kz = quant.kivi_keys(k.reshape(p * gs, h, d), self.bits, gs)
+        vc, vs, vz = quant.kivi_values(v.reshape(p * gs, h, d), self.bits, gs)
+        slots = (pages[:, None] * gs + torch.arange(gs, device=pages.device)).reshape(-1)
+        self.k_codes[layer_id][slots] = quant.pack_bits(kc, self.bits)
+        self.v_codes[layer_id][slots] = quant.pack_bits(vc, self.bits)
+        self.k_scale[layer_id][pages] = ks.to(torch.float16)
+        self.k_zero[layer_id][pages] = kz.to(torch.float16)
+        self.v_scale[layer_id][slots] = vs.to(torch.float16)
+        self.v_zero[layer_id][slots] = vz.to(torch.float16)
+
+    # -- read --------------------------------------------------------------------------------------
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K/V of slots in whole (quantized) pages; the open page's tokens are in the residual."""
+        gs = self.group
+        kc = quant.unpack_bits(self.k_codes[layer_id][slots], self.bits).float()
+        pg = slots // gs
+        k = kc * self.k_scale[layer_id][pg].float() + self.k_zero[layer_id][pg].float()
+        vc = quant.unpack_bits(self.v_codes[layer_id][slots], self.bits).float()
+        n, h, d = vc.shape
+        vs = self.v_scale[layer_id][slots].float().repeat_interleave(gs, dim=-1)
+        vz = self.v_zero[layer_id][slots].float().repeat_interleave(gs, dim=-1)
+        return k.to(self.dtype), (vc * vs + vz).to(self.dtype)
+
+    def _row(self, layer_id: int, req_to_token: torch.Tensor, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row's first ``n`` positions: whole pages from the codes, the rest from its residual."""
+        whole = n // self.group * self.group
+        k, v = self.read(layer_id, req_to_token[row, :whole].long())
+        rk, rv = self.res_k[layer_id][row, : n - whole], self.res_v[layer_id][row, : n - whole]
+        return torch.cat([k, rk]), torch.cat([v, rv])
+
+    def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return attend_rows(q, [self._row(layer_id, req_to_token, int(r), int(n))
+                               for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)], scale)
+
+    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        at = 0
+        for r, n, m in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens, strict=True):
+            if n > 0 and m > 0:
+                k, v = self._row(layer_id, req_to_token, int(r), int(n))
+                out[at:at + m], lse[at:at + m] = attend(q[at:at + m], k, v, scale)
+            at += m
+        return out, lse
+
+
+@register_method
+class KIVI(SparseMethod[KIVIConfig]):
+    """Every token kept and read; stored in 2 or 4 bits (keys per channel, values per token)."""
+
+    name = "kivi"
+    family = Family.QUANTIZATION
+    config_cls = KIVIConfig
+    prefix_reuse = PrefixReuse.RADIX
+
+    def __init__(self, config: KIVIConfig) -> None:
+        super().__init__(config)
+        self._store = KIVIStore(config)
+
+    @property
+    def store(self) -> KIVIStore:
+        return self._store
