@@ -363,6 +363,9 @@ class KVStore(ABC):
     """
 
     page_size: int = 1  # pool page size the layout needs (a group of tokens never straddles two owners)
+    # Whether decode and prefix run as device kernels (CUDA-graph safe): the torch defaults below loop over
+    # requests with host reads, so a store without kernels serves on CPU only.
+    gpu_kernels: ClassVar[bool] = False
 
     @abstractmethod
     def bytes_per_token(self, geometry: KVGeometry) -> int:

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from sgl_sparse.contract import pool_page_size
+from sgl_sparse.contract import KVStore, pool_page_size
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.registry import create_method, registered_methods
@@ -151,6 +151,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         # builds its prefix lists from the host's extend lengths.
         args.cuda_graph_backend_prefill = DISABLED
         prefill_off = f"{method.name}'s extend attention (ragged new tokens + its quantized prefix) runs eagerly"
+    if (method.store is not None and type(method.store).fixed_bytes is not KVStore.fixed_bytes
+            and args.max_running_requests is None):
+        # Per-request buffers (KIVI's residual) are accounted for --max-running-requests rows before the pool
+        # is sized, so it must be known then.
+        args.max_running_requests = DEFAULT_STORE_RUNNING_REQUESTS
     args.attention_backend = BACKEND_NAME
     # Both None, so SGLang resolves prefill and decode to our backend: a prefill == decode pair would
     # otherwise replace --attention-backend (arg_groups/overrides.py L2014-2018).
@@ -160,6 +165,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     return args, handoff.Handoff(method.name, method.config.to_dict(), device, base=base,
                                  prefill_cuda_graph_off=prefill_off)
 
+
+# --max-running-requests for a store with per-request buffers when the flag is not given.
+DEFAULT_STORE_RUNNING_REQUESTS = 64
 
 # Selection methods whose FlashInfer decode path has passed tests/gpu/test_gpu_selection.py on an H200
 # (quest: 3 passed at a12aa19, 2026-12-02); the others need the opt-in until theirs has.
@@ -222,6 +230,9 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
     if method.store is not None:
+        if device != "cpu" and not method.store.gpu_kernels:
+            problems.append(f"--sparse-method {method.name}: its GPU kernels are not written yet (its layout runs "
+                            "in plain torch, which cannot run inside CUDA graphs); it serves on --device cpu")
         if kv_dtype != "auto":
             problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: the method owns the KV layout "
                             "(its codes and scales); drop the flag")

@@ -31,6 +31,8 @@ class FP8KVConfig(MethodConfig):
 class FP8Store(KVStore):
     """Per layer: K and V codes ``[slots, Hkv, D]`` uint8 (E4M3 bits), K and V scales ``[slots, Hkv]`` fp32."""
 
+    gpu_kernels = True
+
     def __init__(self) -> None:
         self.k_codes: list[torch.Tensor] = []
         self.v_codes: list[torch.Tensor] = []
