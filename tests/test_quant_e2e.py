@@ -1,6 +1,8 @@
-"""The quantization family through real SGLang servers on CPU (our launcher, ``--sparse-method fp8_kv``).
+"""The quantization family through real SGLang servers on CPU (our launcher, ``--sparse-method fp8_kv`` and
+``kivi``).
 
-The method owns the KV pool's layout (E4M3 codes + per-token, per-head scales, ``SparseStorePool``):
+The method owns the KV pool's layout (``SparseStorePool``: FP8's E4M3 codes + per-token, per-head scales;
+KIVI's 4-bit codes, per-page key and per-token value scales, and each request's open page in a residual):
 prefill attends the new tokens to each other at full precision and to the cached prefix through the
 quantized pool; decode reads only the pool. A lossless store (``tests/plain_store.py``) through the same
 path serves exactly dense's tokens; with FP8 the first prefill chunk's logprobs equal dense exactly and
@@ -26,15 +28,16 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", str(CHUNK), "--enable-cach
 
 
 @pytest.fixture(scope="module")
-def fp8_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+def store_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
     fp8 = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv"])
     plain = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "plain_store"],
                           env={"SGLSPARSE_METHOD_MODULES": "tests.plain_store"})
-    with running(fp8, plain):
-        yield {"fp8": fp8, "plain": plain, "dense": servers["ours"], "vanilla": servers["vanilla"]}
+    kivi = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi"])
+    with running(fp8, plain, kivi):
+        yield {"fp8": fp8, "plain": plain, "kivi": kivi, "dense": servers["ours"], "vanilla": servers["vanilla"]}
 
 
-def test_a_lossless_store_serves_exactly_dense(fp8_servers: dict) -> None:
+def test_a_lossless_store_serves_exactly_dense(store_servers: dict) -> None:
     """The store path itself (pool subclass, write hook, split extend merged by log-sum-exp, the store's
     decode) with a layout that loses nothing: dense's and vanilla's tokens, single and chunked prefills,
     from the prefix cache too."""
@@ -42,13 +45,13 @@ def test_a_lossless_store_serves_exactly_dense(fp8_servers: dict) -> None:
     prompts = [_ids(rng, n) for n in (5, 100, 300)]
     prompts.append(prompts[-1] + _ids(rng, 50))  # a prefix hit
     for ids in prompts:
-        outs = {name: fp8_servers[name].generate(input_ids=ids, max_new_tokens=24, ignore_eos=True)["output_ids"]
+        outs = {name: store_servers[name].generate(input_ids=ids, max_new_tokens=24, ignore_eos=True)["output_ids"]
                 for name in ("plain", "dense", "vanilla")}
         assert outs["plain"] == outs["dense"] == outs["vanilla"], len(ids)
     ids = _ids(rng, 3 * CHUNK)
-    assert _input_logprobs(fp8_servers["plain"], ids) == pytest.approx(_input_logprobs(fp8_servers["dense"], ids),
+    assert _input_logprobs(store_servers["plain"], ids) == pytest.approx(_input_logprobs(store_servers["dense"], ids),
                                                                        abs=1e-4)
-    _assert_idle_and_sound(fp8_servers["plain"])
+    _assert_idle_and_sound(store_servers["plain"])
 
 
 def _input_logprobs(server: ServerProcess, ids: list[int]) -> list[float]:
@@ -59,34 +62,51 @@ def _input_logprobs(server: ServerProcess, ids: list[int]) -> list[float]:
     return [lp for lp, _, _ in r.json()["meta_info"]["input_token_logprobs"][1:]]
 
 
-def test_server_reports_the_store_and_sizes_the_pool_from_it(fp8_servers: dict) -> None:
-    st = _state(fp8_servers["fp8"])
+def test_servers_report_the_store_and_size_the_pool_from_it(store_servers: dict) -> None:
+    st = _state(store_servers["fp8"])
     store = st["kv_store"]
     assert store["class"] == "FP8Store" and store["pool_class"] == "SparseStorePool" and store["bits"] == 8
     # the tiny model: 4 layers, 2 KV heads of 32 -> 2 * 2 * (32 + 4) bytes a layer
     assert store["bytes_per_token"] == 4 * 2 * 2 * (32 + 4)
-    assert "KV cell 576 bytes per token in FP8Store's layout" in fp8_servers["fp8"].log_tail(2000)
+    assert "KV cell 576 bytes per token in FP8Store's layout" in store_servers["fp8"].log_tail(2000)
+    kivi = _state(store_servers["kivi"])["kv_store"]
+    assert kivi["class"] == "KIVIStore" and kivi["bits"] == 4 and kivi["group_size"] == 32
+    # 4 layers x (codes 2 * 2 * 32 / 2 + key scales 2 * 2 * 32 * 2 / 32 + value scales 2 * 2 * 1 * 2)
+    assert kivi["bytes_per_token"] == 4 * (128 + 8 + 8)
+    log = store_servers["kivi"].log_tail(2000)
+    assert "KIVIStore's per-request buffers (65 request rows) taken from the KV budget" in log
+    assert "page_size=32" in log
 
 
-def test_first_chunk_is_exact_later_chunks_read_the_quantized_prefix(fp8_servers: dict) -> None:
+# Mean and max |logprob - dense's| over the prompt's later chunks, measured on this model: FP8 0.07 / 0.36,
+# KIVI-4 TBD (the lossless store above: exact).
+PROMPT_DRIFT = {"fp8": (0.15, 1.0), "kivi": (0.5, 3.0)}
+
+
+@pytest.mark.parametrize("name", ["fp8", "kivi"])
+def test_first_chunk_is_exact_later_chunks_read_the_quantized_prefix(store_servers: dict, name: str) -> None:
     """Prompt logprobs, 3 prefill chunks: the first chunk never reads the pool (identical to dense); the
-    later ones read the cached prefix in FP8, so they differ, but only by its rounding."""
+    later ones read the cached prefix quantized, so they differ, but only by the rounding."""
     ids = _ids(random.Random(3), 3 * CHUNK)
-    requests.post(f"{fp8_servers['fp8'].base_url}/flush_cache", timeout=30)
-    got, want = _input_logprobs(fp8_servers["fp8"], ids), _input_logprobs(fp8_servers["dense"], ids)
+    requests.post(f"{store_servers[name].base_url}/flush_cache", timeout=30)
+    got, want = _input_logprobs(store_servers[name], ids), _input_logprobs(store_servers["dense"], ids)
     first = CHUNK - 1
     assert got[:first] == pytest.approx(want[:first], abs=1e-5)
     later = [abs(a - b) for a, b in zip(got[first:], want[first:], strict=True)]
     assert max(later) > 1e-4  # the prefix really is read back quantized
-    # measured on this model: mean 0.07, max 0.36 nats (the lossless store above: exact)
-    assert sum(later) / len(later) < 0.15 and max(later) < 1.0, (sum(later) / len(later), max(later))
-    _assert_idle_and_sound(fp8_servers["fp8"])
+    mean_bar, max_bar = PROMPT_DRIFT[name]
+    assert sum(later) / len(later) < mean_bar and max(later) < max_bar, (sum(later) / len(later), max(later))
+    _assert_idle_and_sound(store_servers[name])
 
 
-def test_small_model_answers_the_suite_as_dense_does() -> None:
+# Accuracy bars on the suite's short slice (dense: 1.00); the 50-example tables are in QUALITY.md.
+SUITE_BAR = {"fp8_kv": 0.95, "kivi": 0.9}
+
+
+@pytest.mark.parametrize("method", ["fp8_kv", "kivi"])
+def test_small_model_answers_the_suite_as_dense_does(method: str) -> None:
     """The small trained model on the suite's short slice (every task, 4 examples, 1,024 tokens; the agent
-    task as a multi-turn session), every decode step reading the FP8 pool: at least 0.95 (dense: 1.00;
-    the 50-example table in QUALITY.md: 0.99 both)."""
+    task as a multi-turn session), every decode step reading the quantized pool."""
     from transformers import AutoTokenizer
 
     from sgl_sparse.quality.eval import build_items, evaluate
@@ -95,18 +115,19 @@ def test_small_model_answers_the_suite_as_dense_does() -> None:
 
     model = str(small_model_path())
     items = build_items(AutoTokenizer.from_pretrained(model), list(TASKS), 4, 1024, seed=10_000, chain=True)
-    with ServerProcess(model, [*CPU_SERVER_FLAGS, "--sparse-method", "fp8_kv"]) as srv:
+    with ServerProcess(model, [*CPU_SERVER_FLAGS, "--sparse-method", method]) as srv:
         table = evaluate(srv.base_url, items)
         _assert_idle_and_sound(srv)
     acc = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
-    assert acc >= 0.95, table
+    assert acc >= SUITE_BAR[method], table
 
 
-def test_prefix_hits_reuse_the_quantized_slots(fp8_servers: dict) -> None:
+@pytest.mark.parametrize("name", ["fp8", "kivi"])
+def test_prefix_hits_reuse_the_quantized_slots(store_servers: dict, name: str) -> None:
     """A second turn matches the first one's KV in the radix tree (the quantized slots as they were written);
     sent again, it matches all of itself and reads the same slots each time: the same answer. (The first
     send attends its 40 new tokens at full precision, a repeat reads them quantized: those two may differ.)"""
-    srv = fp8_servers["fp8"]
+    srv = store_servers[name]
     rng = random.Random(5)
     turn1 = _ids(rng, 300)
     srv.generate(input_ids=turn1, max_new_tokens=8, ignore_eos=True)
@@ -114,14 +135,16 @@ def test_prefix_hits_reuse_the_quantized_slots(fp8_servers: dict) -> None:
     first = srv.generate(input_ids=turn2, max_new_tokens=16, ignore_eos=True)
     again = srv.generate(input_ids=turn2, max_new_tokens=16, ignore_eos=True)
     third = srv.generate(input_ids=turn2, max_new_tokens=16, ignore_eos=True)
-    assert first["meta_info"]["cached_tokens"] >= 300
-    assert again["meta_info"]["cached_tokens"] >= len(turn2) - 1
+    page = 32 if name == "kivi" else 1  # KIVI's pages are its key groups; radix hits are whole pages
+    assert first["meta_info"]["cached_tokens"] >= 300 // page * page
+    assert again["meta_info"]["cached_tokens"] >= (len(turn2) - 1) // page * page
     assert again["output_ids"] == third["output_ids"]
     _assert_idle_and_sound(srv)
 
 
-def test_aborts_do_not_leak(fp8_servers: dict) -> None:
-    abort_mid_prefill_and_mid_decode(fp8_servers["fp8"], random.Random(6), "fp8")
+@pytest.mark.parametrize("name", ["fp8", "kivi"])
+def test_aborts_do_not_leak(store_servers: dict, name: str) -> None:
+    abort_mid_prefill_and_mid_decode(store_servers[name], random.Random(6), name)
 
 
 def test_launcher_refuses_what_the_store_cannot_serve(tiny_model: str, capsys: pytest.CaptureFixture[str]) -> None:
