@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from interpreted import INTERPRETED, rerun_interpreted
 
 from sgl_sparse.contract import KVGeometry, attend
 from sgl_sparse.errors import SparseConfigError
@@ -141,3 +142,36 @@ def test_prefix_reads_whole_pages_and_the_residual() -> None:
     torch.testing.assert_close(o[:4], want_o, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(lse[:4], want_lse, atol=1e-3, rtol=1e-3)
     assert torch.isinf(lse[4:]).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_decode_kernel_equals_the_store_reference(bits: int) -> None:
+    """The Triton decode (kernels/kivi_attention.py) over rows with whole pages and a residual, an empty row
+    and a row inside its first page, against the store's torch path (run interpreted on CPU)."""
+    if not INTERPRETED:
+        pytest.skip("the kernel runs in the interpreted re-run")
+    from sgl_sparse.kernels import kivi_attention
+
+    store = _store(bits)
+    gen = torch.Generator().manual_seed(bits)
+    lens = {0: 27, 1: 5, 2: 0, 3: 40}
+    r2t = torch.zeros(ROWS, 64, dtype=torch.int32)
+    for r, n in lens.items():
+        if n:
+            slots = _row_slots(r, n)
+            k = torch.randn(n, HKV, D, generator=gen) * torch.linspace(0.1, 4, D)
+            store.write(1, slots, k, torch.randn(n, HKV, D, generator=gen), torch.full((n,), r), decode=False)
+            r2t[r, :n] = slots.to(torch.int32)
+    rpi = torch.tensor(list(lens), dtype=torch.int32)
+    seq = torch.tensor(list(lens.values()), dtype=torch.int32)
+    q = torch.randn(len(lens), HKV * G, D, generator=gen)
+    want = store.decode(1, q, r2t, rpi.long(), seq.long(), SCALE)
+    got = kivi_attention.decode_attention(q, store.k_codes[1], store.v_codes[1], store.k_scale[1], store.k_zero[1],
+                                          store.v_scale[1], store.v_zero[1], store.res_k[1], store.res_v[1], r2t, rpi,
+                                          seq, SCALE, bits, GS, splits=3)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
+def test_triton_kernel_under_the_interpreter() -> None:
+    rerun_interpreted(__file__)

@@ -1,0 +1,117 @@
+"""Decode attention over KIVI's layout (``methods/quantization/kivi.py``), dequantized in registers.
+
+Not served yet (the launcher refuses ``kivi`` on CUDA until this kernel has run on a GPU). Layout, per
+layer: K and V codes ``[slots, Hkv, bits, D / 8]`` uint8 bit planes (plane ``b`` holds bit ``b`` of 8
+channels a byte, the first channel in the lowest bit); K scale and zero ``[pages, Hkv, D]`` (one page
+= one key group), V scale and zero ``[slots, Hkv, D / G]``, fp16; the residual ``[rows, G, Hkv, D]``
+holds each request's positions past its last whole page, in the model dtype.
+
+Grid: request x KV head x ``splits``, as the FP8 decode kernel; a position reads the codes if it lies in
+a whole page, else the residual row, under one online softmax; the splits are merged in torch.
+``decode_attention_torch`` is the reference (the store's own torch path).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_sparse.kernels.splits import merge_splits, online_step
+
+SPLITS = 16
+
+
+@triton.jit
+def _unpack(codes, slot, h, stride_cs, stride_ch, ok, BLOCK: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
+    """Codes of ``slot`` x channel ``[BLOCK, D]`` (fp32) from ``BITS`` bit planes of ``D / 8`` bytes."""
+    d = tl.arange(0, D)
+    base = codes + slot[:, None] * stride_cs + h * stride_ch + (d // 8)[None, :]
+    val = tl.zeros([BLOCK, D], tl.int32)
+    for b in tl.static_range(BITS):
+        byte = tl.load(base + b * (D // 8), mask=ok[:, None], other=0).to(tl.int32)
+        val += ((byte >> (d % 8)[None, :]) & 1) << b
+    return val.to(tl.float32)
+
+
+@triton.jit
+def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token,
+                   req_pool_indices, seq_lens, ws_m, ws_l, ws_acc, stride_qb, stride_qh, stride_cs, stride_ch,
+                   stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
+                   scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+    rh = tl.program_id(0)
+    pid = tl.program_id(1)
+    i = rh // HKV
+    h = rh % HKV
+    n = tl.load(seq_lens + i)
+    whole = n // GS * GS
+    per = tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK) * BLOCK
+    lo = pid * per
+    hi = tl.minimum(lo + per, n)
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    row_ptr = req_to_token + row * stride_r2t
+    gi = tl.arange(0, GP)
+    gm = gi < G
+    d = tl.arange(0, D)
+    qv = tl.load(q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], mask=gm[:, None],
+                 other=0.0).to(tl.float32)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        pos = start + tl.arange(0, BLOCK)
+        ok = pos < hi
+        quant = ok & (pos < whole)
+        res = ok & (pos >= whole)
+        slot = tl.load(row_ptr + pos, mask=quant, other=0).to(tl.int64)
+        page = slot // GS
+        ks = tl.load(k_scale + page[:, None] * stride_ksp + h * stride_ksh + d[None, :], mask=quant[:, None],
+                     other=0.0).to(tl.float32)
+        kz = tl.load(k_zero + page[:, None] * stride_ksp + h * stride_ksh + d[None, :], mask=quant[:, None],
+                     other=0.0).to(tl.float32)
+        vs = tl.load(v_scale + slot[:, None] * stride_vss + h * stride_vsh + (d // GS)[None, :], mask=quant[:, None],
+                     other=0.0).to(tl.float32)
+        vz = tl.load(v_zero + slot[:, None] * stride_vss + h * stride_vsh + (d // GS)[None, :], mask=quant[:, None],
+                     other=0.0).to(tl.float32)
+        kq = _unpack(k_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * ks + kz
+        vq = _unpack(v_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * vs + vz
+        roff = row * stride_rr + (pos - whole).to(tl.int64)[:, None] * stride_rt + h * stride_rh + d[None, :]
+        kr = tl.load(res_k + roff, mask=res[:, None], other=0.0).to(tl.float32)
+        vr = tl.load(res_v + roff, mask=res[:, None], other=0.0).to(tl.float32)
+        kk = tl.where(res[:, None], kr, kq)
+        vv = tl.where(res[:, None], vr, vq)
+        s = tl.dot(qv, tl.trans(kk)) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m, den, acc = online_step(m, den, acc, s, vv)
+    w = (rh.to(tl.int64) * NSPLIT + pid) * G
+    tl.store(ws_m + w + gi, m, mask=gm)
+    tl.store(ws_l + w + gi, den, mask=gm)
+    tl.store(ws_acc + (w + gi)[:, None] * D + d[None, :], acc, mask=gm[:, None])
+
+
+def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
+                     k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
+                     res_v: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, bits: int, group: int,
+                     splits: int = SPLITS) -> torch.Tensor:
+    """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
+    ``seq_lens`` on the device). ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``."""
+    bs, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    if bs == 0:
+        return torch.empty_like(q)
+    assert d & (d - 1) == 0 and d % group == 0, "head_dim must be a power of two and whole value groups"
+    assert v_codes.stride() == k_codes.stride() and k_zero.stride() == k_scale.stride()
+    assert v_zero.stride() == v_scale.stride() and res_v.stride() == res_k.stride() and res_k.stride(3) == 1
+    g = hq // hkv
+    ws_m = torch.empty(bs * hkv, splits, g, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty(bs * hkv, splits, g, d, dtype=torch.float32, device=q.device)
+    _decode_kernel[(bs * hkv, splits)](
+        q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
+        seq_lens, ws_m, ws_l, ws_acc, q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
+        k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), res_k.stride(0),
+        res_k.stride(1), res_k.stride(2), req_to_token.stride(0), scale, HKV=hkv, G=g,
+        GP=max(16, triton.next_power_of_2(g)), D=d, GS=group, BITS=bits, BLOCK=16, NSPLIT=splits)
+    return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
