@@ -120,7 +120,7 @@ quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / Re
 fp8kv130k|fp8kv130k6)  # fp8_kv at 130K: at its largest batch (QUANT_BATCH, default 11: 1.94x vanilla's pool) and at 6
   install
   b=$([ "$1" = fp8kv130k6 ] && echo 6 || echo "${QUANT_BATCH:-11}")
-  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
+  SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method fp8_kv --sparse-config '{}' --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
