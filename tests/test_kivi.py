@@ -166,10 +166,39 @@ def test_decode_kernel_equals_the_store_reference(bits: int) -> None:
     seq = torch.tensor(list(lens.values()), dtype=torch.int32)
     q = torch.randn(len(lens), HKV * G, D, generator=gen)
     want = store.decode(1, q, r2t, rpi.long(), seq.long(), SCALE)
-    got = kivi_attention.decode_attention(q, store.k_codes[1], store.v_codes[1], store.k_scale[1], store.k_zero[1],
-                                          store.v_scale[1], store.v_zero[1], store.res_k[1], store.res_v[1], r2t, rpi,
-                                          seq, SCALE, bits, GS, splits=3)
+    got = kivi_attention.decode_attention(q, *store._buffers(1), r2t, rpi, seq, SCALE, bits, GS, splits=3)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_prefix_kernel_equals_the_store_reference(bits: int) -> None:
+    """The Triton extend over the cached prefix (whole pages + residual; an empty prefix; a prefix inside its
+    first page) against the store's torch path (run interpreted on CPU)."""
+    if not INTERPRETED:
+        pytest.skip("the kernel runs in the interpreted re-run")
+    from sgl_sparse.kernels import fp8_attention, kivi_attention
+
+    store = _store(bits)
+    gen = torch.Generator().manual_seed(10 + bits)
+    prefix = {0: 27, 1: 5, 2: 0, 3: 40}
+    new = [3, 7, 2, 1]
+    r2t = torch.zeros(ROWS, 64, dtype=torch.int32)
+    for r, n in prefix.items():
+        if n:
+            slots = _row_slots(r, n)
+            store.write(1, slots, torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen),
+                        torch.full((n,), r), decode=False)
+            r2t[r, :n] = slots.to(torch.int32)
+    rpi = torch.tensor(list(prefix), dtype=torch.int32)
+    lens = torch.tensor(list(prefix.values()), dtype=torch.int32)
+    qo = torch.tensor([0, 3, 10, 12, 13], dtype=torch.int32)
+    q = torch.randn(13, HKV * G, D, generator=gen)
+    want, want_lse = store.prefix(1, q, qo, r2t, rpi.long(), lens.long(), new, SCALE)
+    bm = fp8_attention.prefix_block_m(G, False, 4)
+    got, got_lse = kivi_attention.prefix_attention(q, *store._buffers(1), qo, r2t, rpi, lens, SCALE, bits, GS,
+                                                   fp8_attention.prefix_blocks(new, bm, q.device), bm, block_n=16)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")

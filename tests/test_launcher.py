@@ -349,8 +349,8 @@ def test_selection_on_gpu_needs_a_validated_gpu_path(capsys: pytest.CaptureFixtu
 
 def test_a_quantized_layout_on_gpu_needs_validated_kernels(capsys: pytest.CaptureFixture[str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_kv's kernels have not run on a GPU: a launch error naming the opt-in, which starts it; kivi has no
-    GPU kernels at all: a launch error even with the opt-in."""
+    """fp8_kv's and kivi's kernels have not run on a GPU: a launch error naming the opt-in, which starts them;
+    a layout without GPU kernels (the lossless test store): a launch error even with the opt-in."""
     monkeypatch.delenv("SGLSPARSE_GPU_QUANT", raising=False)
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "fp8_kv"])
@@ -358,6 +358,9 @@ def test_a_quantized_layout_on_gpu_needs_validated_kernels(capsys: pytest.Captur
     monkeypatch.setenv("SGLSPARSE_GPU_QUANT", "1")
     _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "fp8_kv"])
     assert hand.method == "fp8_kv" and hand.prefill_cuda_graph_off
+    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "kivi"])
+    assert hand.method == "kivi"
+    monkeypatch.setenv("SGLSPARSE_METHOD_MODULES", "tests.plain_store")
     with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "kivi"])
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "plain_store"])
     assert "GPU kernels are not written yet" in capsys.readouterr().err

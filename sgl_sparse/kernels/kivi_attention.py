@@ -1,14 +1,17 @@
-"""Decode attention over KIVI's layout (``methods/quantization/kivi.py``), dequantized in registers.
+"""Decode and extend attention over KIVI's layout (``methods/quantization/kivi.py``), dequantized in registers.
 
-Not served yet (the launcher refuses ``kivi`` on CUDA until this kernel has run on a GPU). Layout, per
+Not served on CUDA without the launcher's opt-in until these kernels have run on a GPU. Layout, per
 layer: K and V codes ``[slots, Hkv, bits, D / 8]`` uint8 bit planes (plane ``b`` holds bit ``b`` of 8
 channels a byte, the first channel in the lowest bit); K scale and zero ``[pages, Hkv, D]`` (one page
 = one key group), V scale and zero ``[slots, Hkv, D / G]``, fp16; the residual ``[rows, G, Hkv, D]``
 holds each request's positions past its last whole page, in the model dtype.
 
-Grid: request x KV head x ``splits``, as the FP8 decode kernel; a position reads the codes if it lies in
-a whole page, else the residual row, under one online softmax; the splits are merged in torch.
-``decode_attention_torch`` is the reference (the store's own torch path).
+Decode grid: request x KV head x ``splits``, as the FP8 decode kernel; a position reads the codes if it
+lies in a whole page, else the residual row, under one online softmax; the splits are merged in torch.
+Extend (:func:`prefix_attention`): blocks of ``BLOCK_M`` new tokens of one request x KV head (the group's
+query heads as rows of one tile), over the request's cached prefix read the same way; output and natural
+log-sum-exp, merged by the caller with the new tokens' own attention. The store's torch path is the
+reference of both.
 """
 
 from __future__ import annotations
@@ -32,6 +35,73 @@ def _unpack(codes, slot, h, stride_cs, stride_ch, ok, BLOCK: tl.constexpr, BITS:
         byte = tl.load(base + b * (D // 8), mask=ok[:, None], other=0).to(tl.int32)
         val += ((byte >> (d % 8)[None, :]) & 1) << b
     return val.to(tl.float32)
+
+
+@triton.jit
+def _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row_ptr, row, h, pos, ok, whole,
+              stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh,
+              BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr):
+    """K and V ``[BLOCK, D]`` (fp32) of a row's positions ``pos``: dequantized codes below ``whole``, the
+    residual from there."""
+    d = tl.arange(0, D)
+    quant = ok & (pos < whole)
+    res = ok & (pos >= whole)
+    slot = tl.load(row_ptr + pos, mask=quant, other=0).to(tl.int64)
+    page = slot // GS
+    kso = page[:, None] * stride_ksp + h * stride_ksh + d[None, :]
+    ks = tl.load(k_scale + kso, mask=quant[:, None], other=0.0).to(tl.float32)
+    kz = tl.load(k_zero + kso, mask=quant[:, None], other=0.0).to(tl.float32)
+    vso = slot[:, None] * stride_vss + h * stride_vsh + (d // GS)[None, :]
+    vs = tl.load(v_scale + vso, mask=quant[:, None], other=0.0).to(tl.float32)
+    vz = tl.load(v_zero + vso, mask=quant[:, None], other=0.0).to(tl.float32)
+    kq = _unpack(k_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * ks + kz
+    vq = _unpack(v_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * vs + vz
+    roff = row * stride_rr + (pos - whole).to(tl.int64)[:, None] * stride_rt + h * stride_rh + d[None, :]
+    kr = tl.load(res_k + roff, mask=res[:, None], other=0.0).to(tl.float32)
+    vr = tl.load(res_v + roff, mask=res[:, None], other=0.0).to(tl.float32)
+    return tl.where(res[:, None], kr, kq), tl.where(res[:, None], vr, vq)
+
+
+@triton.jit
+def _prefix_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, qo_indptr, req_to_token,
+                   req_pool_indices, prefix_lens, blk_req, blk_start, out, lse, stride_qt, stride_qh, stride_ot,
+                   stride_oh, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr,
+                   stride_rt, stride_rh, stride_r2t, scale, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                   D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.load(blk_req + b)
+    q_lo = tl.load(qo_indptr + i)
+    q_hi = tl.load(qo_indptr + i + 1)
+    n = tl.load(prefix_lens + i)
+    whole = n // GS * GS
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    row_ptr = req_to_token + row * stride_r2t
+    r = tl.arange(0, BLOCK_M * GP)
+    tok = (q_lo + tl.load(blk_start + b) + r // GP).to(tl.int64)
+    g = r % GP
+    rm = (tok < q_hi) & (g < G)
+    head = h * G + g
+    d = tl.arange(0, D)
+    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rm[:, None],
+                 other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M * GP], tl.float32)
+    acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
+    for start in range(0, n, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < n
+        kk, vv = _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row_ptr, row, h, pos,
+                           ok, whole, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr,
+                           stride_rt, stride_rh, BLOCK_N, D, GS, BITS)
+        s = tl.dot(qv, tl.trans(kk)) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m, den, acc = online_step(m, den, acc, s, vv)
+    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
+             mask=rm[:, None])
+    tl.store(lse + tok * HQ + head, tl.where(den > 0, m + tl.log(den), float("-inf")), mask=rm)
 
 
 @triton.jit
@@ -62,25 +132,9 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
     for start in range(lo, hi, BLOCK):
         pos = start + tl.arange(0, BLOCK)
         ok = pos < hi
-        quant = ok & (pos < whole)
-        res = ok & (pos >= whole)
-        slot = tl.load(row_ptr + pos, mask=quant, other=0).to(tl.int64)
-        page = slot // GS
-        ks = tl.load(k_scale + page[:, None] * stride_ksp + h * stride_ksh + d[None, :], mask=quant[:, None],
-                     other=0.0).to(tl.float32)
-        kz = tl.load(k_zero + page[:, None] * stride_ksp + h * stride_ksh + d[None, :], mask=quant[:, None],
-                     other=0.0).to(tl.float32)
-        vs = tl.load(v_scale + slot[:, None] * stride_vss + h * stride_vsh + (d // GS)[None, :], mask=quant[:, None],
-                     other=0.0).to(tl.float32)
-        vz = tl.load(v_zero + slot[:, None] * stride_vss + h * stride_vsh + (d // GS)[None, :], mask=quant[:, None],
-                     other=0.0).to(tl.float32)
-        kq = _unpack(k_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * ks + kz
-        vq = _unpack(v_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * vs + vz
-        roff = row * stride_rr + (pos - whole).to(tl.int64)[:, None] * stride_rt + h * stride_rh + d[None, :]
-        kr = tl.load(res_k + roff, mask=res[:, None], other=0.0).to(tl.float32)
-        vr = tl.load(res_v + roff, mask=res[:, None], other=0.0).to(tl.float32)
-        kk = tl.where(res[:, None], kr, kq)
-        vv = tl.where(res[:, None], vr, vq)
+        kk, vv = _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row_ptr, row, h, pos,
+                           ok, whole, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr,
+                           stride_rt, stride_rh, BLOCK, D, GS, BITS)
         s = tl.dot(qv, tl.trans(kk)) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = online_step(m, den, acc, s, vv)
@@ -115,3 +169,29 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         res_k.stride(1), res_k.stride(2), req_to_token.stride(0), scale, HKV=hkv, G=g,
         GP=max(16, triton.next_power_of_2(g)), D=d, GS=group, BITS=bits, BLOCK=16, NSPLIT=splits)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
+
+
+def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
+                     k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
+                     res_v: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, bits: int, group: int,
+                     blocks: tuple[torch.Tensor, torch.Tensor], block_m: int,
+                     block_n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """KIVI extend over the cached prefix: ``q`` ``[n, Hq, D]`` (request ``i``'s rows from ``qo_indptr[i]``) over
+    the first ``prefix_lens[i]`` positions of its row -> (output, fp32 natural log-sum-exp ``[n, Hq]``, ``-inf``
+    over an empty prefix). ``blocks``: ``fp8_attention.prefix_blocks`` of this step for ``block_m``."""
+    n, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out, lse
+    g = hq // hkv
+    blk_req, blk_start = blocks
+    _prefix_kernel[(blk_req.shape[0], hkv)](
+        q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, qo_indptr, req_to_token,
+        req_pool_indices, prefix_lens, blk_req, blk_start, out, lse, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), v_scale.stride(0),
+        v_scale.stride(1), res_k.stride(0), res_k.stride(1), res_k.stride(2), req_to_token.stride(0), scale, HQ=hq,
+        G=g, GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out, lse

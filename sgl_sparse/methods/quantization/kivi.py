@@ -20,8 +20,9 @@ groups):
 
 At 4 bits a Llama-3-8B layer costs 1,280 bytes per token (codes 1,024, scales 256) against bf16's 4,096:
 3.2x the tokens (2 bits: 768, 5.3x), plus the fixed residual (``--max-running-requests`` x 2 x 32 x 8 x
-128 x 2 bytes a layer). This file is the plain-torch layout and reference path (the CPU server); the
-GPU kernels are not written yet, so the launcher refuses ``kivi`` on CUDA.
+128 x 2 bytes a layer). The torch path here serves the CPU server and is the kernels' reference; on CUDA
+decode and extend are Triton kernels (``kernels/kivi_attention.py``), behind the launcher's opt-in until
+they have run on a GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend, attend_rows
-from sgl_sparse.kernels import quant
+from sgl_sparse.kernels import fp8_attention, kivi_attention, quant
 from sgl_sparse.registry import register_method
 
 
@@ -52,10 +53,16 @@ class KIVIConfig(MethodConfig):
 
 
 class KIVIStore(KVStore):
+    # Decode and extend run as Triton kernels on CUDA (kernels/kivi_attention.py); the launcher keeps them
+    # behind its opt-in until they have passed the GPU tests.
+    gpu_kernels = True
+
     def __init__(self, config: KIVIConfig) -> None:
         self.bits = config.bits
         self.page_size = self.group = config.group_size
         self.dtype = torch.bfloat16
+        self.use_triton = False
+        self._blocks: tuple[list[int], tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's extend grid
 
     # -- sizing ------------------------------------------------------------------------------------
     def bytes_per_token(self, g: KVGeometry) -> int:
@@ -93,6 +100,7 @@ class KIVIStore(KVStore):
         self.res_k = [torch.zeros(res, dtype=g.dtype, device=dev) for _ in range(g.num_layers)]
         self.res_v = [torch.zeros(res, dtype=g.dtype, device=dev) for _ in range(g.num_layers)]
         self.dtype = g.dtype
+        self.use_triton = dev.type == "cuda"
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
         return [self.k_codes[layer_id], self.v_codes[layer_id], self.v_scale[layer_id], self.v_zero[layer_id]]
@@ -166,14 +174,28 @@ class KIVIStore(KVStore):
         rk, rv = self.res_k[layer_id][row, : n - whole], self.res_v[layer_id][row, : n - whole]
         return torch.cat([k, rk]), torch.cat([v, rv])
 
+    def _buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+        return (self.k_codes[layer_id], self.v_codes[layer_id], self.k_scale[layer_id], self.k_zero[layer_id],
+                self.v_scale[layer_id], self.v_zero[layer_id], self.res_k[layer_id], self.res_v[layer_id])
+
     def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.use_triton:
+            return kivi_attention.decode_attention(q, *self._buffers(layer_id), req_to_token, req_pool_indices,
+                                                   seq_lens, scale, self.bits, self.group)
         return attend_rows(q, [self._row(layer_id, req_to_token, int(r), int(n))
                                for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)], scale)
 
     def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], False)
+            if self._blocks is None or self._blocks[0] is not extend_lens:  # once per step, not per layer
+                self._blocks = (extend_lens, fp8_attention.prefix_blocks(extend_lens, bm, q.device))
+            return kivi_attention.prefix_attention(q, *self._buffers(layer_id), qo_indptr, req_to_token,
+                                                   req_pool_indices, prefix_lens, scale, self.bits, self.group,
+                                                   self._blocks[1], bm)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         at = 0
