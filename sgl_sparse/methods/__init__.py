@@ -2,5 +2,5 @@
 
 from sgl_sparse.methods import dense  # noqa: F401
 from sgl_sparse.methods.eviction import snapkv, streamingllm  # noqa: F401
-from sgl_sparse.methods.quantization import fp8_kv, kivi  # noqa: F401
+from sgl_sparse.methods.quantization import fp8_kv, kivi, turboquant  # noqa: F401
 from sgl_sparse.methods.selection import omnikv, quest, retroinfer  # noqa: F401

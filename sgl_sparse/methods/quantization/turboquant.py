@@ -1,0 +1,167 @@
+"""TurboQuant (Zandieh et al., 2025, arXiv:2504.19874): a seeded random rotation, then a per-coordinate
+Lloyd-Max (Gaussian) codebook, plus an optional 1-bit QJL residual that makes ``q . k`` unbiased.
+
+A random orthogonal rotation makes every coordinate of a unit vector ~ N(0, 1/D), so one scalar codebook
+(the MSE-optimal one for N(0, 1), ``kernels/quant.py::lloyd_max_gaussian``) serves every coordinate of
+every token and head; per token and head only the norm is stored. With ``qjl``, the key's quantization
+residual ``r`` is kept as ``sign(S r)`` (``S`` a seeded Gaussian ``D x D``) and ``||r||``, and attention
+scores add QJL's unbiased estimate of ``q . r`` (SparseEngine's port has no QJL). Defaults: 4 bits (2
+and 3 also), QJL off, seed 0.
+
+Layout, per layer: K and V codes ``[slots, Hkv, bits, D / 8]`` uint8 bit planes, K and V norms ``[slots,
+Hkv]`` fp32; with QJL, the residual's signs ``[slots, Hkv, 1, D / 8]`` and norms ``[slots, Hkv]``. At 4 bits
+a Llama-3-8B layer costs 1,088 bytes per token (3.76x bf16's tokens; QJL adds 160). Per-token, so no
+residual and no page constraint. Served on the CPU server in plain torch (its GPU kernels are not
+written yet, so the launcher refuses it on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl_sparse.config import MethodConfig
+from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
+from sgl_sparse.kernels import quant
+from sgl_sparse.registry import register_method
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig(MethodConfig):
+    """``bits`` per coordinate of keys and values; ``qjl`` adds the keys' 1-bit residual; ``seed`` draws the
+    rotation (and QJL's projection)."""
+
+    method_name = "turboquant"
+    bits: int = 4
+    qjl: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        self.require(self.bits in (2, 3, 4), "bits", "must be 2, 3 or 4")
+
+
+class TurboQuantStore(KVStore):
+    def __init__(self, config: TurboQuantConfig) -> None:
+        self.bits = config.bits
+        self.qjl = config.qjl
+        self.seed = config.seed
+        self.dtype = torch.bfloat16
+
+    def bytes_per_token(self, g: KVGeometry) -> int:
+        per_layer = 2 * g.num_kv_heads * (g.head_dim * self.bits // 8 + 4)
+        if self.qjl:
+            per_layer += g.num_kv_heads * (g.head_dim // 8 + 4)
+        return g.num_layers * per_layer
+
+    def allocate(self, g: KVGeometry) -> None:
+        if g.head_dim % 8:
+            raise ValueError(f"turboquant: head_dim {g.head_dim} must be a multiple of 8")
+        dev, h, d, n = g.device, g.num_kv_heads, g.head_dim, g.num_slots
+        self.rot = quant.rotation(d, self.seed).to(dev)
+        levels, bounds = quant.lloyd_max_gaussian(self.bits)
+        self.levels, self.bounds = levels.to(dev), bounds.to(dev)
+        planes = (n, h, self.bits, d // 8)
+        self.k_codes = [torch.zeros(planes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+        self.v_codes = [torch.zeros(planes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+        self.k_norm = [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(g.num_layers)]
+        self.v_norm = [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(g.num_layers)]
+        if self.qjl:
+            gen = torch.Generator().manual_seed(self.seed + 1)
+            self.proj = torch.randn(d, d, generator=gen).to(dev)
+            self.k_signs = [torch.zeros(n, h, 1, d // 8, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+            self.k_rnorm = [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(g.num_layers)]
+        self.dtype = g.dtype
+
+    def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
+        out = [self.k_codes[layer_id], self.v_codes[layer_id], self.k_norm[layer_id], self.v_norm[layer_id]]
+        return out + ([self.k_signs[layer_id], self.k_rnorm[layer_id]] if self.qjl else [])
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": "turboquant", "bits": self.bits, "qjl": self.qjl, "seed": self.seed,
+                "scales": "one norm per token and KV head, fp32; a shared Lloyd-Max codebook"}
+
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              decode: bool) -> None:
+        kc, kn = quant.turboquant_quantize(k, self.rot, self.bounds)
+        vc, vn = quant.turboquant_quantize(v, self.rot, self.bounds)
+        self.k_codes[layer_id][loc] = quant.pack_bits(kc, self.bits)
+        self.v_codes[layer_id][loc] = quant.pack_bits(vc, self.bits)
+        self.k_norm[layer_id][loc] = kn
+        self.v_norm[layer_id][loc] = vn
+        if self.qjl:
+            residual = k.float() - quant.turboquant_dequantize(kc, kn, self.rot, self.levels, torch.float32)
+            signs, rnorm = quant.qjl_encode(residual, self.proj)
+            self.k_signs[layer_id][loc] = quant.pack_bits(signs.to(torch.uint8), 1)
+            self.k_rnorm[layer_id][loc] = rnorm
+
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MSE reconstruction (without the QJL residual, which only attention scores use)."""
+        kc = quant.unpack_bits(self.k_codes[layer_id][slots], self.bits)
+        vc = quant.unpack_bits(self.v_codes[layer_id][slots], self.bits)
+        k = quant.turboquant_dequantize(kc, self.k_norm[layer_id][slots], self.rot, self.levels, self.dtype)
+        v = quant.turboquant_dequantize(vc, self.v_norm[layer_id][slots], self.rot, self.levels, self.dtype)
+        return k, v
+
+    def _scores(self, layer_id: int, q: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+        """Logits ``[Hq, n_q, n]`` of queries ``q`` ``[n_q, Hq, D]`` against ``slots``, QJL-corrected if on."""
+        k, _ = self.read(layer_id, slots)
+        group = q.shape[1] // k.shape[1]
+        qf = q.float()
+        logits = torch.einsum("thd,shd->hts", qf, k.float().repeat_interleave(group, dim=1))
+        if self.qjl:
+            signs = quant.unpack_bits(self.k_signs[layer_id][slots], 1).float() * 2 - 1  # [n, Hkv, D]
+            rn = self.k_rnorm[layer_id][slots]  # [n, Hkv]
+            qp = qf @ self.proj.T  # [n_q, Hq, D]: S q
+            est = torch.einsum("thm,shm->hts", qp, signs.repeat_interleave(group, dim=1))
+            m = self.proj.shape[0]
+            logits = logits + (torch.pi / 2) ** 0.5 / m * est * rn.repeat_interleave(group, dim=1).T[:, None, :]
+        return logits * scale
+
+    def _attend(self, layer_id: int, q: torch.Tensor, slots: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        _, v = self.read(layer_id, slots)
+        group = q.shape[1] // v.shape[1]
+        logits = self._scores(layer_id, q, slots, scale)
+        out = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), v.float().repeat_interleave(group, dim=1))
+        return out.to(q.dtype), torch.logsumexp(logits, dim=-1).transpose(0, 1)
+
+    def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        for i, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)):
+            if n > 0:
+                out[i] = self._attend(layer_id, q[i:i + 1], req_to_token[r, :n].long(), scale)[0][0]
+        return out
+
+    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        at = 0
+        for r, n, m in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens, strict=True):
+            if n > 0 and m > 0:
+                out[at:at + m], lse[at:at + m] = self._attend(layer_id, q[at:at + m], req_to_token[r, :n].long(),
+                                                              scale)
+            at += m
+        return out, lse
+
+
+@register_method
+class TurboQuant(SparseMethod[TurboQuantConfig]):
+    """Every token kept and read; stored as rotated, Lloyd-Max-coded coordinates and a norm (+ QJL)."""
+
+    name = "turboquant"
+    family = Family.QUANTIZATION
+    config_cls = TurboQuantConfig
+    prefix_reuse = PrefixReuse.RADIX
+
+    def __init__(self, config: TurboQuantConfig) -> None:
+        super().__init__(config)
+        self._store = TurboQuantStore(config)
+
+    @property
+    def store(self) -> TurboQuantStore:
+        return self._store
