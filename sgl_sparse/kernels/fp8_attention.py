@@ -31,7 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.splits import merge_splits, online_step
+from sgl_sparse.kernels.splits import (
+    extend_rows,
+    merge_splits,
+    online_step,
+    online_step_weighted,
+    split_workspace,
+    store_rows,
+    store_split,
+)
 
 SPLITS = 16
 
@@ -108,10 +116,7 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
         s = tl.dot(qv, tl.trans(_decode_codes(kc, NATIVE))) * (ks * scale)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = online_step(m, den, acc, s, _decode_codes(vc, NATIVE) * vs[:, None])
-    w = (rh.to(tl.int64) * NSPLIT + pid) * G
-    tl.store(ws_m + w + gi, m, mask=gm)
-    tl.store(ws_l + w + gi, den, mask=gm)
-    tl.store(ws_acc + (w + gi)[:, None] * D + d[None, :], acc, mask=gm[:, None])
+    store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D)
 
 
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
@@ -127,9 +132,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     assert k_codes.dtype == torch.uint8 and v_codes.stride() == k_codes.stride() and k_codes.stride(2) == 1
     assert v_scale.stride() == k_scale.stride() and k_scale.stride(1) == 1 and q.stride(2) == 1
     g = hq // hkv
-    ws_m = torch.empty(bs * hkv, splits, g, dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty(bs * hkv, splits, g, d, dtype=torch.float32, device=q.device)
+    ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0),
@@ -169,22 +172,12 @@ def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, req_to_toke
                    stride_ss, stride_r2t, scale,
                    HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
-    b = tl.program_id(0)
+    i, tok, head, rm, qv = extend_rows(q, qo_indptr, blk_req, blk_start, stride_qt, stride_qh, G, GP, D, BLOCK_M)
+    qv = qv.to(tl.bfloat16) if NATIVE else qv.to(tl.float32)
     h = tl.program_id(1)
-    i = tl.load(blk_req + b)
-    q_lo = tl.load(qo_indptr + i)
-    q_hi = tl.load(qo_indptr + i + 1)
     kv_hi = tl.load(prefix_lens + i)
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
-    r = tl.arange(0, BLOCK_M * GP)  # row = (token, head of the group)
-    tok = (q_lo + tl.load(blk_start + b) + r // GP).to(tl.int64)
-    g = r % GP
-    rm = (tok < q_hi) & (g < G)
-    head = h * G + g
     d = tl.arange(0, D)
-    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rm[:, None],
-                 other=0.0)
-    qv = qv.to(tl.bfloat16) if NATIVE else qv.to(tl.float32)
     m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
@@ -196,27 +189,12 @@ def _prefix_kernel(q, k_codes, k_scale, v_codes, v_scale, qo_indptr, req_to_toke
         vc = tl.load(v_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
         ks = tl.load(k_scale + slot * stride_ss + h, mask=ok, other=0.0)
         vs = tl.load(v_scale + slot * stride_ss + h, mask=ok, other=0.0)
-        if NATIVE:
-            # E4M3 values are exact in bf16: tensor-core dots of the raw codes, the scales applied to the
-            # logits (keys) and to the probabilities (values), accumulation in fp32.
-            s = tl.dot(qv, tl.trans(kc.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16))) * (ks * scale)[None, :]
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            den = den * alpha + tl.sum(p, 1)
-            pv = (p * vs[None, :]).to(tl.bfloat16)
-            acc = acc * alpha[:, None] + tl.dot(pv, vc.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16))
-            m = m_new
-        else:
-            s = tl.dot(qv, tl.trans(_e4m3(kc))) * (ks * scale)[None, :]
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m, den, acc = online_step(m, den, acc, s, _e4m3(vc) * vs[:, None])
-    o = acc / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
-             mask=rm[:, None])
-    tl.store(lse + tok * HQ + head, tl.where(den > 0, m + tl.log(den), float("-inf")), mask=rm)
+        # E4M3 values are exact in bf16: on the GPU the dots take the raw codes on the tensor cores, the scales
+        # applied to the logits (keys) and to the probabilities (values), accumulation in fp32.
+        s = tl.dot(qv, tl.trans(_decode_codes(kc, NATIVE).to(qv.dtype))) * (ks * scale)[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m, den, acc = online_step_weighted(m, den, acc, s, _decode_codes(vc, NATIVE).to(qv.dtype), vs)
+    store_rows(out, lse, tok, head, rm, m, den, acc, stride_ot, stride_oh, HQ, D)
 
 
 def prefix_block_m(group: int, cuda: bool, block_m: int | None = None) -> int:

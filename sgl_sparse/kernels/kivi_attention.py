@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.splits import merge_splits, online_step
+from sgl_sparse.kernels.splits import extend_rows, merge_splits, online_step, split_workspace, store_rows, store_split
 
 SPLITS = 16
 
@@ -69,23 +69,13 @@ def _prefix_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                    stride_rt, stride_rh, stride_r2t, scale, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                    D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
-    b = tl.program_id(0)
+    i, tok, head, rm, qv = extend_rows(q, qo_indptr, blk_req, blk_start, stride_qt, stride_qh, G, GP, D, BLOCK_M)
+    qv = qv.to(tl.float32)
     h = tl.program_id(1)
-    i = tl.load(blk_req + b)
-    q_lo = tl.load(qo_indptr + i)
-    q_hi = tl.load(qo_indptr + i + 1)
     n = tl.load(prefix_lens + i)
     whole = n // GS * GS
     row = tl.load(req_pool_indices + i).to(tl.int64)
     row_ptr = req_to_token + row * stride_r2t
-    r = tl.arange(0, BLOCK_M * GP)
-    tok = (q_lo + tl.load(blk_start + b) + r // GP).to(tl.int64)
-    g = r % GP
-    rm = (tok < q_hi) & (g < G)
-    head = h * G + g
-    d = tl.arange(0, D)
-    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rm[:, None],
-                 other=0.0).to(tl.float32)
     m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
@@ -98,10 +88,7 @@ def _prefix_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
         s = tl.dot(qv, tl.trans(kk)) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = online_step(m, den, acc, s, vv)
-    o = acc / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
-             mask=rm[:, None])
-    tl.store(lse + tok * HQ + head, tl.where(den > 0, m + tl.log(den), float("-inf")), mask=rm)
+    store_rows(out, lse, tok, head, rm, m, den, acc, stride_ot, stride_oh, HQ, D)
 
 
 @triton.jit
@@ -138,10 +125,7 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
         s = tl.dot(qv, tl.trans(kk)) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = online_step(m, den, acc, s, vv)
-    w = (rh.to(tl.int64) * NSPLIT + pid) * G
-    tl.store(ws_m + w + gi, m, mask=gm)
-    tl.store(ws_l + w + gi, den, mask=gm)
-    tl.store(ws_acc + (w + gi)[:, None] * D + d[None, :], acc, mask=gm[:, None])
+    store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D)
 
 
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
@@ -159,9 +143,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     assert v_codes.stride() == k_codes.stride() and k_zero.stride() == k_scale.stride()
     assert v_zero.stride() == v_scale.stride() and res_v.stride() == res_k.stride() and res_k.stride(3) == 1
     g = hq // hkv
-    ws_m = torch.empty(bs * hkv, splits, g, dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty(bs * hkv, splits, g, d, dtype=torch.float32, device=q.device)
+    ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
         seq_lens, ws_m, ws_l, ws_acc, q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.splits import merge_splits
+from sgl_sparse.kernels.splits import merge_splits, split_workspace, store_split
 from sgl_sparse.kernels.splits import online_step as _online
 
 NEG = float("-inf")
@@ -464,10 +464,7 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
         s = tl.dot(qv, tl.trans(ct)) * scale + tl.log(tl.where(ok, size, 1.0))[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = _online(m, den, acc, s, vs / tl.where(ok, size, 1.0)[:, None])
-    w = (rh.to(tl.int64) * NSPLIT + pid) * G
-    tl.store(ws_m + w + gi, m, mask=gm)
-    tl.store(ws_l + w + gi, den, mask=gm)
-    tl.store(ws_acc + (w + gi)[:, None] * D + d[None, :], acc, mask=gm[:, None])
+    store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store: IndexStore,
@@ -484,9 +481,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride() and q.stride(2) == 1
     assert layout.seg % 16 == 0 and layout.base % layout.page == 0
     g = hq // hkv
-    ws_m = torch.empty(bs * hkv, splits, g, dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty(bs * hkv, splits, g, d, dtype=torch.float32, device=q.device)
+    ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
     _decode_kernel[(bs * hkv, splits)](
         q, k_cache, v_cache, store.centroids, store.value_sums, store.sizes, store.offsets, store.order,
         req_to_token, req_pool_indices, seq_lens, seg_valid, ranked, retrieved, estimated, ws_m, ws_l, ws_acc,

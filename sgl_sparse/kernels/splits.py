@@ -1,4 +1,6 @@
-"""Split-KV decode pieces shared by the decode kernels: the online-softmax step and the splits' merge."""
+"""Pieces shared by the attention kernels (FP8, KIVI, RetroInfer): the online-softmax step, the split-KV
+decode's per-split state (stored by each program, merged in torch), and the extend kernels' rows (a block
+of query tokens x the group's heads) with their output and log-sum-exp."""
 
 from __future__ import annotations
 
@@ -16,6 +18,66 @@ def online_step(m, lse_sum, acc, logits, vals):
     p = tl.exp(logits - m_safe[:, None])
     acc = acc * alpha[:, None] + tl.dot(p, vals)
     return m_new, lse_sum * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def online_step_weighted(m, lse_sum, acc, logits, vals, weights):
+    """:func:`online_step` with each key's value row scaled by ``weights`` ``[N]``, applied to the
+    probabilities (so ``vals`` may stay raw codes in bf16 for the tensor cores: the dot runs in their dtype)."""
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot((p * weights[None, :]).to(vals.dtype), vals)
+    return m_new, lse_sum * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT: tl.constexpr, G: tl.constexpr,
+                GP: tl.constexpr, D: tl.constexpr):
+    """A decode program's state (row ``rh`` = request x KV head, split ``pid``) into :func:`split_workspace`."""
+    gi = tl.arange(0, GP)
+    gm = gi < G
+    w = (rh.to(tl.int64) * NSPLIT + pid) * G
+    tl.store(ws_m + w + gi, m, mask=gm)
+    tl.store(ws_l + w + gi, den, mask=gm)
+    tl.store(ws_acc + (w + gi)[:, None] * D + tl.arange(0, D)[None, :], acc, mask=gm[:, None])
+
+
+def split_workspace(rows: int, splits: int, group: int, d: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Running max, denominator ``[rows, splits, group]`` and unnormalized output ``[..., d]``, fp32."""
+    ws_m = torch.empty(rows, splits, group, dtype=torch.float32, device=device)
+    return ws_m, torch.empty_like(ws_m), torch.empty(rows, splits, group, d, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def extend_rows(q, qo_indptr, blk_req, blk_start, stride_qt, stride_qh, G: tl.constexpr, GP: tl.constexpr,
+                D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """An extend program's rows (block ``program_id(0)`` of ``BLOCK_M`` new tokens of request ``i``, KV head
+    ``program_id(1)``, the group's query heads): (``i``, each row's token and query head, the row mask, ``q``
+    of the rows ``[BLOCK_M * GP, D]`` as stored)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.load(blk_req + b)
+    r = tl.arange(0, BLOCK_M * GP)
+    tok = (tl.load(qo_indptr + i) + tl.load(blk_start + b) + r // GP).to(tl.int64)
+    g = r % GP
+    rm = (tok < tl.load(qo_indptr + i + 1)) & (g < G)
+    head = h * G + g
+    d = tl.arange(0, D)
+    qv = tl.load(q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rm[:, None], other=0.0)
+    return i, tok, head, rm, qv
+
+
+@triton.jit
+def store_rows(out, lse, tok, head, rm, m, den, acc, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr):
+    """The rows' normalized output and natural log-sum-exp (``-inf`` where nothing was read)."""
+    d = tl.arange(0, D)
+    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
+             mask=rm[:, None])
+    tl.store(lse + tok * HQ + head, tl.where(den > 0, m + tl.log(den), float("-inf")), mask=rm)
 
 
 def merge_splits(ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor) -> torch.Tensor:
