@@ -401,12 +401,23 @@ class KVStore(ABC):
         """What ``/server_info`` reports of the layout (e.g. bits); JSON values."""
         return {}
 
+    def row_attention(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, row: int, n: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference both defaults below are made of: ``q`` ``[m, Hq, D]`` over the first ``n``
+        positions of row ``row`` (``n > 0``), no mask -> (output, natural log-sum-exp ``[m, Hq]``). Override it
+        for layouts that read a row otherwise (a residual) or score otherwise (QJL)."""
+        k, v = self.read(layer_id, req_to_token[row, :n].long())
+        return attend(q, k, v, scale)
+
     def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention, this step's K/V written: ``q`` ``[bs, Hq, D]`` over the first ``seq_lens[i]``
-        slots of each row ``req_to_token[req_pool_indices[i]]`` -> ``[bs, Hq, D]``."""
-        return attend_rows(q, [self.read(layer_id, req_to_token[r, :n].long())
-                               for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)], scale)
+        slots of each row ``req_to_token[req_pool_indices[i]]`` -> ``[bs, Hq, D]`` (an empty row gives 0)."""
+        out = torch.zeros_like(q)
+        for i, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)):
+            if n > 0:
+                out[i] = self.row_attention(layer_id, q[i:i + 1], req_to_token, r, n, scale)[0][0]
+        return out
 
     def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
@@ -419,21 +430,12 @@ class KVStore(ABC):
         prefix), to be merged with the new tokens' own attention."""
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        for i in range(qo_indptr.shape[0] - 1):
-            q0, q1, n = int(qo_indptr[i]), int(qo_indptr[i + 1]), int(prefix_lens[i])
-            if q1 > q0 and n > 0:
-                k, v = self.read(layer_id, req_to_token[req_pool_indices[i], :n].long())
-                out[q0:q1], lse[q0:q1] = attend(q[q0:q1], k, v, scale)
+        at = 0
+        for r, n, m in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens, strict=True):
+            if n > 0 and m > 0:
+                out[at:at + m], lse[at:at + m] = self.row_attention(layer_id, q[at:at + m], req_to_token, r, n, scale)
+            at += m
         return out, lse
-
-
-def attend_rows(q: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """Decode reference: query ``i`` (``q`` ``[bs, Hq, D]``) over ``rows[i]``'s K/V (an empty row gives 0)."""
-    out = torch.zeros_like(q)
-    for i, (k, v) in enumerate(rows):
-        if k.shape[0] > 0:
-            out[i] = attend(q[i:i + 1], k, v, scale)[0][0]
-    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

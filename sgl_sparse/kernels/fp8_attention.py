@@ -221,6 +221,20 @@ def prefix_blocks(extend_lens: list[int], block_m: int, device: torch.device) ->
     return both[0], both[1]
 
 
+class StepBlocks:
+    """:func:`prefix_blocks` of the current extend step, built once: every layer of a step passes the same
+    ``extend_lens`` list (the runtime's, per forward), so it is the key."""
+
+    def __init__(self) -> None:
+        self._key: list[int] | None = None
+        self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, extend_lens: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._blocks is None or self._key is not extend_lens:
+            self._key, self._blocks = extend_lens, prefix_blocks(extend_lens, block_m, device)
+        return self._blocks
+
+
 def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                      v_scale: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, extend_lens: list[int],

@@ -40,7 +40,7 @@ class FP8Store(KVStore):
         self.v_scale: list[torch.Tensor] = []
         self.dtype = torch.bfloat16
         self.use_triton = False
-        self._blocks: tuple[list[int], tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's extend grid
+        self._blocks = fp8_attention.StepBlocks()
 
     def bytes_per_token(self, g: KVGeometry) -> int:
         return g.num_layers * 2 * g.num_kv_heads * (g.head_dim + 4)
@@ -92,13 +92,11 @@ class FP8Store(KVStore):
         if not self.use_triton:
             return super().prefix(layer_id, q, qo_indptr, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                   scale)
-        if self._blocks is None or self._blocks[0] is not extend_lens:  # once per step, not per layer
-            bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], True)
-            self._blocks = (extend_lens, fp8_attention.prefix_blocks(extend_lens, bm, q.device))
+        bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], True)
         return fp8_attention.prefix_attention(q, self.k_codes[layer_id], self.k_scale[layer_id],
                                               self.v_codes[layer_id], self.v_scale[layer_id], qo_indptr,
                                               req_to_token, req_pool_indices, prefix_lens, scale, extend_lens,
-                                              blocks=self._blocks[1])
+                                              blocks=self._blocks.get(extend_lens, bm, q.device))
 
 
 @register_method

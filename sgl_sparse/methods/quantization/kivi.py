@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend, attend_rows
+from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend
 from sgl_sparse.kernels import fp8_attention, kivi_attention, quant
 from sgl_sparse.registry import register_method
 
@@ -62,7 +62,7 @@ class KIVIStore(KVStore):
         self.page_size = self.group = config.group_size
         self.dtype = torch.bfloat16
         self.use_triton = False
-        self._blocks: tuple[list[int], tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's extend grid
+        self._blocks = fp8_attention.StepBlocks()
 
     # -- sizing ------------------------------------------------------------------------------------
     def bytes_per_token(self, g: KVGeometry) -> int:
@@ -174,37 +174,31 @@ class KIVIStore(KVStore):
         rk, rv = self.res_k[layer_id][row, : n - whole], self.res_v[layer_id][row, : n - whole]
         return torch.cat([k, rk]), torch.cat([v, rv])
 
+    def row_attention(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, row: int, n: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return attend(q, *self._row(layer_id, req_to_token, row, n), scale)
+
     def _buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
         return (self.k_codes[layer_id], self.v_codes[layer_id], self.k_scale[layer_id], self.k_zero[layer_id],
                 self.v_scale[layer_id], self.v_zero[layer_id], self.res_k[layer_id], self.res_v[layer_id])
 
     def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.use_triton:
-            return kivi_attention.decode_attention(q, *self._buffers(layer_id), req_to_token, req_pool_indices,
-                                                   seq_lens, scale, self.bits, self.group)
-        return attend_rows(q, [self._row(layer_id, req_to_token, int(r), int(n))
-                               for r, n in zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)], scale)
+        if not self.use_triton:
+            return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
+        return kivi_attention.decode_attention(q, *self._buffers(layer_id), req_to_token, req_pool_indices,
+                                               seq_lens, scale, self.bits, self.group)
 
     def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.use_triton:
-            bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], False)
-            if self._blocks is None or self._blocks[0] is not extend_lens:  # once per step, not per layer
-                self._blocks = (extend_lens, fp8_attention.prefix_blocks(extend_lens, bm, q.device))
-            return kivi_attention.prefix_attention(q, *self._buffers(layer_id), qo_indptr, req_to_token,
-                                                   req_pool_indices, prefix_lens, scale, self.bits, self.group,
-                                                   self._blocks[1], bm)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        at = 0
-        for r, n, m in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens, strict=True):
-            if n > 0 and m > 0:
-                k, v = self._row(layer_id, req_to_token, int(r), int(n))
-                out[at:at + m], lse[at:at + m] = attend(q[at:at + m], k, v, scale)
-            at += m
-        return out, lse
+        if not self.use_triton:
+            return super().prefix(layer_id, q, qo_indptr, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                                  scale)
+        bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], False)
+        return kivi_attention.prefix_attention(q, *self._buffers(layer_id), qo_indptr, req_to_token, req_pool_indices,
+                                               prefix_lens, scale, self.bits, self.group,
+                                               self._blocks.get(extend_lens, bm, q.device), bm)
 
 
 @register_method

@@ -119,34 +119,15 @@ class TurboQuantStore(KVStore):
             logits = logits + (torch.pi / 2) ** 0.5 / m * est * rn.repeat_interleave(group, dim=1).T[:, None, :]
         return logits * scale
 
-    def _attend(self, layer_id: int, q: torch.Tensor, slots: torch.Tensor,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_attention(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, row: int, n: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The contract's reference attention, with the QJL-corrected scores."""
+        slots = req_to_token[row, :n].long()
         _, v = self.read(layer_id, slots)
         group = q.shape[1] // v.shape[1]
         logits = self._scores(layer_id, q, slots, scale)
         out = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), v.float().repeat_interleave(group, dim=1))
         return out.to(q.dtype), torch.logsumexp(logits, dim=-1).transpose(0, 1)
-
-    def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        out = torch.zeros_like(q)
-        for i, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)):
-            if n > 0:
-                out[i] = self._attend(layer_id, q[i:i + 1], req_to_token[r, :n].long(), scale)[0][0]
-        return out
-
-    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
-               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        at = 0
-        for r, n, m in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens, strict=True):
-            if n > 0 and m > 0:
-                out[at:at + m], lse[at:at + m] = self._attend(layer_id, q[at:at + m], req_to_token[r, :n].long(),
-                                                              scale)
-            at += m
-        return out, lse
 
 
 @register_method
