@@ -36,6 +36,7 @@
 #   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (test_gpu_eviction.py alone took ~9 min on
 #                                                a fresh machine, JIT included); GPU_TESTS="tests/gpu/a.py tests/gpu/b.py"
 #                                                runs only those.
+#   bash benchmarks/device_session.sh gpukernels  the kernel-level tests of GPU_TESTS only (no servers), ~2 min.
 #   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
 #   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
 #                                                (e.g. `queue gputests headline floorref`); its progress
@@ -136,7 +137,7 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
@@ -193,6 +194,12 @@ gputests)  # the GPU test suite (GPU_TESTS: files or node ids, default all of te
   # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
   SGL_SPARSE_GPU_LOG_DIR=/root/bench/gpu-logs CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" \
       launch /root/bench/gpu-tests.txt python3 -m pytest ${GPU_TESTS:-tests/gpu} -v
+  ;;
+gpukernels)  # the kernel-level GPU tests only (no servers, ~2 min): new Triton kernels compile and match torch
+  install      # on the GPU before servers are spent on them; GPU_TESTS as for gputests
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/gpu-kernels.txt \
+      python3 -m pytest ${GPU_TESTS:-tests/gpu} -v -k "kernel or select_and"
   ;;
 quality16k)  # quality-large at 16K under QUALITY_METHODS (default: dense, snapkv 2048 and 4096, streamingllm)
   eviction='dense snapkv:{"budget":2048} snapkv:{"budget":4096} streamingllm'
@@ -278,6 +285,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
