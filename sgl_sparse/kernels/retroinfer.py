@@ -423,11 +423,13 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
         pos = tail + b * BLOCK + tl.arange(0, BLOCK)
         m, den, acc = _exact_block(pos, pos < n, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks,
                                  stride_kh, scale, D)
-    for s in range(0, nseg):
-        if tl.load(seg_valid + i * stride_valid + s) == 0:
-            for b in range(pid, SEG // BLOCK, NSPLIT):
-                pos = BASE + s * SEG + b * BLOCK + tl.arange(0, BLOCK)
-                m, den, acc = _exact_block(pos, pos < n, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks,
+    # Names assigned under an `if` must not reuse an outer name of another type (Triton's compiler
+    # rejects an int64 `b` redefined as int32, or the loop's `s` re-used for scores), hence sg / sb / spos / cb.
+    for sg in range(0, nseg):
+        if tl.load(seg_valid + i * stride_valid + sg) == 0:
+            for sb in range(pid, SEG // BLOCK, NSPLIT):
+                spos = BASE + sg * SEG + sb * BLOCK + tl.arange(0, BLOCK)
+                m, den, acc = _exact_block(spos, spos < n, row_ptr, k_cache, v_cache, qv, h, m, den, acc, stride_ks,
                                          stride_kh, scale, D)
     # Retrieved clusters: their members, exactly.
     r = tl.load(retrieved + i)
@@ -441,8 +443,8 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
             page = tl.load(row_ptr + start + (cid % C) * PAGE).to(tl.int64) // PAGE
             off = tl.minimum(tl.maximum(tl.load(offsets + page * HKV + h), 0), SEG)
             size = tl.minimum(tl.load(sizes + page * HKV + h), SEG - off)
-            for b in range(0, tl.cdiv(size, BLOCK)):
-                t = b * BLOCK + tl.arange(0, BLOCK)
+            for cb in range(0, tl.cdiv(size, BLOCK)):
+                t = cb * BLOCK + tl.arange(0, BLOCK)
                 tm = t < size
                 slot_t = tl.load(row_ptr + start + off + t, mask=tm, other=0).to(tl.int64)
                 local = tl.load(order + slot_t * HKV + h, mask=tm, other=0).to(tl.int64)
