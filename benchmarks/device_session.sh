@@ -15,9 +15,10 @@
 #   bash benchmarks/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x 6, ours
 #                                                only (table130k adds them). On a fresh machine the first server of
 #                                                each compiles FlashInfer kernels for its wrappers (minutes).
-#   bash benchmarks/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6   fp8_kv / kivi (4-bit) at
-#                                                130K x QUANT_BATCH (default 11 / 19, what their 1.94x / 3.2x pools
-#                                                fit) and x 6, ours only (table130k adds them).
+#   bash benchmarks/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6 | turboquant130k | turboquant130k6
+#                                                fp8_kv / kivi (4-bit) / turboquant (4-bit) at 130K x QUANT_BATCH
+#                                                (default 11 / 19 / 22, what their 1.94x / 3.2x / 3.76x pools fit)
+#                                                and x 6, ours only (table130k adds them).
 #   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's and OmniKV's selection
 #                                                cost per layer (torch top-k and the Triton select).
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
@@ -119,13 +120,16 @@ quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / Re
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
-fp8kv130k|fp8kv130k6|kivi130k|kivi130k6)  # a quantized pool at 130K: at its largest batch and at 6 (ours only)
-  install                # largest: QUANT_BATCH, default 11 for fp8_kv (1.94x vanilla's pool), 19 for kivi 4-bit (3.2x)
+fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a quantized pool at 130K: at its
+  install  # largest batch and at 6 (ours only). Largest: QUANT_BATCH, default 11 for fp8_kv (1.94x vanilla's pool),
+           # 19 for kivi 4-bit (3.2x), 22 for turboquant 4-bit (3.76x: 1,088 bytes a token and layer, no residual)
   case "$1" in
   fp8kv130k) m=fp8_kv b="${QUANT_BATCH:-11}" ;;
   kivi130k) m=kivi b="${QUANT_BATCH:-19}" ;;
+  turboquant130k) m=turboquant b="${QUANT_BATCH:-22}" ;;
   fp8kv130k6) m=fp8_kv b=6 ;;
   kivi130k6) m=kivi b=6 ;;
+  turboquant130k6) m=turboquant b=6 ;;
   esac
   SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
@@ -137,7 +141,7 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
@@ -257,7 +261,7 @@ status)
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
   [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt
-  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,snapkv130k6,quest130k,omnikv130k,fp8kv130k,fp8kv130k6,kivi130k,kivi130k6,streamingllm,floorref-*}/*.log; do
+  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,snapkv130k6,quest130k,omnikv130k,fp8kv130k,fp8kv130k6,kivi130k,kivi130k6,turboquant130k,turboquant130k6,streamingllm,floorref-*}/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
@@ -285,6 +289,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac

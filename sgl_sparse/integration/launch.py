@@ -166,8 +166,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
                                  prefill_cuda_graph_off=prefill_off)
 
 
-# Method-owned KV layouts whose GPU kernels have passed tests/gpu/test_gpu_quant.py on an H200 (none yet);
-# the others need the opt-in until theirs have.
+# Method-owned KV layouts whose GPU kernels have passed their tests/gpu file on an H200 (test_gpu_quant.py,
+# test_gpu_kivi.py, test_gpu_turboquant.py: none yet); the others need the opt-in until theirs have.
 GPU_VALIDATED_STORES: frozenset[str] = frozenset()
 GPU_STORE_ENV = "SGLSPARSE_GPU_QUANT"
 

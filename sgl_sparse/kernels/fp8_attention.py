@@ -33,9 +33,11 @@ import triton.language as tl
 
 from sgl_sparse.kernels.splits import (
     extend_rows,
+    group_queries,
     merge_splits,
     online_step,
     online_step_weighted,
+    split_span,
     split_workspace,
     store_rows,
     store_split,
@@ -88,20 +90,10 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
                    ws_acc, stride_qb, stride_qh, stride_cs, stride_ch, stride_ss, stride_r2t, scale,
                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                    NSPLIT: tl.constexpr, NATIVE: tl.constexpr):
-    rh = tl.program_id(0)
-    pid = tl.program_id(1)
-    i = rh // HKV
-    h = rh % HKV
-    n = tl.load(seq_lens + i)
-    per = tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK) * BLOCK
-    lo = pid * per
-    hi = tl.minimum(lo + per, n)
+    rh, pid, i, h, _, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
-    gi = tl.arange(0, GP)
-    gm = gi < G
     d = tl.arange(0, D)
-    qv = tl.load(q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], mask=gm[:, None],
-                 other=0.0).to(tl.float32)
+    qv = group_queries(q, i, h, stride_qb, stride_qh, G, GP, D)
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)

@@ -20,21 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.splits import extend_rows, merge_splits, online_step, split_workspace, store_rows, store_split
+from sgl_sparse.kernels.splits import (
+    extend_rows,
+    group_queries,
+    merge_splits,
+    online_step,
+    split_span,
+    split_workspace,
+    store_rows,
+    store_split,
+    unpack_planes,
+)
 
 SPLITS = 16
-
-
-@triton.jit
-def _unpack(codes, slot, h, stride_cs, stride_ch, ok, BLOCK: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
-    """Codes of ``slot`` x channel ``[BLOCK, D]`` (fp32) from ``BITS`` bit planes of ``D / 8`` bytes."""
-    d = tl.arange(0, D)
-    base = codes + slot[:, None] * stride_cs + h * stride_ch + (d // 8)[None, :]
-    val = tl.zeros([BLOCK, D], tl.int32)
-    for b in tl.static_range(BITS):
-        byte = tl.load(base + b * (D // 8), mask=ok[:, None], other=0).to(tl.int32)
-        val += ((byte >> (d % 8)[None, :]) & 1) << b
-    return val.to(tl.float32)
 
 
 @triton.jit
@@ -54,8 +52,8 @@ def _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, 
     vso = slot[:, None] * stride_vss + h * stride_vsh + (d // GS)[None, :]
     vs = tl.load(v_scale + vso, mask=quant[:, None], other=0.0).to(tl.float32)
     vz = tl.load(v_zero + vso, mask=quant[:, None], other=0.0).to(tl.float32)
-    kq = _unpack(k_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * ks + kz
-    vq = _unpack(v_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D) * vs + vz
+    kq = unpack_planes(k_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D).to(tl.float32) * ks + kz
+    vq = unpack_planes(v_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D).to(tl.float32) * vs + vz
     roff = row * stride_rr + (pos - whole).to(tl.int64)[:, None] * stride_rt + h * stride_rh + d[None, :]
     kr = tl.load(res_k + roff, mask=res[:, None], other=0.0).to(tl.float32)
     vr = tl.load(res_v + roff, mask=res[:, None], other=0.0).to(tl.float32)
@@ -97,22 +95,11 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                    stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
                    scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
-    rh = tl.program_id(0)
-    pid = tl.program_id(1)
-    i = rh // HKV
-    h = rh % HKV
-    n = tl.load(seq_lens + i)
+    rh, pid, i, h, n, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
     whole = n // GS * GS
-    per = tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK) * BLOCK
-    lo = pid * per
-    hi = tl.minimum(lo + per, n)
     row = tl.load(req_pool_indices + i).to(tl.int64)
     row_ptr = req_to_token + row * stride_r2t
-    gi = tl.arange(0, GP)
-    gm = gi < G
-    d = tl.arange(0, D)
-    qv = tl.load(q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], mask=gm[:, None],
-                 other=0.0).to(tl.float32)
+    qv = group_queries(q, i, h, stride_qb, stride_qh, G, GP, D)
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)

@@ -1,6 +1,7 @@
-"""Pieces shared by the attention kernels (FP8, KIVI, RetroInfer): the online-softmax step, the split-KV
-decode's per-split state (stored by each program, merged in torch), and the extend kernels' rows (a block
-of query tokens x the group's heads) with their output and log-sum-exp."""
+"""Pieces shared by the attention kernels (FP8, KIVI, TurboQuant, RetroInfer): the online-softmax step, the
+split-KV decode's per-split state (stored by each program, merged in torch), the extend kernels' rows (a
+block of query tokens x the group's heads) with their output and log-sum-exp, and the reading of bit-plane
+codes (``kernels/quant.py::pack_bits``, KIVI's and TurboQuant's layout)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,44 @@ def online_step_weighted(m, lse_sum, acc, logits, vals, weights):
     p = tl.exp(logits - m_safe[:, None])
     acc = acc * alpha[:, None] + tl.dot((p * weights[None, :]).to(vals.dtype), vals)
     return m_new, lse_sum * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def unpack_planes(codes, slot, h, stride_cs, stride_ch, ok, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                  D: tl.constexpr):
+    """int32 codes ``[BLOCK, D]`` of ``slot`` x channel, KV head ``h``, from ``BITS`` bit planes of ``D / 8``
+    bytes each (one load per plane; rows not ``ok`` read 0)."""
+    d = tl.arange(0, D)
+    base = codes + slot[:, None] * stride_cs + h * stride_ch + (d // 8)[None, :]
+    val = tl.zeros([BLOCK, D], tl.int32)
+    for b in tl.static_range(BITS):
+        byte = tl.load(base + b * (D // 8), mask=ok[:, None], other=0).to(tl.int32)
+        val += ((byte >> (d % 8)[None, :]) & 1) << b
+    return val
+
+
+@triton.jit
+def split_span(seq_lens, HKV: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+    """A split-KV decode program (grid: request x KV head, ``NSPLIT``): its row ``rh``, split ``pid``, request
+    ``i``, KV head ``h``, the request's length ``n`` and its share ``[lo, hi)`` of the positions, in whole
+    ``BLOCK``s. Read from ``seq_lens`` on the device, so a CUDA graph captured at full width does no work
+    past a row's real length."""
+    rh = tl.program_id(0)
+    pid = tl.program_id(1)
+    i = rh // HKV
+    n = tl.load(seq_lens + i)
+    per = tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK) * BLOCK
+    lo = pid * per
+    return rh, pid, i, rh % HKV, n, lo, tl.minimum(lo + per, n)
+
+
+@triton.jit
+def group_queries(q, i, h, stride_qb, stride_qh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """Request ``i``'s queries of KV head ``h``'s group, ``[GP, D]`` fp32 (the rows past ``G`` are 0)."""
+    gi = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    return tl.load(q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], mask=(gi < G)[:, None],
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit

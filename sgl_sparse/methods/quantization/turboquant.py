@@ -11,12 +11,15 @@ and 3 also), QJL off, seed 0.
 Layout, per layer: K and V codes ``[slots, Hkv, bits, D / 8]`` uint8 bit planes, K and V norms ``[slots,
 Hkv]`` fp32; with QJL, the residual's signs ``[slots, Hkv, 1, D / 8]`` and norms ``[slots, Hkv]``. At 4 bits
 a Llama-3-8B layer costs 1,088 bytes per token (3.76x bf16's tokens; QJL adds 160). Per-token, so no
-residual and no page constraint. Served on the CPU server in plain torch (its GPU kernels are not
-written yet, so the launcher refuses it on CUDA).
+residual and no page constraint. The torch path here serves the CPU server and is the kernels' reference;
+on CUDA decode and extend are Triton kernels (``kernels/turboquant_attention.py``: queries rotated once,
+keys and values read as codebook levels in the rotated basis, the output rotated back once), behind the
+launcher's opt-in until they have run on a GPU.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
-from sgl_sparse.kernels import quant
+from sgl_sparse.kernels import fp8_attention, quant, turboquant_attention
 from sgl_sparse.registry import register_method
 
 
@@ -43,11 +46,17 @@ class TurboQuantConfig(MethodConfig):
 
 
 class TurboQuantStore(KVStore):
+    # Decode and extend run as Triton kernels on CUDA (kernels/turboquant_attention.py); the launcher keeps them
+    # behind its opt-in until they have passed the GPU tests.
+    gpu_kernels = True
+
     def __init__(self, config: TurboQuantConfig) -> None:
         self.bits = config.bits
         self.qjl = config.qjl
         self.seed = config.seed
         self.dtype = torch.bfloat16
+        self.use_triton = False
+        self._blocks = fp8_attention.StepBlocks()
 
     def bytes_per_token(self, g: KVGeometry) -> int:
         per_layer = 2 * g.num_kv_heads * (g.head_dim * self.bits // 8 + 4)
@@ -62,6 +71,7 @@ class TurboQuantStore(KVStore):
         self.rot = quant.rotation(d, self.seed).to(dev)
         levels, bounds = quant.lloyd_max_gaussian(self.bits)
         self.levels, self.bounds = levels.to(dev), bounds.to(dev)
+        self.unit_levels = self.levels / math.sqrt(d)  # the kernels' codebook: coordinates of a unit vector
         planes = (n, h, self.bits, d // 8)
         self.k_codes = [torch.zeros(planes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
         self.v_codes = [torch.zeros(planes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
@@ -73,6 +83,7 @@ class TurboQuantStore(KVStore):
             self.k_signs = [torch.zeros(n, h, 1, d // 8, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
             self.k_rnorm = [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(g.num_layers)]
         self.dtype = g.dtype
+        self.use_triton = dev.type == "cuda"
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
         out = [self.k_codes[layer_id], self.v_codes[layer_id], self.k_norm[layer_id], self.v_norm[layer_id]]
@@ -128,6 +139,30 @@ class TurboQuantStore(KVStore):
         logits = self._scores(layer_id, q, slots, scale)
         out = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), v.float().repeat_interleave(group, dim=1))
         return out.to(q.dtype), torch.logsumexp(logits, dim=-1).transpose(0, 1)
+
+    def layer(self, layer_id: int) -> turboquant_attention.Layer:
+        """A layer's buffers, rotation and codebook, as the kernels read them."""
+        qjl = (self.k_signs[layer_id], self.k_rnorm[layer_id], self.proj) if self.qjl else (None, None, None)
+        return turboquant_attention.Layer(self.k_codes[layer_id], self.v_codes[layer_id], self.k_norm[layer_id],
+                                          self.v_norm[layer_id], self.rot, self.unit_levels, *qjl)
+
+    def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.use_triton:
+            return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
+        return turboquant_attention.decode_attention(q, self.layer(layer_id), req_to_token, req_pool_indices,
+                                                     seq_lens, scale)
+
+    def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.use_triton:
+            return super().prefix(layer_id, q, qo_indptr, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                                  scale)
+        bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], False)
+        return turboquant_attention.prefix_attention(q, self.layer(layer_id), qo_indptr, req_to_token,
+                                                     req_pool_indices, prefix_lens, scale,
+                                                     self._blocks.get(extend_lens, bm, q.device), bm)
 
 
 @register_method

@@ -1,0 +1,357 @@
+"""Decode and extend attention over TurboQuant's layout (``methods/quantization/turboquant.py``), decoded in
+registers without ever rotating a key or a value back.
+
+Layout, per layer: K and V codes ``[slots, Hkv, bits, D / 8]`` uint8 bit planes (``kernels/quant.py::pack_bits``),
+K and V norms ``[slots, Hkv]`` fp32; with QJL, the key residual's signs ``[slots, Hkv, 1, D / 8]`` (one plane)
+and norms ``[slots, Hkv]``. A stored vector is ``x = |x| / sqrt(D) * c @ R`` (``c`` its codes' Lloyd-Max levels,
+``R`` the orthogonal rotation), so ``q . k = |k| / sqrt(D) * (q @ R^T) . c``: the queries are rotated once, in
+torch before the kernel, and each key costs its codebook lookups and one multiply per logit. Values
+accumulate in the rotated basis (``p * |v| / sqrt(D) * c``) and the output is rotated back once, in torch
+after the kernel (``acc @ R``). With QJL each logit adds ``sqrt(pi / 2) / M * |r| * (q @ S^T) . sign(S r)``
+(``quant.qjl_inner``), ``q @ S^T`` also computed once per query. The pool tensors are the store's
+contiguous buffers: their strides follow from ``Hkv``, ``bits`` and ``D``.
+
+Decode grid: request x KV head x ``splits`` (split-KV, merged in torch), each program over its share of
+the row's ``seq_lens`` tokens read through ``req_to_token``, the group's query heads as rows of one tile.
+Extend (:func:`prefix_attention`): blocks of ``BLOCK_M`` new tokens of one request x KV head over the
+request's cached prefix; output and natural log-sum-exp, which the caller merges with the new tokens' own
+attention. The store's torch path (``TurboQuantStore.row_attention``) is the reference of both: the kernels
+decode in fp32 (their dots in TF32 on the GPU, Triton's default for fp32) where the torch path rounds each
+dequantized key and value to the model dtype, so the two agree to that dtype's precision (exactly, up to
+summation order, with an fp32 model).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_sparse.kernels.splits import (
+    extend_rows,
+    group_queries,
+    merge_splits,
+    online_step_weighted,
+    split_span,
+    split_workspace,
+    store_rows,
+    store_split,
+    unpack_planes,
+)
+
+SPLITS = 16
+
+
+class Layer(NamedTuple):
+    """One layer of the pool as the kernels read it, with the store's rotation ``R`` and its codebook in a unit
+    vector's coordinates (the Lloyd-Max levels / sqrt(D)); the QJL tensors (the residual's signs and norms, the
+    projection ``S``) are ``None`` without QJL."""
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_norm: torch.Tensor
+    v_norm: torch.Tensor
+    rot: torch.Tensor
+    unit_levels: torch.Tensor
+    k_signs: torch.Tensor | None = None
+    k_rnorm: torch.Tensor | None = None
+    proj: torch.Tensor | None = None
+
+
+@triton.jit
+def _levels(
+    codes, norms, unit_levels, slot, h, ok, HKV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The vectors at ``slot`` (``[BLOCK]``, KV head ``h``) in the rotated basis: their unit coordinates
+    ``[BLOCK, D]`` and their norms ``[BLOCK]`` (0 where not ``ok``)."""
+    planes = BITS * (D // 8)
+    c = unpack_planes(codes, slot, h, HKV * planes, planes, ok, BLOCK, BITS, D)
+    return tl.load(unit_levels + c), tl.load(norms + slot * HKV + h, mask=ok, other=0.0)
+
+
+@triton.jit
+def _logits(
+    qv,
+    qp,
+    k_codes,
+    k_norm,
+    k_signs,
+    k_rnorm,
+    unit_levels,
+    slot,
+    h,
+    ok,
+    scale,
+    qjl_scale,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    QJL: tl.constexpr,
+):
+    """Logits ``[rows, BLOCK]`` of the rotated queries ``qv`` (projected: ``qp``) over the keys at ``slot``,
+    ``-inf`` where not ``ok``."""
+    kl, kn = _levels(k_codes, k_norm, unit_levels, slot, h, ok, HKV, D, BITS, BLOCK)
+    s = tl.dot(qv, tl.trans(kl)) * (kn * scale)[None, :]
+    if QJL:
+        bit = unpack_planes(k_signs, slot, h, HKV * (D // 8), D // 8, ok, BLOCK, 1, D)
+        rn = tl.load(k_rnorm + slot * HKV + h, mask=ok, other=0.0)
+        s += tl.dot(qp, tl.trans((2 * bit - 1).to(tl.float32))) * (rn * qjl_scale)[None, :]
+    return tl.where(ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _decode_kernel(
+    q_rot,
+    q_proj,
+    k_codes,
+    v_codes,
+    k_norm,
+    v_norm,
+    k_signs,
+    k_rnorm,
+    unit_levels,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    ws_m,
+    ws_l,
+    ws_acc,
+    stride_r2t,
+    scale,
+    qjl_scale,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    QJL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NSPLIT: tl.constexpr,
+):
+    rh, pid, i, h, _, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    qv = group_queries(q_rot, i, h, HKV * G * D, D, G, GP, D)
+    qp = qv
+    if QJL:
+        qp = group_queries(q_proj, i, h, HKV * G * D, D, G, GP, D)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        pos = start + tl.arange(0, BLOCK)
+        ok = pos < hi
+        slot = tl.load(row_ptr + pos, mask=ok, other=0).to(tl.int64)
+        s = _logits(
+            qv,
+            qp,
+            k_codes,
+            k_norm,
+            k_signs,
+            k_rnorm,
+            unit_levels,
+            slot,
+            h,
+            ok,
+            scale,
+            qjl_scale,
+            HKV,
+            D,
+            BITS,
+            BLOCK,
+            QJL,
+        )
+        vl, vn = _levels(v_codes, v_norm, unit_levels, slot, h, ok, HKV, D, BITS, BLOCK)
+        m, den, acc = online_step_weighted(m, den, acc, s, vl, vn)
+    store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D)
+
+
+@triton.jit
+def _prefix_kernel(
+    q_rot,
+    q_proj,
+    k_codes,
+    v_codes,
+    k_norm,
+    v_norm,
+    k_signs,
+    k_rnorm,
+    unit_levels,
+    qo_indptr,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    blk_req,
+    blk_start,
+    out,
+    lse,
+    stride_r2t,
+    scale,
+    qjl_scale,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    QJL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    i, tok, head, rm, qv = extend_rows(q_rot, qo_indptr, blk_req, blk_start, HKV * G * D, D, G, GP, D, BLOCK_M)
+    qp = qv
+    if QJL:
+        _, _, _, _, qp = extend_rows(q_proj, qo_indptr, blk_req, blk_start, HKV * G * D, D, G, GP, D, BLOCK_M)
+    h = tl.program_id(1)
+    n = tl.load(prefix_lens + i)
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M * GP], tl.float32)
+    acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
+    for start in range(0, n, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < n
+        slot = tl.load(row_ptr + pos, mask=ok, other=0).to(tl.int64)
+        s = _logits(
+            qv,
+            qp,
+            k_codes,
+            k_norm,
+            k_signs,
+            k_rnorm,
+            unit_levels,
+            slot,
+            h,
+            ok,
+            scale,
+            qjl_scale,
+            HKV,
+            D,
+            BITS,
+            BLOCK_N,
+            QJL,
+        )
+        vl, vn = _levels(v_codes, v_norm, unit_levels, slot, h, ok, HKV, D, BITS, BLOCK_N)
+        m, den, acc = online_step_weighted(m, den, acc, s, vl, vn)
+    store_rows(out, lse, tok, head, rm, m, den, acc, HKV * G * D, D, HKV * G, D)
+
+
+def _inputs(q: torch.Tensor, layer: Layer, scale: float) -> tuple[list[torch.Tensor], list[float]]:
+    """The kernels' tensor arguments (``q @ R^T``; ``q @ S^T``; the pool; the codebook) and scalars (the logit
+    scale; QJL's, ``scale * sqrt(pi / 2) / M``). Without QJL the QJL arguments repeat others: never read."""
+    d = q.shape[-1]
+    pool = (layer.k_codes, layer.v_codes, layer.k_norm, layer.v_norm, layer.k_signs, layer.k_rnorm)
+    assert all(t is None or t.is_contiguous() for t in pool), "the kernels derive the pool's strides from its shape"
+    assert d & (d - 1) == 0 and d >= 16, "head_dim must be a power of two, at least 16 (tl.dot)"
+    assert layer.k_codes.dtype == torch.uint8 and layer.k_codes.shape == layer.v_codes.shape
+    qf = q.float()
+    q_rot = (qf @ layer.rot.T).contiguous()  # fp32 and contiguous: the kernels index it as [n, Hq, D]
+    if layer.proj is None:
+        qjl, m = [q_rot, layer.k_codes, layer.k_norm], 1
+    else:
+        assert layer.k_signs is not None and layer.k_rnorm is not None
+        qjl, m = [(qf @ layer.proj.T).contiguous(), layer.k_signs, layer.k_rnorm], layer.proj.shape[0]
+    tensors = [
+        q_rot,
+        qjl[0],
+        layer.k_codes,
+        layer.v_codes,
+        layer.k_norm,
+        layer.v_norm,
+        qjl[1],
+        qjl[2],
+        layer.unit_levels,
+    ]
+    return tensors, [scale, scale * math.sqrt(math.pi / 2) / m]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    layer: Layer,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    splits: int = SPLITS,
+    block: int | None = None,
+) -> torch.Tensor:
+    """TurboQuant decode: one Triton kernel over the batch between torch's rotations and the splits' merge, no host
+    sync (fixed grid, loop bounds from ``seq_lens`` on the device). ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``
+    (an empty row gives 0)."""
+    bs, hq, d = q.shape
+    if bs == 0:
+        return torch.empty_like(q)
+    hkv, bits = layer.k_codes.shape[1], layer.k_codes.shape[2]
+    g = hq // hkv
+    tensors, scalars = _inputs(q, layer, scale)
+    ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
+    _decode_kernel[(bs * hkv, splits)](
+        *tensors,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        ws_m,
+        ws_l,
+        ws_acc,
+        req_to_token.stride(0),
+        *scalars,
+        HKV=hkv,
+        G=g,
+        GP=max(16, triton.next_power_of_2(g)),
+        D=d,
+        BITS=bits,
+        QJL=layer.proj is not None,
+        BLOCK=block or (32 if q.is_cuda else 16),
+        NSPLIT=splits,
+    )
+    return (merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d) @ layer.rot).to(q.dtype)
+
+
+def prefix_attention(
+    q: torch.Tensor,
+    layer: Layer,
+    qo_indptr: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+    blocks: tuple[torch.Tensor, torch.Tensor],
+    block_m: int,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuant extend over the cached prefix: ``q`` ``[n, Hq, D]`` (request ``i``'s rows from ``qo_indptr[i]``)
+    over the first ``prefix_lens[i]`` positions of its row -> (output, fp32 natural log-sum-exp ``[n, Hq]``,
+    ``-inf`` over an empty prefix). ``blocks``: ``fp8_attention.prefix_blocks`` of this step for ``block_m``."""
+    n, hq, d = q.shape
+    lse = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    if n == 0:
+        return torch.zeros_like(q), lse
+    hkv, bits = layer.k_codes.shape[1], layer.k_codes.shape[2]
+    g = hq // hkv
+    tensors, scalars = _inputs(q, layer, scale)
+    out = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)  # in the rotated basis until the end
+    blk_req, blk_start = blocks
+    _prefix_kernel[(blk_req.shape[0], hkv)](
+        *tensors,
+        qo_indptr,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        blk_req,
+        blk_start,
+        out,
+        lse,
+        req_to_token.stride(0),
+        *scalars,
+        HKV=hkv,
+        G=g,
+        GP=triton.next_power_of_2(g),
+        D=d,
+        BITS=bits,
+        QJL=layer.proj is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
+    return (out @ layer.rot).to(q.dtype), lse
