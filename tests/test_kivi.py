@@ -106,6 +106,30 @@ def test_any_write_pattern_reads_back_kivi_pages_and_an_exact_residual(bits: int
         torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-4)
 
 
+def test_an_extend_write_does_not_depend_on_the_order_of_its_tokens() -> None:
+    """Two rows' chunks in one write, tokens shuffled: every page the chunk fills is quantized, whatever token
+    of it comes last. (CUDA's scatter with duplicate indices keeps an unspecified one: a page whose last
+    offset did not win counted as open, was never quantized, and read back as zeros on the GPU.)"""
+    gen = torch.Generator().manual_seed(11)
+    n, rows = 45, [1, 2]
+    k = torch.randn(2 * n, HKV, D, generator=gen) * torch.linspace(0.1, 4, D)
+    v = torch.randn(2 * n, HKV, D, generator=gen)
+    slots = torch.cat([_row_slots(r, n) for r in rows])
+    row_of = torch.repeat_interleave(torch.tensor(rows), n)
+    a, b = _store(4), _store(4)
+    a.write(0, slots, k, v, row_of, decode=False)
+    perm = torch.randperm(2 * n, generator=gen)
+    b.write(0, slots[perm], k[perm], v[perm], row_of[perm], decode=False)
+    r2t = torch.zeros(ROWS, 64, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        r2t[r, :n] = slots[i * n:(i + 1) * n].to(torch.int32)
+        want_k, want_v = _expected(k[i * n:(i + 1) * n], v[i * n:(i + 1) * n], 4)
+        for store in (a, b):
+            got_k, got_v = store._row(0, r2t, r, n)
+            torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_v, want_v, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_writes_one_token_per_row_in_one_call() -> None:
     """The decode form (``decode=True``: one token per row, no host sync) gives what extend writes give."""
     a, b = _store(4), _store(4)

@@ -85,7 +85,8 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
 def test_server_serves_the_fp8_pool(servers: dict[str, ServerProcess]) -> None:
     st = state(servers["fp8"])
     assert st["kv_store"]["class"] == "FP8Store" and st["kv_store"]["pool_class"] == "SparseStorePool"
-    assert "disabled by sgl_sparse" in st["prefill_cuda_graph"]
+    # Off either way: by our launcher for a store, or by SGLang when the flags already disable it.
+    assert "disabled" in st["prefill_cuda_graph"]
 
 
 def test_cuda_graphs_on_and_off_give_the_same_tokens(servers: dict[str, ServerProcess]) -> None:

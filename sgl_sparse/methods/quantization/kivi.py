@@ -128,13 +128,16 @@ class KIVIStore(KVStore):
             return
         # Extend: the chunk's tokens grouped by page; a page begun by an earlier chunk starts from its row's
         # residual (its first offsets), a page the chunk fills is quantized, the others go back to the residual.
+        # A page's tokens all map to one entry: reduce them (amax) rather than scatter_, whose winner among
+        # duplicate indices is unspecified on CUDA (a page would count as open unless its last offset wrote last).
         pages, inv = torch.unique(page, return_inverse=True)
-        first_row = torch.zeros_like(pages).scatter_(0, inv, rows)
+        first_row = torch.zeros_like(pages).scatter_reduce_(0, inv, rows, reduce="amax", include_self=False)
         buf_k = self.res_k[layer_id][first_row].clone()
         buf_v = self.res_v[layer_id][first_row].clone()
         buf_k[inv, off] = k.to(self.dtype)
         buf_v[inv, off] = v.to(self.dtype)
-        filled = torch.zeros_like(pages, dtype=torch.bool).scatter_(0, inv, off == gs - 1)
+        last = (off == gs - 1).to(torch.int32)
+        filled = torch.zeros_like(pages, dtype=torch.int32).scatter_reduce_(0, inv, last, reduce="amax").bool()
         if bool(filled.any()):
             self._store_pages(layer_id, pages[filled], buf_k[filled], buf_v[filled])
         open_ = ~filled
