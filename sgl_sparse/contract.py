@@ -314,7 +314,7 @@ def served_hooks_problem(method: SparseMethod[Any]) -> str | None:
         return (f"{method.name} has a KV store beside selection: a quantized pool under a selection method is not "
                 "served yet")
     if method.store is not None and method.evicts and (why := method.store.eviction_problem()) is not None:
-        return f"{method.name}: eviction over {type(method.store).__name__}'s layout cannot be served: {why}"
+        return f"{method.name} evicts over {type(method.store).__name__}'s layout, which cannot be served: {why}"
     if not method.evicts and method.observation_window() == 0:
         hooks = ("new_state", "restore_state", "on_prefill_chunk", "wants_observation", "on_observation",
                  "on_step_end", "on_finish")

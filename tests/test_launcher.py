@@ -389,7 +389,8 @@ def test_a_composition_launches_on_cpu_and_hands_off_both_members() -> None:
     ("snapkv+nope", None, "unknown sparse method 'nope'"),
     ("snapkv+fp8_kv", '{"budget": 512}', "key(s) ['budget'] are not members of the composition"),
     ("snapkv+kivi", '{"snapkv": {"budget": 1024}, "kivi": {"bits": 4}}',
-     "eviction over KIVIStore's layout cannot be served: KIVI quantizes keys per channel over each 32-token page"),
+     "snapkv+kivi evicts over KIVIStore's layout, which cannot be served: KIVI quantizes keys per channel over "
+     "each 32-token page"),
     ("streamingllm+kivi", None, "frees whole pages"),
 ])
 def test_bad_compositions_are_argparse_errors(method: str, config: str | None, message: str,
