@@ -46,8 +46,10 @@ hooks: per-request Python per layer cannot run inside a CUDA-graph replay.
 
 A method with a :class:`KVStore` (:attr:`SparseMethod.store`) owns the pool's layout: its ``write``
 runs wherever SGLang stores a layer's K/V (prefill and decode), its ``decode`` is every layer's decode
-attention and its ``prefix`` the cached-prefix part of every extend. A store beside eviction or
-selection (composition) is refused at launch for now (:func:`served_hooks_problem`).
+attention and its ``prefix`` the cached-prefix part of every extend. An eviction method over a store
+(a composition, :mod:`sgl_sparse.compose`) is served when the store's layout can lose single tokens
+(:meth:`KVStore.eviction_problem`); a store beside selection is refused at launch for now
+(:func:`served_hooks_problem`).
 """
 
 from __future__ import annotations
@@ -308,9 +310,11 @@ def pool_page_size(method: SparseMethod[Any]) -> int:
 
 def served_hooks_problem(method: SparseMethod[Any]) -> str | None:
     """Why the server runtime cannot serve ``method`` (``None``: it can)."""
-    if method.store is not None and (method.evicts or method.selector is not None):
-        return (f"{method.name} has a KV store beside {'eviction' if method.evicts else 'selection'}: a quantized "
-                "pool under another method (composition) is not served yet")
+    if method.store is not None and method.selector is not None:
+        return (f"{method.name} has a KV store beside selection: a quantized pool under a selection method is not "
+                "served yet")
+    if method.store is not None and method.evicts and (why := method.store.eviction_problem()) is not None:
+        return f"{method.name} evicts over {type(method.store).__name__}'s layout, which cannot be served: {why}"
     if not method.evicts and method.observation_window() == 0:
         hooks = ("new_state", "restore_state", "on_prefill_chunk", "wants_observation", "on_observation",
                  "on_step_end", "on_finish")
@@ -360,6 +364,12 @@ class KVStore(ABC):
     The defaults of :meth:`decode` and :meth:`prefix` are the plain-torch reference (dequantize the
     row through :meth:`read`, then attend): the CPU path, and what a store's kernels are tested
     against.
+
+    Under an evicting method (a composition) the rows :meth:`decode` and :meth:`prefix` read are compacted:
+    each holds only its request's live slots, in position order, packed to the front, and its row index is
+    the request's place in the batch, not its ``req_pool_idx``. Evicted slots are freed one at a time and
+    reused by other requests. So a layout can serve under eviction only if nothing it reads is tied to a
+    logical position, a request row or a group of slots (:meth:`eviction_problem`).
     """
 
     page_size: int = 1  # pool page size the layout needs (a group of tokens never straddles two owners)
@@ -400,6 +410,21 @@ class KVStore(ABC):
     def describe(self) -> dict[str, Any]:
         """What ``/server_info`` reports of the layout (e.g. bits); JSON values."""
         return {}
+
+    def read_keys(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """Dequantized K of ``slots``, ``[n, Hkv, D]``: what an evicting method's scores read (SnapKV's window)."""
+        return self.read(layer_id, slots)[0]
+
+    def eviction_problem(self) -> str | None:
+        """Why an evicting method cannot run over this layout (``None``: it can). Eviction frees single slots
+        and leaves each request's kept slots wherever they were written, read through compacted rows (class
+        docstring). The default accepts a per-token layout (page size 1, no per-request buffers)."""
+        if self.page_size != 1:
+            return (f"its layout groups {self.page_size} tokens per page (--page-size {self.page_size}), and "
+                    "eviction frees single tokens")
+        if type(self).fixed_bytes is not KVStore.fixed_bytes:
+            return "it keeps per-request buffers beside the pool, indexed by request row and logical position"
+        return None
 
     def row_attention(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, row: int, n: int,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ import importlib
 import os
 from typing import Any
 
+from sgl_sparse.compose import create_composed, is_composed
 from sgl_sparse.config import build_config, load_config_source
 from sgl_sparse.contract import SparseMethod
 from sgl_sparse.errors import SparseConfigError
@@ -40,9 +41,12 @@ def get_method_class(name: str) -> type[SparseMethod[Any]]:
 
 
 def create_method(name: str, config: str | dict[str, Any] | None = None) -> SparseMethod[Any]:
-    """Build a ready method from a name and a config (dict, JSON text, JSON file path or None)."""
-    cls = get_method_class(name)
+    """Build a ready method from a name and a config (dict, JSON text, JSON file path or None). A name of two
+    methods joined by ``+`` is a composition (:mod:`sgl_sparse.compose`), its config keyed by member name."""
     fields = config if isinstance(config, dict) else load_config_source(config)
+    if is_composed(name):
+        return create_composed(name, fields)
+    cls = get_method_class(name)
     return cls(build_config(cls.config_cls, fields))
 
 

@@ -364,3 +364,48 @@ def test_a_quantized_layout_on_gpu_needs_validated_kernels(capsys: pytest.Captur
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "plain_store"])
     assert "GPU kernels are not written yet" in capsys.readouterr().err
+
+
+def test_a_composition_launches_on_cpu_and_hands_off_both_members() -> None:
+    """An eviction method over a per-token store: one name, the config keyed by member; the scheduler rebuilds
+    the same composition from the hand-off (the fingerprint covers both members)."""
+    from sgl_sparse.registry import create_method
+
+    cfg = '{"snapkv": {"budget": 1024}, "turboquant": {"bits": 4}}'
+    args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "turboquant+snapkv",
+                             "--sparse-config", cfg])
+    assert hand.method == "snapkv+turboquant" and args.page_size == 1
+    assert hand.config["snapkv"]["budget"] == 1024 and hand.config["turboquant"]["bits"] == 4
+    assert hand.prefill_cuda_graph_off == "no CUDA graphs on CPU"
+    assert args.max_running_requests is None  # no per-request buffers
+    rebuilt = create_method(hand.method, hand.config)
+    assert rebuilt.config.fingerprint() == create_method("snapkv+turboquant", cfg).config.fingerprint()
+
+
+@pytest.mark.parametrize(("method", "config", "message"), [
+    ("snapkv+streamingllm", None, "snapkv and streamingllm both evict"),
+    ("quest+fp8_kv", None, "quest is a dynamic selection method"),
+    ("fp8_kv+kivi", None, "fp8_kv and kivi both own the KV layout"),
+    ("snapkv+nope", None, "unknown sparse method 'nope'"),
+    ("snapkv+fp8_kv", '{"budget": 512}', "key(s) ['budget'] are not members of the composition"),
+    ("snapkv+kivi", '{"snapkv": {"budget": 1024}, "kivi": {"bits": 4}}',
+     "snapkv+kivi evicts over KIVIStore's layout, which cannot be served: KIVI quantizes keys per channel over "
+     "each 32-token page"),
+    ("streamingllm+kivi", None, "frees whole pages"),
+])
+def test_bad_compositions_are_argparse_errors(method: str, config: str | None, message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--model-path", "m", "--device", "cpu", "--sparse-method", method]
+    with pytest.raises(SystemExit) as e:
+        parse_args([*flags, *(["--sparse-config", config] if config else [])])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--sparse-method {method}: " in err and message in err, err
+
+
+def test_a_composition_on_gpu_is_refused_until_its_path_exists(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLSPARSE_GPU_QUANT", "1")
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv+fp8_kv"])
+    assert "serves on --device cpu only for now" in capsys.readouterr().err

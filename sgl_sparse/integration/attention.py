@@ -41,7 +41,9 @@ from sgl_sparse.integration.selection import allocate_once, attend_itself, atten
 from sgl_sparse.integration.store_attention import (
     LN2,
     ExtendLists,
+    StoreRows,
     causal_attention_torch,
+    decode_rows,
     extend_lists,
     merge,
     store_decode,
@@ -69,6 +71,8 @@ class _SparseBackendMixin:
             allocate_once(self.selector, model_runner)
         self.store = self.method.store
         self.store_lists: ExtendLists | None = None  # the extend step's prefix lists (method-owned layouts)
+        # A decode step's compacted rows, when a store serves under eviction (built once per forward).
+        self.store_rows: StoreRows | None = None
         if self.store is not None and not hasattr(model_runner.token_to_kv_pool, "store"):
             raise RuntimeError(f"sgl_sparse: {self.method.name} owns the KV layout but the pool was built by "
                                "SGLang (the plug-in's pool hook did not run)")
@@ -79,8 +83,13 @@ class _SparseBackendMixin:
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
         super().init_forward_metadata(forward_batch)  # type: ignore[misc]
-        if self.store is not None and forward_batch.forward_mode.is_extend():
-            self.store_lists = extend_lists(forward_batch, self.req_to_token_pool.req_to_token)
+        if self.store is None:
+            return
+        req_to_token = self.req_to_token_pool.req_to_token
+        if forward_batch.forward_mode.is_extend():
+            self.store_lists = extend_lists(forward_batch, req_to_token, compact=self.skip_sentinels)
+        elif self.skip_sentinels and forward_batch.forward_mode.is_decode():
+            self.store_rows = decode_rows(forward_batch, req_to_token, compact=True)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
@@ -103,6 +112,7 @@ class _SparseBackendMixin:
     # a selecting layer's K also goes into the selector's page metadata, and its decode reads a selection.
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.store is not None:
+            self._capture(q, layer, forward_batch, is_decode=False)
             return store_extend(self, q, k, v, layer, forward_batch, self.store_lists,
                                 kwargs.get("save_kv_cache", args[0] if args else True), self._new_tokens_attention,
                                 self._merge_parts)
@@ -114,7 +124,10 @@ class _SparseBackendMixin:
 
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.store is not None:
-            return store_decode(self, q, k, v, layer, forward_batch,
+            self._capture(q, layer, forward_batch, is_decode=True)
+            rows = self.store_rows if self.skip_sentinels else decode_rows(forward_batch,
+                                                                             self.req_to_token_pool.req_to_token)
+            return store_decode(self, q, k, v, layer, forward_batch, rows,
                                 kwargs.get("save_kv_cache", args[0] if args else True))
         self._capture(q, layer, forward_batch, is_decode=True)
         if self.selector is not None and self.selector.selects(layer.layer_id) and not layer.is_cross_attention:
@@ -400,6 +413,10 @@ def create_backend(model_runner: Any) -> _SparseBackendMixin:
     """Factory for ``register_attention_backend``."""
     base = choose_base(model_runner)
     method = get_runtime().method
+    if method.store is not None and method.evicts and model_runner.device != "cpu":
+        raise ValueError(f"sgl_sparse: {method.name} (eviction over a method-owned layout) serves on the CPU server "
+                         "only: the store's GPU kernels read raw req_to_token rows, which hold sentinels after "
+                         "eviction")
     if method.store is not None and base == "triton":
         raise ValueError(f"sgl_sparse: {method.name} (a method-owned KV layout) serves on the flashinfer base "
                          "(GPU) or torch_native (CPU), not triton")

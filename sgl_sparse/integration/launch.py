@@ -36,14 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--sparse-method",
         default="dense",
         metavar="NAME",
-        help=f"KV-cache method. Registered: {', '.join(registered_methods())}. Default: dense.",
+        help=f"KV-cache method. Registered: {', '.join(registered_methods())}. Default: dense. An eviction method "
+        "over a quantization method's pool is their names joined by '+' (e.g. snapkv+fp8_kv).",
     )
     group.add_argument(
         "--sparse-config",
         default=None,
         metavar="JSON|PATH",
         help="The method's config fields as a JSON object, or a path to a JSON file. "
-        "Unset fields keep the method's defaults.",
+        "Unset fields keep the method's defaults. A composition's config is keyed by member name "
+        "(e.g. '{\"snapkv\": {\"budget\": 1024}, \"fp8_kv\": {}}').",
     )
     return parser
 
@@ -235,7 +237,12 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
     if method.store is not None:
-        if device != "cpu" and not method.store.gpu_kernels:
+        if device != "cpu" and method.evicts:
+            problems.append(f"--sparse-method {method.name}: an eviction method over a method-owned layout serves on "
+                            "--device cpu only for now: the store's GPU kernels read each request's req_to_token "
+                            "row as it is, which holds sentinel slots after eviction (the CPU path reads compacted "
+                            "rows)")
+        elif device != "cpu" and not method.store.gpu_kernels:
             problems.append(f"--sparse-method {method.name}: its GPU kernels are not written yet (its layout runs "
                             "in plain torch, which cannot run inside CUDA graphs); it serves on --device cpu")
         elif (device != "cpu" and method.name not in GPU_VALIDATED_STORES

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sgl_sparse.compose import family_label
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import get_runtime
 
@@ -30,7 +31,7 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
     hand = handoff.read()
     state: dict[str, Any] = {
         "method": rt.method.name,
-        "family": rt.method.family.value,
+        "family": family_label(rt.method),
         "config": rt.method.config.to_dict(),
         "fingerprint": rt.fingerprint,
         "tree_class": type(tree).__name__,

@@ -72,10 +72,19 @@ def _window(rt: SparseRuntime, req: Any, st: RequestState, model_runner: Any) ->
     n_w = queries[0].shape[0]
     row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
     slots = row[to_device(st.kept, row.device)].long()
+    q_pos = torch.arange(st.logical_len - n_w, st.logical_len)
+    scale = float(rt.capture.scale or 1.0)
+    store = getattr(model_runner.token_to_kv_pool, "store", None)
+    if store is not None:
+        # A method-owned layout (a composition): the keys as the store holds them, dequantized per layer, the
+        # same keys decode attention will read. A full-precision copy exists for no key a prefix hit or an
+        # earlier chunk brought, so the store's is the one view every retained key has.
+        return ObservationWindow(queries=queries, q_pos=q_pos, key_buffer=lambda layer: store.read_keys(layer, slots),
+                                 key_rows=torch.arange(slots.numel(), device=slots.device), k_pos=st.kept,
+                                 num_layers=n_layers, scale=scale)
     # The pool's key buffers and the request's slots: the scoring kernel reads keys in place.
-    return ObservationWindow(queries=queries, q_pos=torch.arange(st.logical_len - n_w, st.logical_len),
-                             key_buffer=model_runner.token_to_kv_pool.get_key_buffer, key_rows=slots,
-                             k_pos=st.kept, num_layers=n_layers, scale=float(rt.capture.scale or 1.0))
+    return ObservationWindow(queries=queries, q_pos=q_pos, key_buffer=model_runner.token_to_kv_pool.get_key_buffer,
+                             key_rows=slots, k_pos=st.kept, num_layers=n_layers, scale=scale)
 
 
 def _apply(rt: SparseRuntime, plans: list[tuple[Any, Tracked, torch.Tensor]], model_runner: Any) -> None:

@@ -8,6 +8,11 @@
   :meth:`~sgl_sparse.contract.KVStore.prefix`, and the two parts are merged by their log-sum-exp, as
   SGLang's own ragged + paged extend does; then the new K/V is stored. The rows' offsets and each new
   token's row are computed once per forward (sizes from the host: no sync).
+* Under an evicting method (a composition) rows hold sentinel slots at evicted positions, so the store reads
+  compacted rows instead (:func:`compact_rows`, once per forward): each request's live slots in position
+  order, packed to the front, its row the request's index in the batch, its length the live count. The
+  store never sees a sentinel and nothing moves in the pool. The CPU server's path (the launcher refuses a
+  composition on CUDA: the table is built per step with a sort over each row).
 """
 
 from __future__ import annotations
@@ -19,23 +24,53 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import KVStore
+from sgl_sparse.slots import SENTINEL_SLOT
 
 LN2 = math.log(2.0)
 
 
 @dataclass
+class StoreRows:
+    """The rows a store reads (``req_to_token`` or a compacted table), which of them belong to the batch, in
+    batch order, and how many positions of each it reads."""
+
+    table: torch.Tensor
+    indices: torch.Tensor
+    lens: torch.Tensor
+
+
+def compact_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor,
+                 width: int) -> StoreRows:
+    """The live slots among the first ``lens[i]`` positions of each row ``req_to_token[req_pool_indices[i]]``,
+    in position order, packed to the front of row ``i`` of a ``[bs, width]`` table (``width`` >= every length);
+    their counts are the lengths."""
+    bs = req_pool_indices.shape[0]
+    device = req_to_token.device
+    rows = req_to_token[req_pool_indices.long(), :width]
+    live = (rows != SENTINEL_SLOT) & (torch.arange(width, device=device)[None, :] < lens.to(device)[:, None])
+    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)  # live first, each part in position order
+    return StoreRows(rows.gather(1, order), torch.arange(bs, device=device), live.sum(1).to(lens.dtype))
+
+
+def raw_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor) -> StoreRows:
+    return StoreRows(req_to_token, req_pool_indices, lens)
+
+
+@dataclass
 class ExtendLists:
-    """An extend step's rows: new tokens per row (``qo_indptr``, device; ``extend_lens``, host), cached
-    prefix lengths (device), and each new token's row (``rows``, its ``req_pool_idx``, for the write)."""
+    """An extend step's rows: new tokens per row (``qo_indptr``, device; ``extend_lens``, host), the rows the
+    store's prefix reads (``prefix``: each request's cached prefix), and each new token's row (``rows``, its
+    ``req_pool_idx``, for the write)."""
 
     qo_indptr: torch.Tensor
-    prefix_lens: torch.Tensor
+    prefix: StoreRows
     rows: torch.Tensor
     extend_lens: list[int]
     has_prefix: bool
 
 
-def extend_lists(forward_batch: Any, req_to_token: torch.Tensor) -> ExtendLists:
+def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False) -> ExtendLists:
+    """``compact``: the prefix rows hold sentinels (an evicting method), read them compacted."""
     device = req_to_token.device
     extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
     bs = len(extend_lens)
@@ -43,8 +78,19 @@ def extend_lists(forward_batch: Any, req_to_token: torch.Tensor) -> ExtendLists:
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
     qo_indptr[1:] = torch.cumsum(seq, 0)
     rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), seq, output_size=sum(extend_lens))
-    return ExtendLists(qo_indptr, forward_batch.extend_prefix_lens.to(torch.int32), rows, extend_lens,
-                       any(int(n) > 0 for n in forward_batch.extend_prefix_lens_cpu))
+    prefix_lens = forward_batch.extend_prefix_lens.to(torch.int32)
+    longest = max((int(n) for n in forward_batch.extend_prefix_lens_cpu), default=0)
+    prefix = (compact_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens, longest) if compact
+              else raw_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens))
+    return ExtendLists(qo_indptr, prefix, rows, extend_lens, longest > 0)
+
+
+def decode_rows(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False) -> StoreRows:
+    """The rows a decode step's store reads: the batch's own, or (``compact``) their live slots."""
+    if not compact:
+        return raw_rows(req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens)
+    longest = int(forward_batch.seq_lens_cpu.max()) if forward_batch.seq_lens_cpu is not None else req_to_token.shape[1]
+    return compact_rows(req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, longest)
 
 
 def causal_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
@@ -99,8 +145,8 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     k3, v3 = k.reshape(-1, hkv, d).contiguous(), v.reshape(-1, hkv, layer.v_head_dim).contiguous()
     o, lse = new_tokens(q3, k3, v3, layer, lists)
     if lists.has_prefix:
-        o2, lse2 = store.prefix(layer.layer_id, q3, lists.qo_indptr, backend.req_to_token_pool.req_to_token,
-                                forward_batch.req_pool_indices, lists.prefix_lens, lists.extend_lens,
+        p = lists.prefix
+        o2, lse2 = store.prefix(layer.layer_id, q3, lists.qo_indptr, p.table, p.indices, p.lens, lists.extend_lens,
                                 float(layer.scaling))
         o = merge_fn(o, lse, o2, lse2)
     if save_kv_cache:
@@ -109,7 +155,8 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def store_decode(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
-                 save_kv_cache: bool) -> torch.Tensor:
+                 rows: StoreRows, save_kv_cache: bool) -> torch.Tensor:
+    """One layer's decode attention over ``backend``'s store pool, reading ``rows`` (:func:`decode_rows`)."""
     store: KVStore = backend.token_to_kv_pool.store
     check_layer(layer, store)
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
@@ -117,6 +164,5 @@ def store_decode(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         store.write(layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, layer.tp_k_head_num, d),
                     v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim), forward_batch.req_pool_indices, decode=True)
     q3 = q.reshape(-1, hq, d)
-    o = store.decode(layer.layer_id, q3, backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                     forward_batch.seq_lens, float(layer.scaling))
+    o = store.decode(layer.layer_id, q3, rows.table, rows.indices, rows.lens, float(layer.scaling))
     return o.reshape(-1, hq * layer.v_head_dim)

@@ -105,6 +105,15 @@ class KIVIStore(KVStore):
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
         return [self.k_codes[layer_id], self.v_codes[layer_id], self.v_scale[layer_id], self.v_zero[layer_id]]
 
+    def eviction_problem(self) -> str | None:
+        return (f"KIVI quantizes keys per channel over each {self.group}-token page (one scale and zero per page) "
+                f"and is served with --page-size {self.group}, whose allocator frees whole pages, while eviction "
+                "drops single tokens: a page whose tokens are partly kept can be neither freed (its kept keys need "
+                "the page's scales) nor compacted (moving kept keys into another page re-quantizes them under new "
+                "scales, a second rounding after the method scored them); and each request's open page is a "
+                "residual read by logical position, which eviction's compacted rows do not keep. Compose the "
+                "eviction method with a per-token store (fp8_kv, turboquant)")
+
     def describe(self) -> dict[str, Any]:
         return {"format": "kivi", "bits": self.bits, "group_size": self.group,
                 "scales": "keys per page and channel, values per token and channel group, fp16",
