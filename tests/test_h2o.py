@@ -138,3 +138,32 @@ def test_config_defaults_and_errors() -> None:
                          ({"evict_interval": -1}, "field 'evict_interval' must be >= 0")]:
         with pytest.raises(SparseConfigError, match=message):
             create_method("h2o", cfg)
+
+
+def test_scores_survive_the_prefix_tree() -> None:
+    """Through SGLang's real radix tree and pools (no server): the scores a finishing turn leaves beside its
+    compacted KV come back to the turn that resumes at its end, aligned with the kept set it resumes with."""
+    from sgl_sparse.radix.tree import FinishedState
+    from tests.test_sparse_tree import FakeReq, _admit, _evict_positions, _invariant, _make
+
+    tree, req_pool, alloc = _make(method="h2o")
+    method = tree.method
+    prompt, answer, hidden = list(range(900, 920)), [1, 2, 3, 4, 5, 6], [3, 4, 5, 9, 10]
+    st = method.new_state("a")
+    st.set_kept(torch.tensor([p for p in range(26) if p not in hidden]), logical_len=26)
+    st.extra["h2o_scores"] = torch.arange(21, dtype=torch.float32)  # one per kept position, in retained order
+    tree._on_finish = lambda req: FinishedState(kept=st.kept, payload=method.on_finish(st), tail_start=20)
+    a = FakeReq("a", prompt, output_ids=answer)
+    _admit(tree, req_pool, alloc, a, 1)
+    _evict_positions(req_pool, alloc, a, hidden)
+    tree.cache_finished_req(a, kv_len_to_handle=26)
+    assert _invariant(tree, alloc) == 0
+
+    b = FakeReq("b", prompt + answer + [77, 78])
+    _admit(tree, req_pool, alloc, b, 2)
+    view = b._sgl_sparse_view
+    assert view.length == 26 and view.payload is not None
+    nxt = method.new_state("b")
+    nxt.set_kept(view.kept, logical_len=view.length)  # what the runtime does at admission
+    method.restore_state(nxt, view.payload)
+    assert nxt.extra["h2o_scores"].tolist() == list(range(21))
