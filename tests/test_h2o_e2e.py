@@ -115,3 +115,24 @@ def test_concurrent_sessions_do_not_leak(h2o_servers: dict) -> None:
 
 def test_aborts_mid_prefill_and_mid_decode_do_not_leak(h2o_servers: dict) -> None:
     abort_mid_prefill_and_mid_decode(h2o_servers["small"], random.Random(4), "h2o")
+
+
+@pytest.fixture(scope="module")
+def h2o_fp8(tiny_model: str) -> Iterator[ServerProcess]:
+    proc = _server(tiny_model, "h2o+fp8_kv", {"h2o": SMALL})
+    with running(proc):
+        yield proc
+
+
+def test_h2o_over_fp8_kv_scores_the_stores_keys_and_bounds_slots(h2o_fp8: ServerProcess) -> None:
+    """A composition: H2O decides what stays, scoring the keys as the FP8 store holds them; the pool holds
+    about the budget, and nothing leaks (aborts included)."""
+    st = _state(h2o_fp8)
+    assert st["method"] == "h2o+fp8_kv" and st["config"]["h2o"]["budget"] == SMALL["budget"]
+    before = _flush(h2o_fp8)
+    out = h2o_fp8.generate(input_ids=_ids(random.Random(2), 1200), max_new_tokens=100, ignore_eos=True)
+    assert out["meta_info"]["completion_tokens"] == 100
+    after = _assert_idle_and_sound(h2o_fp8)
+    used = after["kv_slots_used"] - before["kv_slots_used"]
+    assert SMALL["budget"] <= used <= SMALL["budget"] + SMALL["evict_interval"], used
+    abort_mid_prefill_and_mid_decode(h2o_fp8, random.Random(6), "h2o-fp8")
