@@ -1,0 +1,160 @@
+"""H2O, the Heavy-Hitter Oracle (Zhang et al., 2023, arXiv:2306.14048): keep the tokens that have received
+the most attention so far (heavy hitters) plus the most recent ones.
+
+Each retained token carries an accumulated score: the softmax attention it received, summed over query
+heads, layers and the queries observed so far. Observed queries are the prompt's last ``window_size``
+(SparseEngine's bounded prefill window; earlier prompt queries are not scored, as there) and, when
+``evict_interval`` > 0, every decode query: the runtime captures each request's last ``window_size``
+queries, and the method scores them before that many new ones have arrived (and before every eviction),
+each query once, against the retained keys it attended to (no eviction happens between a query and its
+scoring), so decode accumulation is exact, as in H2O's per-step update. The kept set is
+``budget - recent`` heavy hitters (highest score among the non-recent tokens, ties to the earlier
+position) plus the last ``recent = int(budget * recent_ratio)`` tokens, one set for all layers and
+heads (one pool slot holds every layer's K/V; the original keeps one set per head). Compaction runs at
+the end of the prompt and, in decode, every ``evict_interval`` decoded tokens once over the budget (the
+original evicts at every step; SparseEngine every 1,024), so at most ``budget + evict_interval`` are
+retained.
+
+The score table is indexed by retained order (aligned with ``RequestState.kept``, reordered with each
+:class:`KeepPlan`) and lives on the keys' device: decode accumulation adds a device tensor (no host
+sync); an eviction copies it to the host once, as SnapKV's selection does. A finished request leaves it
+in the prefix tree (:class:`TreePayload`), so the next turn of a conversation resumes with its heavy
+hitters' scores (Chain Cache); a match that does not reach the record's end (or one through a turn that
+evicted nothing, which leaves no record) gets no payload and starts its prefix at zero.
+
+Defaults: ``budget`` 8,192 (SparseEngine's H2O decode budget, Table 11; SnapKV's default here),
+``recent_ratio`` 0.5 (H2O's ``heavy_ratio`` = ``recent_ratio`` = 0.1 of the prompt: an even split of the
+cache, FMInference/H2O ``h2o_hf``), ``window_size`` 128 (SparseEngine's bounded prefill scoring window),
+``evict_interval`` 1,024 (SparseEngine's ``decode_eviction_interval``; 0 turns decode scoring and
+eviction off, SparseEngine's score-free default decode, which keeps decode CUDA graphs usable on GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl_sparse.config import MethodConfig
+from sgl_sparse.contract import (
+    Family,
+    KeepPlan,
+    ObservationWindow,
+    PrefixReuse,
+    RequestState,
+    SparseMethod,
+    StepInfo,
+    TreePayload,
+)
+from sgl_sparse.methods.eviction.base import topk_keep
+from sgl_sparse.methods.eviction.snapkv import window_scores
+from sgl_sparse.registry import register_method
+from sgl_sparse.slots import to_device
+
+SCORES, SCORED = "h2o_scores", "h2o_scored"  # state.extra keys: the table, the length it has scored up to
+
+
+@dataclass(frozen=True)
+class H2OConfig(MethodConfig):
+    method_name = "h2o"
+    budget: int = 8192  # retained tokens, heavy hitters and recent ones
+    recent_ratio: float = 0.5  # share of the budget kept as the most recent tokens
+    window_size: int = 128  # queries captured per request (prompt end; decode: scored every window_size)
+    evict_interval: int = 1024  # decode: compact every N decoded tokens once over budget; 0: prompt only
+
+    @property
+    def recent_tokens(self) -> int:
+        return int(self.budget * self.recent_ratio)
+
+    def validate(self) -> None:
+        self.require(self.budget >= 1, "budget", "must be >= 1")
+        self.require(0.0 <= self.recent_ratio <= 1.0, "recent_ratio", "must be in [0, 1]")
+        self.require(self.window_size >= 1, "window_size", "must be >= 1")
+        self.require(self.evict_interval >= 0, "evict_interval", "must be >= 0")
+
+
+@register_method
+class H2O(SparseMethod[H2OConfig]):
+    name = "h2o"
+    family = Family.EVICTION
+    config_cls = H2OConfig
+    evicts = True
+    prefix_reuse = PrefixReuse.CHAIN
+
+    def observation_window(self) -> int:
+        return self.config.window_size
+
+    def observes_decode(self) -> bool:
+        return self.config.evict_interval > 0
+
+    def new_state(self, rid: str) -> RequestState:
+        st = RequestState(rid=rid)
+        st.extra[SCORED] = 0
+        return st
+
+    def restore_state(self, state: RequestState, payload: TreePayload | None) -> None:
+        state.extra[SCORED] = state.logical_len  # the prefix's queries were scored by the turn that ran them
+        scores = payload.data.get(SCORES) if payload is not None else None
+        if scores is not None and scores.numel() == state.num_kept:
+            state.extra[SCORES] = scores
+
+    def _evicts_now(self, state: RequestState, step: StepInfo) -> bool:
+        if state.num_kept <= self.config.budget:
+            return False
+        if step.is_prefill:
+            return step.final_prefill
+        di = self.config.evict_interval
+        return di > 0 and step.decoded_tokens % di == 0
+
+    def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
+        if step.is_prefill:
+            # Scores matter later only if decode evicts, or now if the prompt is over budget.
+            return step.final_prefill and (self.config.evict_interval > 0 or state.num_kept > self.config.budget)
+        if self.config.evict_interval == 0:
+            return False
+        unscored = state.logical_len - state.extra.get(SCORED, 0)
+        return unscored >= self.config.window_size or (unscored > 0 and self._evicts_now(state, step))
+
+    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
+        n_w = window.q_pos.numel()
+        new = min(n_w, state.logical_len - state.extra.get(SCORED, 0))  # queries not scored yet
+        state.extra[SCORED] = state.logical_len
+        if new <= 0:
+            return
+        total: torch.Tensor | None = None
+        on_device: tuple[torch.Tensor, ...] | None = None  # copied once, not per layer
+        for layer in range(window.num_layers):
+            buf = window.key_buffer(layer)
+            if on_device is None:
+                on_device = (window.key_rows.to(buf.device), window.q_pos[-new:].to(buf.device),
+                             window.k_pos.to(buf.device))
+            s = window_scores(window.queries[layer][-new:], buf, *on_device, window.scale, 1, "avgpool")
+            total = s if total is None else total + s
+        assert total is not None
+        state.extra[SCORES] = _aligned(state.extra.get(SCORES), total.numel(), total.device) + total
+
+    def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
+        if not self._evicts_now(state, step):
+            return None
+        kept, cfg = state.kept, self.config
+        scores = _aligned(state.extra.get(SCORES), kept.numel(), torch.device("cpu"))
+        host = scores.float().cpu()  # the one host copy per eviction
+        keep = topk_keep(torch.arange(kept.numel()), host, cfg.budget, 0, cfg.recent_tokens)
+        state.extra[SCORES] = scores[to_device(keep, scores.device)]  # retained order, as the plan reorders
+        return KeepPlan(kept[keep])
+
+    def on_finish(self, state: RequestState) -> TreePayload | None:
+        scores = state.extra.get(SCORES)
+        if scores is None:
+            return None
+        return TreePayload({SCORES: _aligned(scores, state.num_kept, scores.device)})
+
+
+def _aligned(scores: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """The score table extended to ``n`` retained tokens: tokens appended since it was last written
+    (retained order, so at its end) have received no scored attention yet."""
+    if scores is None:
+        return torch.zeros(n, dtype=torch.float32, device=device)
+    if scores.numel() >= n:
+        return scores[:n]
+    return torch.cat([scores, scores.new_zeros(n - scores.numel())])
