@@ -87,6 +87,8 @@ class ServerProcess:
     goes to a log file whose tail is shown if the server fails to come up. Use as a context manager.
     """
 
+    health_path = "/health"  # answered 200 once the process can serve
+
     def __init__(
         self,
         model_path: str,
@@ -120,7 +122,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if requests.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                if requests.get(f"{self.base_url}{self.health_path}", timeout=2).status_code == 200:
                     return self
             except requests.RequestException:
                 pass
@@ -169,6 +171,50 @@ class ServerProcess:
         r = requests.get(f"{self.base_url}/server_info", timeout=30)
         r.raise_for_status()
         return r.json()
+
+
+class RouterProcess(ServerProcess):
+    """``python -m sglang_router.launch_router`` (the ``sglang-router`` package) in front of running
+    workers, on ``127.0.0.1``. Healthy once ``/readiness`` answers 200 and every worker in
+    ``worker_urls`` is registered (the router adds them in the background after it starts).
+    Its Prometheus exporter gets a free port of its own (the default 29000 would collide between
+    routers); ``args`` are more router flags."""
+
+    health_path = "/readiness"
+
+    def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", args: Sequence[str] = (),
+                 port: int | None = None, env: dict[str, str] | None = None, startup_timeout: float = 120.0,
+                 log_path: str | None = None) -> None:
+        super().__init__("", (), module="sglang_router.launch_router", port=port, env=env,
+                         startup_timeout=startup_timeout,
+                         log_path=log_path or tempfile.mkstemp(prefix="sglang-router-", suffix=".log")[1])
+        self.worker_urls = list(worker_urls)
+        self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--worker-urls", *self.worker_urls, "--policy", policy,
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *args]
+
+    def start(self) -> RouterProcess:
+        super().start()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            listed = self.workers()
+            if all(url in listed for url in self.worker_urls):
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"router lists {listed}, not all of {self.worker_urls}:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def workers(self) -> list[str]:
+        """The URLs of the workers the router has registered (``GET /workers``)."""
+        r = requests.get(f"{self.base_url}/workers", timeout=10)
+        r.raise_for_status()
+        body = r.json()
+        listed = body.get("workers", []) if isinstance(body, dict) else body
+        return [w.get("url", "") if isinstance(w, dict) else str(w) for w in listed]
+
+    def server_info(self) -> dict:
+        raise NotImplementedError("ask each worker: the router has no /server_info of its own")
 
 
 @contextlib.contextmanager

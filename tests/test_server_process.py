@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_sparse.server_process import ServerProcess, _listening, free_port
+from sgl_sparse.server_process import RouterProcess, ServerProcess, _listening, free_port
 
 
 def test_free_port_never_repeats() -> None:
@@ -31,6 +31,19 @@ def test_busy_port_is_refused_before_starting(tmp_path) -> None:  # type: ignore
         with pytest.raises(RuntimeError, match=f"port {port} is already in use"):
             srv.start()
         assert srv.proc is None
+
+
+
+def test_router_process_command() -> None:
+    """Each router gets its own port and Prometheus port (two routers on one host would both take 29000)."""
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    a, b = RouterProcess(urls, args=["--log-level", "warn"]), RouterProcess(urls)
+    assert a.cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    i = a.cmd.index("--worker-urls")
+    assert a.cmd[i + 1:i + 3] == urls and a.cmd[a.cmd.index("--policy") + 1] == "cache_aware"
+    assert a.cmd[-2:] == ["--log-level", "warn"] and a.health_path == "/readiness"
+    ports = {int(c[c.index(flag) + 1]) for c in (a.cmd, b.cmd) for flag in ("--port", "--prometheus-port")}
+    assert len(ports) == 4
 
 
 def _running_in_group(pgid: int) -> list[int]:
