@@ -107,7 +107,44 @@ def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
     assert hand == handoff.Handoff("dense", {}, "cpu", base="torch_native",
                                    prefill_cuda_graph_off="no CUDA graphs on CPU")
     assert json.loads(hand.dump()) == {"method": "dense", "config": {}, "device": "cpu", "base": "torch_native",
-                                       "prefill_cuda_graph_off": "no CUDA graphs on CPU"}
+                                       "prefill_cuda_graph_off": "no CUDA graphs on CPU", "request_methods": "off",
+                                       "decode_graphs": False}
+
+
+@pytest.mark.parametrize(("argv", "policy"), [
+    (["--sparse-method", "snapkv"], "eviction"),  # an eviction server serves the family per request by default
+    (["--sparse-method", "snapkv", "--sparse-request-methods", "off"], "off"),
+    ([], "off"),  # a dense server keeps SGLang's stock attention lists unless asked
+    (["--sparse-request-methods", "eviction"], "eviction"),
+    (["--sparse-method", "quest"], "off"),
+])
+def test_request_methods_policy(argv: list[str], policy: str) -> None:
+    _, hand = parse_args(["--model-path", "m", "--device", "cpu", *argv])
+    assert hand.request_methods == policy and hand.decode_graphs is False
+
+
+def test_request_methods_on_a_dense_cuda_server_turns_the_prefill_graph_off() -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-request-methods", "eviction"])
+    assert args.cuda_graph_backend_prefill == "disabled"
+    assert "per-request eviction methods" in hand.prefill_cuda_graph_off
+    assert hand.decode_graphs is True and hand.request_methods == "eviction"
+    _, dense = parse_args(["--model-path", "m", "--device", "cuda"])
+    assert dense.prefill_cuda_graph_off is None and dense.request_methods == "off"
+    _, no_decode = parse_args(["--model-path", "m", "--device", "cuda", "--cuda-graph-backend-decode", "disabled"])
+    assert no_decode.decode_graphs is False
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sparse-method", "quest", "--sparse-request-methods", "eviction"], "selection method"),
+    (["--sparse-method", "fp8_kv", "--sparse-request-methods", "eviction"], "owns the KV pool's layout"),
+    (["--sparse-request-methods", "eviction", "--tp-size", "2"], "--sparse-request-methods eviction (requests may"),
+    (["--sparse-request-methods", "sometimes"], "invalid choice"),
+])
+def test_request_methods_launch_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model-path", "m", "--device", "cpu", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("hand", [

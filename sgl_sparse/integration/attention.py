@@ -65,7 +65,7 @@ class _SparseBackendMixin:
     def _bind_runtime(self, model_runner: Any) -> None:
         self.runtime = get_runtime()
         self.method = self.runtime.method
-        self.skip_sentinels = self.method.evicts
+        self.skip_sentinels = self.runtime.evicting  # the server's method or one a request may choose evicts
         self.selector = self.method.selector
         if self.selector is not None:
             allocate_once(self.selector, model_runner)
@@ -77,8 +77,8 @@ class _SparseBackendMixin:
             raise RuntimeError(f"sgl_sparse: {self.method.name} owns the KV layout but the pool was built by "
                                "SGLang (the plug-in's pool hook did not run)")
         # Decided once: the per-layer hot path of dense requests does no method calls.
-        self.capture_prefill = self.method.observation_window() > 0
-        self.capture_decode = self.capture_prefill and self.method.observes_decode()
+        self.capture_prefill = self.runtime.observes
+        self.capture_decode = self.runtime.observes_decode
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()

@@ -16,26 +16,36 @@ import torch
 
 @dataclass
 class QueryCapture:
-    window: int  # 0: the method observes nothing, capture is off
-    observes_decode: bool
+    """Per request (its method's window and whether it observes decode, set by :meth:`start` when the
+    runtime first tracks it; requests of methods without a window are never captured)."""
+
     num_layers: int = 0
     scale: float | None = None
+    windows: dict[str, int] = field(default_factory=dict)  # rid -> its method's window (> 0)
+    decode: set[str] = field(default_factory=set)  # rids whose method observes decode queries too
     # rid -> layer -> last ``window`` queries ``[n <= window, H, D]``
     queries: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
-    # rids whose prompt is complete and that will not be observed again (decode queries skipped)
-    done: set[str] = field(default_factory=set)
+
+    def start(self, rid: str, window: int, observes_decode: bool) -> None:
+        self.windows[rid] = window
+        if observes_decode:
+            self.decode.add(rid)
+
+    def observes_decode(self, rid: str) -> bool:
+        return rid in self.decode
 
     def record(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int], scale: float) -> None:
         """``q``: ``[sum(q_lens), H, D]``, the step's queries of one layer, request after request."""
-        if self.window <= 0:
+        if not self.windows:
             return
         self.scale = scale
         self.num_layers = max(self.num_layers, layer_id + 1)
-        w, start = self.window, 0
+        start = 0
         for rid, n in zip(rids, q_lens):
             q_req = q[start:start + n]
             start += n
-            if rid in self.done:
+            w = self.windows.get(rid)
+            if w is None:
                 continue
             per_layer = self.queries.setdefault(rid, {})
             prev = per_layer.get(layer_id)
@@ -49,10 +59,10 @@ class QueryCapture:
 
     def prompt_done(self, rid: str) -> None:
         """The request's final prefill was observed: keep capturing only if decode is observed too."""
-        if not self.observes_decode:
-            self.queries.pop(rid, None)
-            self.done.add(rid)
+        if rid not in self.decode:
+            self.drop(rid)
 
     def drop(self, rid: str) -> None:
         self.queries.pop(rid, None)
-        self.done.discard(rid)
+        self.windows.pop(rid, None)
+        self.decode.discard(rid)

@@ -28,10 +28,15 @@ class Handoff:
     # Why the launcher turned SGLang's prefill CUDA graph off, for /server_info; None when the prefill
     # graph setting is SGLang's own (its default or the user's flags).
     prefill_cuda_graph_off: str | None = None
+    # --sparse-request-methods as resolved ("off" or "eviction"), and whether decode CUDA graphs replay
+    # (they skip the capture of decode queries): what a request may choose (sgl_sparse/request_methods.py).
+    request_methods: str = "off"
+    decode_graphs: bool = False
 
     def dump(self) -> str:
         return json.dumps({"method": self.method, "config": self.config, "device": self.device, "base": self.base,
-                           "prefill_cuda_graph_off": self.prefill_cuda_graph_off})
+                           "prefill_cuda_graph_off": self.prefill_cuda_graph_off,
+                           "request_methods": self.request_methods, "decode_graphs": self.decode_graphs})
 
 
 def publish(handoff: Handoff) -> None:
@@ -46,4 +51,5 @@ def read() -> Handoff:
         return Handoff(method="dense", config={}, device=None)
     data = json.loads(raw)
     return Handoff(method=data["method"], config=data.get("config") or {}, device=data.get("device"),
-                   base=data.get("base"), prefill_cuda_graph_off=data.get("prefill_cuda_graph_off"))
+                   base=data.get("base"), prefill_cuda_graph_off=data.get("prefill_cuda_graph_off"),
+                   request_methods=data.get("request_methods", "off"), decode_graphs=bool(data.get("decode_graphs")))

@@ -17,6 +17,7 @@ from sgl_sparse.contract import KVStore, pool_page_size
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.registry import create_method, registered_methods
+from sgl_sparse.request_methods import EVICTION, FLAG, POLICIES, default_policy, policy_problem
 
 PROG = "python -m sgl_sparse.launch_server"
 
@@ -46,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="The method's config fields as a JSON object, or a path to a JSON file. "
         "Unset fields keep the method's defaults. A composition's config is keyed by member name "
         "(e.g. '{\"snapkv\": {\"budget\": 1024}, \"fp8_kv\": {}}').",
+    )
+    group.add_argument(
+        FLAG,
+        default=None,
+        choices=POLICIES,
+        help="Whether a request may choose its own method through custom_params (sgl_sparse_method, "
+        "sgl_sparse_config): 'eviction' lets it pick dense or any eviction method; 'off' serves --sparse-method to "
+        "every request. Default: eviction when --sparse-method is an eviction method, else off (on a dense "
+        "server 'eviction' replaces SGLang's stock attention lists by compacted ones).",
     )
     return parser
 
@@ -123,6 +133,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         parser.error(f"--radix-cache-backend {args.radix_cache_backend}: sgl_sparse serves through its own "
                      f"backend '{BACKEND_NAME}'; drop the flag (use `python -m sglang.launch_server` for stock "
                      "SGLang)")
+    policy = args.sparse_request_methods or default_policy(method)
+    if (why := policy_problem(method, policy)) is not None:
+        parser.error(why)
+    # A server that serves no eviction method itself but lets requests choose one: the family's needs
+    # (prefill query capture, compacted lists) come from a representative of it.
+    probe = create_method("snapkv") if policy == EVICTION and not method.evicts else None
     page_size = pool_page_size(method)
     if args.page_size not in (None, page_size):
         why = (f"its page metadata is per {page_size}-token page (set by its config's page_size)" if page_size > 1
@@ -131,7 +147,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
                      f"{page_size} ({why}); drop the flag")
     device = _resolve_device(args)
     base, problems = choose_base(args, device)
-    for problem in [*problems, *unsupported_combinations(args, method, device)]:
+    problems += unsupported_combinations(args, method, device)
+    if probe is not None:
+        problems += [f"{FLAG} eviction (requests may choose e.g. snapkv): {p}"
+                     for p in unsupported_combinations(args, probe, device) if p not in problems]
+    for problem in problems:
         parser.error(problem)
     assert base is not None  # choose_base reports a problem whenever it has no base
     prefill_off = None
@@ -141,12 +161,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         if requested_graph_backend(args, "prefill") != DISABLED:
             prefill_off = "no CUDA graphs on CPU"
         args.disable_cuda_graph = True
-    elif method.observation_window() > 0 and requested_graph_backend(args, "prefill") is None:
+    elif (method.observation_window() > 0 or probe is not None) and requested_graph_backend(args, "prefill") is None:
         # A replayed prefill graph runs attention on a static ForwardBatch without rids
         # (model_executor/runner/prefill_cuda_graph_runner.py L1481-1539), so the window queries the method
         # scores would never be captured. Set as --cuda-graph-backend-prefill disabled would.
         args.cuda_graph_backend_prefill = DISABLED
-        prefill_off = f"{method.name} captures prefill queries, which a replayed prefill graph skips"
+        prefill_off = (f"{method.name} captures prefill queries" if probe is None else
+                       f"per-request eviction methods ({FLAG} eviction) capture prefill queries")
+        prefill_off += ", which a replayed prefill graph skips"
     elif method.store is not None and requested_graph_backend(args, "prefill") is None:
         # Our extend over a method-owned layout reads the new tokens through FlashInfer's ragged prefill,
         # which SGLang plans only outside piecewise prefill graphs (flashinfer_backend.py L959-963), and
@@ -164,8 +186,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     args.prefill_attention_backend = args.decode_attention_backend = None
     args.radix_cache_backend = BACKEND_NAME
     args.page_size = page_size
+    decode_graphs = device != "cpu" and requested_graph_backend(args, "decode") != DISABLED
     return args, handoff.Handoff(method.name, method.config.to_dict(), device, base=base,
-                                 prefill_cuda_graph_off=prefill_off)
+                                 prefill_cuda_graph_off=prefill_off, request_methods=policy,
+                                 decode_graphs=decode_graphs)
 
 
 # Method-owned KV layouts whose GPU kernels have passed their tests/gpu file on an H200 (test_gpu_quant.py,

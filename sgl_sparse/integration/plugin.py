@@ -55,8 +55,9 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
         from sgl_sparse.integration.metrics import SparseMetrics
 
         rt.metrics = SparseMetrics(rt.method.name)
-    tree = SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.finish)
-    if rt.method.evicts:
+    tree = SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.finish, evicts_for=rt.evicts_for,
+                            evicting=rt.evicting)
+    if rt.evicting:
         from sgl_sparse.integration.chat_resume import load_suffix
 
         tree.resume_suffix = load_suffix(ctx.server_args)
@@ -143,6 +144,12 @@ def register() -> None:
 
     # Rejects bad requests in the HTTP process (the TokenizerManager's), only in servers whose tree is ours.
     HookRegistry.register(validation.TARGET, validation.before_generate_request, HookType.BEFORE)
+    from sgl_sparse.integration import per_request
+
+    # Per-request methods: the method in each response's meta_info (HTTP process), and each request's method
+    # and prefix-tree namespace at admission (scheduler).
+    HookRegistry.register(per_request.WAIT_TARGET, per_request.around_wait_one_response, HookType.AROUND)
+    HookRegistry.register(per_request.ADMIT_TARGET, per_request.before_add_request_to_queue, HookType.BEFORE)
     if _is_cpu_server():
         from sgl_sparse.integration.cpu_support import register_cpu_support
 

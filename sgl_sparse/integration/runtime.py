@@ -32,9 +32,11 @@ from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
 from sgl_sparse.registry import create_method
+from sgl_sparse.request_methods import EVICTION, MethodResolver, RequestMethodError, Served
 from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)
+SERVED_ATTR = "_sgl_sparse_served"  # set on SGLang's Req at admission: the Served method of the request
 
 
 @dataclass
@@ -48,17 +50,20 @@ class Counters:
 
 @dataclass
 class Tracked:
-    """A request the runtime follows: the method's state plus what the step needs about it."""
+    """A request the runtime follows: its method and that method's state, plus what the step needs."""
 
     state: RequestState
     pool_idx: int
+    method: SparseMethod[Any]
     prompt_done: bool = False
 
 
 @dataclass
 class SparseRuntime:
-    method: SparseMethod[Any]
+    method: SparseMethod[Any]  # the server's (--sparse-method): what requests that choose none get
     fingerprint: str
+    # Which method each request gets (custom_params, sgl_sparse/request_methods.py); None: always `method`.
+    resolver: MethodResolver | None = None
     tracked: dict[str, Tracked] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     serving: bool = False  # set when our tree is built: this scheduler serves through sgl_sparse
@@ -70,6 +75,12 @@ class SparseRuntime:
     # decode plan; None when unknown (the backend then lets FlashInfer read them from the device).
     decode_live_lens: torch.Tensor | None = None
 
+    # Whether any request may evict (the server's method, or one a request chooses): rows may then hold
+    # sentinels, so attention reads compacted lists; fixed.
+    evicting: bool = field(init=False)
+    # Whether any request may capture window queries, in prefill / in decode; fixed.
+    observes: bool = field(init=False)
+    observes_decode: bool = field(init=False)
     # Whether any per-request work is needed (dense: none, the stock path runs untouched); fixed.
     active: bool = field(init=False)
 
@@ -77,12 +88,53 @@ class SparseRuntime:
         m = self.method
         if (why := served_hooks_problem(m)) is not None:
             raise ValueError(f"sgl_sparse: {why}")
-        self.active = m.evicts or m.observation_window() > 0
-        self.capture = QueryCapture(m.observation_window(), m.observes_decode())
+        per_request = self.resolver is not None and self.resolver.policy == EVICTION
+        self.evicting = m.evicts or per_request
+        self.observes = m.observation_window() > 0 or per_request
+        self.observes_decode = (m.observation_window() > 0 and m.observes_decode()) or per_request
+        self.active = self.evicting or self.observes
+        self.capture = QueryCapture()
+        self._default = Served(m, self.fingerprint, "server")
 
     @property
     def states(self) -> dict[str, RequestState]:
         return {rid: t.state for rid, t in self.tracked.items()}
+
+    # -- which method serves a request ------------------------------------------------------------
+    def admit(self, req: Any) -> None:
+        """At admission (before the request first enters the waiting queue): resolve its method and, when it
+        is not the server's config, move it into that config's prefix-tree namespace through ``extra_key``
+        (which every stock match and insert of SGLang reads). Idempotent (a retracted request comes back)."""
+        if hasattr(req, SERVED_ATTR):
+            return
+        served = self._default
+        if self.resolver is not None:
+            try:
+                served = self.resolver.resolve(getattr(req.sampling_params, "custom_params", None))
+            except RequestMethodError as e:
+                # The HTTP process validates every request first; this is a request that bypassed it.
+                req.set_finish_with_abort(f"custom_params.{e.key}: {e}")
+        setattr(req, SERVED_ATTR, served)
+        if served.fingerprint != self.fingerprint:
+            ns = f"sgl_sparse={served.fingerprint}"
+            req.extra_key = ns if not req.extra_key else f"{ns}:{req.extra_key}"
+
+    def served(self, req: Any) -> Served:
+        s = getattr(req, SERVED_ATTR, None)
+        if s is None:
+            self.admit(req)
+            s = getattr(req, SERVED_ATTR)
+        return s
+
+    def evicts_for(self, req: Any) -> bool:
+        """Whether ``req``'s method evicts (the tree defers its insertion to finish and keeps its holes)."""
+        return self.served(req).method.evicts
+
+    def requests_by_method(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tracked.values():
+            out[t.method.name] = out.get(t.method.name, 0) + 1
+        return out
 
     # -- request states ------------------------------------------------------------------------
     def track(self, req: Any) -> Tracked:
@@ -92,7 +144,8 @@ class SparseRuntime:
             return t
         from sgl_sparse.radix.tree import VIEW_ATTR
 
-        st = self.method.new_state(req.rid)
+        method = self.served(req).method
+        st = method.new_state(req.rid)
         n_prefix = len(req.prefix_indices)
         view = getattr(req, VIEW_ATTR, None)
         if n_prefix:
@@ -100,7 +153,7 @@ class SparseRuntime:
             if view is not None and view.length == n_prefix:
                 st.set_kept(view.kept, logical_len=n_prefix)
                 payload = view.payload
-            elif self.method.evicts:
+            elif method.evicts:
                 # No view for this prefix (the tree always leaves one: an SGLang path we do not know).
                 # The row may hold holes: read the truth from the device once rather than guess.
                 logger.warning("sgl_sparse: request %s has no match view for its %d-token prefix; reading its "
@@ -112,9 +165,11 @@ class SparseRuntime:
                 self.counters.chain_hits_total += 1
                 self.counters.chain_hit_tokens_total += n_prefix
                 self.counters.chain_hit_kept_tokens_total += st.num_kept
-            self.method.restore_state(st, payload)
-        t = Tracked(st, int(req.req_pool_idx))
+            method.restore_state(st, payload)
+        t = Tracked(st, int(req.req_pool_idx), method)
         self.tracked[req.rid] = t
+        if method.observation_window() > 0:
+            self.capture.start(req.rid, method.observation_window(), method.observes_decode())
         return t
 
     def finish(self, req: Any) -> Any:
@@ -126,7 +181,7 @@ class SparseRuntime:
         t = self.tracked.pop(req.rid, None)
         if t is None:
             return None
-        payload = self.method.on_finish(t.state)
+        payload = t.method.on_finish(t.state)
         return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start)
 
     @staticmethod
@@ -160,7 +215,7 @@ class SparseRuntime:
         if mode.is_extend():
             self._before_prefill(batch)
             return
-        if not self.method.evicts or not mode.is_decode():
+        if not self.evicting or not mode.is_decode():
             return
         with no_host_sync():
             self._before_decode(batch, model_runner)
@@ -185,7 +240,7 @@ class SparseRuntime:
             if t.prompt_done:
                 continue  # a decode token inside a mixed step
             total = len(req.origin_input_ids) + len(req.output_ids)
-            self.method.on_prefill_chunk(t.state, PrefillChunk(t.state.logical_len, int(seq_lens[i]), total))
+            t.method.on_prefill_chunk(t.state, PrefillChunk(t.state.logical_len, int(seq_lens[i]), total))
 
     def after_forward(self, batch: Any, model_runner: Any) -> None:
         self.decode_live_lens = None
@@ -212,5 +267,6 @@ def get_runtime() -> SparseRuntime:
     if _runtime is None:
         h = handoff.read()
         method = create_method(h.method, h.config)
-        _runtime = SparseRuntime(method=method, fingerprint=method.config.fingerprint())
+        resolver = MethodResolver(method, h.request_methods, h.decode_graphs)
+        _runtime = SparseRuntime(method=method, fingerprint=method.config.fingerprint(), resolver=resolver)
     return _runtime

@@ -34,6 +34,10 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "family": family_label(rt.method),
         "config": rt.method.config.to_dict(),
         "fingerprint": rt.fingerprint,
+        # What a request may choose through custom_params (--sparse-request-methods), and the methods of the
+        # requests running now.
+        "request_methods": rt.resolver.policy if rt.resolver is not None else "off",
+        "requests_by_method": rt.requests_by_method(),
         "tree_class": type(tree).__name__,
         "attention_backend_class": type(runner.attn_backend).__name__,
         "attention_base": hand.base,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo, check_keep_plan
+from sgl_sparse.contract import ObservationWindow, StepInfo, check_keep_plan
 from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:
@@ -45,28 +45,30 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         is_prefill = not t.prompt_done
         final = is_prefill and seq_len >= len(req.origin_input_ids) + len(req.output_ids)
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final)
-        if rt.capture.window > 0 and rt.method.wants_observation(st, info):
-            if not is_prefill and not rt.capture.observes_decode:
-                raise RuntimeError(f"sgl_sparse: {rt.method.name}.wants_observation is true in decode but "
+        method = t.method
+        if method.observation_window() > 0 and method.wants_observation(st, info):
+            if not is_prefill and not rt.capture.observes_decode(req.rid):
+                raise RuntimeError(f"sgl_sparse: {method.name}.wants_observation is true in decode but "
                                    "observes_decode() is false, so no decode queries were captured")
-            rt.method.on_observation(st, _window(rt, req, st, model_runner))
+            method.on_observation(st, _window(rt, req, t, model_runner))
         if final:
             t.prompt_done = True
             rt.capture.prompt_done(req.rid)
-        plan = rt.method.on_step_end(st, info)
+        plan = method.on_step_end(st, info)
         if plan is not None:
-            keep = check_keep_plan(rt.method, plan, st.kept)
+            keep = check_keep_plan(method, plan, st.kept)
             if keep.numel() < st.num_kept:
                 plans.append((req, t, keep))
     if plans:
         _apply(rt, plans, model_runner)
 
 
-def _window(rt: SparseRuntime, req: Any, st: RequestState, model_runner: Any) -> ObservationWindow:
+def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> ObservationWindow:
+    st = t.state
     queries = rt.capture.get(req.rid)
     n_layers = rt.capture.num_layers
     if not queries or len(queries) != n_layers:
-        raise RuntimeError(f"sgl_sparse: {rt.method.name} needs the last queries of every layer, but the "
+        raise RuntimeError(f"sgl_sparse: {t.method.name} needs the last queries of every layer, but the "
                            f"attention backend captured {len(queries)} layer(s) for request {req.rid} "
                            "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
     n_w = queries[0].shape[0]

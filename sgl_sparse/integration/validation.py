@@ -24,12 +24,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sgl_sparse.integration import BACKEND_NAME
+from sgl_sparse.request_methods import KEYS, MethodResolver, RequestMethodError
 
 CUSTOM_PARAMS_PREFIX = "sgl_sparse_"
-# The custom_params keys that sgl_sparse reads. This set is empty today; a later issue adds
-# sgl_sparse_method and sgl_sparse_config. Any other key with the prefix is a typo, so it is rejected
-# instead of being ignored.
-KNOWN_CUSTOM_PARAMS: frozenset[str] = frozenset()
+# The custom_params keys that sgl_sparse reads (per-request methods, sgl_sparse/request_methods.py). Any
+# other key with the prefix is a typo, so it is rejected instead of being ignored.
+KNOWN_CUSTOM_PARAMS: frozenset[str] = KEYS
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -39,11 +39,13 @@ class RequestValidationError(ValueError):
     HTTP handlers turn into status 400."""
 
 
-def validate_generate_input(text: Any, input_ids: Any, sampling_params: Any, vocab_size: int) -> None:
+def validate_generate_input(text: Any, input_ids: Any, sampling_params: Any, vocab_size: int,
+                            resolver: MethodResolver | None = None) -> None:
     """Raise :class:`RequestValidationError` if a raw (not yet normalised) ``GenerateReqInput``
     is bad. The inputs are its fields as the client sent them. Each may be a single value or a
     batch: ``input_ids`` as ``list[int] | list[list[int]]``, ``sampling_params`` as
-    ``dict | list[dict]``. Shapes and types that SGLang checks itself are left to SGLang."""
+    ``dict | list[dict]``. Shapes and types that SGLang checks itself are left to SGLang. With a
+    ``resolver``, a per-request method choice must be one the server can serve."""
     if text is not None and input_ids is not None:
         raise RequestValidationError(
             "text and input_ids are mutually exclusive: send the prompt either as text or as input_ids"
@@ -51,11 +53,11 @@ def validate_generate_input(text: Any, input_ids: Any, sampling_params: Any, voc
     if input_ids is not None:
         _check_input_ids(input_ids, vocab_size)
     if isinstance(sampling_params, Mapping):
-        _check_custom_params(sampling_params.get("custom_params"), "custom_params")
+        _check_custom_params(sampling_params.get("custom_params"), "custom_params", resolver)
     elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
         for i, sp in enumerate(sampling_params):
             if isinstance(sp, Mapping):
-                _check_custom_params(sp.get("custom_params"), f"sampling_params[{i}].custom_params")
+                _check_custom_params(sp.get("custom_params"), f"sampling_params[{i}].custom_params", resolver)
 
 
 def _check_input_ids(input_ids: Any, vocab_size: int) -> None:
@@ -84,7 +86,7 @@ def _check_sequence(seq: Any, vocab_size: int, where: str) -> None:
     )
 
 
-def _check_custom_params(custom_params: Any, where: str) -> None:
+def _check_custom_params(custom_params: Any, where: str, resolver: MethodResolver | None = None) -> None:
     if custom_params is None:
         return
     if not isinstance(custom_params, Mapping):
@@ -100,6 +102,11 @@ def _check_custom_params(custom_params: Any, where: str) -> None:
                 f"{where}[{key!r}] is nested too deeply: a value must be a JSON scalar, a list of scalars "
                 "or an object of scalars (JSON-encode deeper structures into a string)"
             )
+    if resolver is not None:
+        try:
+            resolver.resolve(custom_params)
+        except RequestMethodError as e:
+            raise RequestValidationError(f"{where}[{e.key!r}]: {e}") from None
 
 
 def _is_custom_param_value(value: Any) -> bool:
@@ -127,7 +134,10 @@ def before_generate_request(tm: Any, obj: Any = None, *args: Any, **kwargs: Any)
         return
     # model_config.vocab_size is the bound SGLang itself checks token ids against
     # (token_ids_logprob, SamplingParams.verify in tokenizer_manager.py).
-    validate_generate_input(obj.text, obj.input_ids, obj.sampling_params, tm.model_config.vocab_size)
+    from sgl_sparse.integration.per_request import http_resolver
+
+    validate_generate_input(obj.text, obj.input_ids, obj.sampling_params, tm.model_config.vocab_size,
+                            http_resolver())
 
 
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"

@@ -125,10 +125,15 @@ def _set_holes(node: TreeNode, holes: torch.Tensor) -> None:
 
 class SparseRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, method: SparseMethod[Any], fingerprint: str,
-                 on_finish: Callable[[Any], FinishedState | None] | None = None) -> None:
+                 on_finish: Callable[[Any], FinishedState | None] | None = None,
+                 evicts_for: Callable[[Any], bool] | None = None, evicting: bool | None = None) -> None:
         self.method = method
         self.fingerprint = fingerprint
-        self.evicting = method.evicts
+        # Whether any request may evict (then a match may meet holes); per request, ``evicts_for(req)``
+        # (per-request methods: a request of a dense config is cached the stock way, at every chunk, in
+        # its own namespace), else every request as ``method``.
+        self.evicting = method.evicts if evicting is None else evicting
+        self._evicts_for = evicts_for
         # Runtime callback(req) -> FinishedState (or None: the request never ran a step); it also drops
         # the request's per-request state.
         self._on_finish = on_finish
@@ -138,6 +143,11 @@ class SparseRadixCache(RadixCache):
         # next turn may render differently: a record lets a continuation resume from before it.
         self.resume_suffix: tuple[int, ...] = ()
         super().__init__(params)
+
+    def _evicts(self, req: Any) -> bool:
+        if not self.evicting:
+            return False
+        return True if self._evicts_for is None else self._evicts_for(req)
 
     # -- namespace -------------------------------------------------------------------------------
     def _ns(self, key: RadixKey) -> RadixKey:
@@ -325,7 +335,7 @@ class SparseRadixCache(RadixCache):
     # -- request lifecycle -----------------------------------------------------------------------
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         finished = self._on_finish(req) if self._on_finish is not None else None
-        if not self.evicting:
+        if not self._evicts(req):
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         alloc = self.token_to_kv_pool_allocator
@@ -463,7 +473,7 @@ class SparseRadixCache(RadixCache):
                     node.chain = None
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        if not self.evicting and not self.disable:
+        if not self._evicts(req) and not self.disable:
             return super().cache_unfinished_req(req, chunked)
         # Evicting methods defer insertion to finish: the prompt stays request-owned, so the method
         # may free it. With the tree disabled (--disable-radix-cache) nothing is inserted either. In

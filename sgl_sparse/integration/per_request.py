@@ -1,0 +1,69 @@
+"""Per-request methods in the server (sgl_sparse/request_methods.py holds the rules).
+
+* HTTP process: :func:`http_resolver` (built once from the launcher's hand-off) validates each request's
+  ``custom_params`` (through :mod:`.validation`, so a bad choice is HTTP 400 before it reaches the
+  scheduler) and :func:`around_wait_one_response` reports the serving method in ``meta_info["sgl_sparse"]``
+  of every response (``/generate``; the OpenAI routes build their own bodies from it);
+* scheduler: :func:`before_add_request_to_queue` resolves the method when a request first enters the
+  waiting queue and namespaces it in the prefix tree (``SparseRuntime.admit``), so every match, including
+  the waiting queue's prefix-aware ordering, already sees the request's own namespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sgl_sparse.integration import BACKEND_NAME, handoff
+from sgl_sparse.request_methods import MethodResolver
+
+_http_resolver: MethodResolver | None = None
+
+
+def http_resolver() -> MethodResolver:
+    global _http_resolver
+    if _http_resolver is None:
+        from sgl_sparse.registry import create_method
+
+        h = handoff.read()
+        _http_resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.decode_graphs)
+    return _http_resolver
+
+
+def _custom_params(obj: Any) -> Any:
+    sp = getattr(obj, "sampling_params", None)
+    return sp.get("custom_params") if isinstance(sp, dict) else None
+
+
+def around_wait_one_response(original: Any, tm: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``TokenizerManager._wait_one_response(self, obj, request)``, an async generator of one
+    request's outputs: each output's ``meta_info`` gains the method that served it."""
+    gen = original(tm, obj, *args, **kwargs)
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if tm.server_args.radix_cache_backend != BACKEND_NAME or not isinstance(obj, GenerateReqInput):
+        return gen
+    # Validated before the request was sent (validation.py), so this cannot fail here.
+    info = http_resolver().resolve(_custom_params(obj)).describe()
+
+    async def with_method() -> AsyncIterator[Any]:
+        async for out in gen:
+            meta = out.get("meta_info") if isinstance(out, dict) else None
+            if isinstance(meta, dict):
+                meta["sgl_sparse"] = info
+            yield out
+
+    return with_method()
+
+
+def before_add_request_to_queue(scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``Scheduler._add_request_to_queue(self, req, is_retracted=False)``."""
+    from sgl_sparse.integration.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt.serving:
+        rt.admit(req)
+
+
+WAIT_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._wait_one_response"
+ADMIT_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"

@@ -1,0 +1,168 @@
+"""Per-request methods: which method and config serve one request.
+
+A request picks its own method through SGLang's ``custom_params`` (the one per-request field that
+reaches the scheduler from ``/generate``, the OpenAI routes through ``extra_body`` and the frontend's
+``sgl.gen``)::
+
+    {"custom_params": {"sgl_sparse_method": "snapkv", "sgl_sparse_config": "{\\"budget\\": 1024}"}}
+
+``sgl_sparse_config`` is the same JSON object as ``--sparse-config`` (as a string, or a flat object:
+SGLang's msgspec IPC rejects anything deeper; never a file path, which the server would read), and
+alone it configures the server's method. The server's ``--sparse-method`` serves requests that name
+none. Only the eviction family and ``dense`` may be chosen per request: they differ only in which
+slots of a request's row stay live and in host-side bookkeeping keyed by request, while a selection
+method's page metadata and attention path, and a quantization method's pool layout, are server-wide.
+
+The same :class:`MethodResolver` runs in the HTTP process (validation: a bad request gets HTTP 400
+naming the field, before it reaches the scheduler; the method reported in ``meta_info``) and in the
+scheduler (the method that serves it). Requests under different fingerprints never share prefix-tree
+entries (the fingerprint namespaces them), so a dense request never reads KV a SnapKV request evicted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_sparse.compose import is_composed
+from sgl_sparse.contract import SparseMethod, served_hooks_problem
+from sgl_sparse.errors import SparseConfigError
+from sgl_sparse.registry import create_method
+
+METHOD_KEY = "sgl_sparse_method"
+CONFIG_KEY = "sgl_sparse_config"
+KEYS = frozenset({METHOD_KEY, CONFIG_KEY})
+
+OFF, EVICTION = "off", "eviction"
+POLICIES = (OFF, EVICTION)
+FLAG = "--sparse-request-methods"
+
+_CACHE_LIMIT = 256  # distinct (method, config) pairs remembered; each is a method object and a digest
+
+
+class RequestMethodError(ValueError):
+    """A per-request method or config that cannot serve; ``key`` is the custom_params key at fault."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Served:
+    """The method serving a request and its prefix-tree namespace; ``source`` says who chose it."""
+
+    method: SparseMethod[Any]
+    fingerprint: str
+    source: str  # "server" (--sparse-method) or "request" (custom_params)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``meta_info["sgl_sparse"]`` reports."""
+        return {"method": self.method.name, "config": self.method.config.to_dict(),
+                "fingerprint": self.fingerprint, "source": self.source}
+
+
+def default_policy(method: SparseMethod[Any]) -> str:
+    """``eviction`` where the server's own method already evicts (its backends then serve any eviction
+    method at no extra cost), else ``off`` (a dense server keeps SGLang's stock attention path unless
+    asked)."""
+    return EVICTION if method.evicts and method.store is None and method.selector is None else OFF
+
+
+def policy_problem(method: SparseMethod[Any], policy: str) -> str | None:
+    """Why ``--sparse-method method`` cannot take ``policy`` (``None``: it can)."""
+    if policy not in POLICIES:
+        return f"{FLAG} {policy}: expected one of {', '.join(POLICIES)}"
+    if policy == EVICTION and (why := _server_wide(method)) is not None:
+        return f"{FLAG} eviction with --sparse-method {method.name}: {why}"
+    return None
+
+
+def _server_wide(method: SparseMethod[Any]) -> str | None:
+    if method.store is not None:
+        return (f"{method.name} owns the KV pool's layout ({type(method.store).__name__}), which every request "
+                "of the server shares")
+    if method.selector is not None:
+        return (f"{method.name} is a selection method: its page metadata and its attention path serve every "
+                "request of the server")
+    return None
+
+
+class MethodResolver:
+    """``custom_params`` -> :class:`Served`. ``policy``: ``off`` (every request gets the server's method;
+    the keys are an error) or ``eviction``. ``decode_graphs``: the server replays decode CUDA graphs,
+    which skip the Python capture of decode queries, so methods that observe decode are refused."""
+
+    def __init__(self, default: SparseMethod[Any], policy: str = OFF, decode_graphs: bool = False) -> None:
+        if (why := policy_problem(default, policy)) is not None:
+            raise SparseConfigError(why)
+        self.default = Served(default, default.config.fingerprint(), "server")
+        self.policy = policy
+        self.decode_graphs = decode_graphs
+        self._cache: dict[tuple[str, str], Served] = {}
+
+    def resolve(self, custom_params: Mapping[str, Any] | None) -> Served:
+        """The request's method; raises :class:`RequestMethodError` naming the key at fault."""
+        if not isinstance(custom_params, Mapping):
+            return self.default
+        name, config = custom_params.get(METHOD_KEY), custom_params.get(CONFIG_KEY)
+        if name is None and config is None:
+            return self.default
+        key = METHOD_KEY if name is not None else CONFIG_KEY
+        if self.policy == OFF:
+            why = _server_wide(self.default.method) or f"start it with {FLAG} eviction to choose methods per request"
+            raise RequestMethodError(key, f"this server serves --sparse-method {self.default.method.name} to every "
+                                          f"request: {why}")
+        if name is None:
+            name = self.default.method.name
+        if not isinstance(name, str):
+            raise RequestMethodError(METHOD_KEY, f"must be a method name (a string), got {type(name).__name__}")
+        fields = _config_fields(config)
+        cache_key = (name, json.dumps(fields, sort_keys=True))
+        served = self._cache.get(cache_key)
+        if served is None:
+            served = self._build(name, fields)
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[cache_key] = served
+        return served
+
+    def _build(self, name: str, fields: dict[str, Any]) -> Served:
+        if is_composed(name):
+            raise RequestMethodError(METHOD_KEY, f"{name!r} is a composition: its quantized pool is server-wide; "
+                                                 "start a server with --sparse-method " + name)
+        try:
+            method = create_method(name, fields)
+        except SparseConfigError as e:
+            unknown_method = str(e).startswith("unknown sparse method")
+            raise RequestMethodError(METHOD_KEY if unknown_method else CONFIG_KEY, str(e)) from None
+        if (why := _server_wide(method)) is not None:
+            raise RequestMethodError(METHOD_KEY, f"{why}: it cannot be chosen per request; start a server with "
+                                                 f"--sparse-method {name}")
+        if (why := served_hooks_problem(method)) is not None:
+            raise RequestMethodError(METHOD_KEY, why)
+        if self.decode_graphs and method.observation_window() > 0 and method.observes_decode():
+            raise RequestMethodError(CONFIG_KEY, f"{name} with this config observes decode queries, which this "
+                                                 "server's decode CUDA graphs skip: turn its decode scoring off (e.g. "
+                                                 "h2o's evict_interval 0, snapkv's decode_interval 0) or start the "
+                                                 "server with --cuda-graph-backend-decode disabled")
+        fp = method.config.fingerprint()
+        if fp == self.default.fingerprint:
+            return Served(self.default.method, fp, "request")
+        return Served(method, fp, "request")
+
+
+def _config_fields(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise RequestMethodError(CONFIG_KEY, f"invalid JSON ({e}); expected a JSON object, e.g. "
+                                                 "'{\"budget\": 1024}'") from None
+    if not isinstance(config, Mapping):
+        raise RequestMethodError(CONFIG_KEY, f"expected a JSON object of config fields, got {type(config).__name__}")
+    return dict(config)
