@@ -30,3 +30,12 @@ def servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
 @pytest.fixture(scope="session")
 def server(servers: dict[str, ServerProcess]) -> ServerProcess:
     return servers["ours"]
+
+
+@pytest.fixture(scope="session")
+def mixed_server(tiny_model: str) -> Iterator[ServerProcess]:
+    """A dense server whose requests may choose any eviction method (--sparse-request-methods eviction): the
+    per-request methods' and Prefix-Cache Pruning's tests share it."""
+    proc = ServerProcess(tiny_model, [*COMMON_FLAGS, "--sparse-request-methods", "eviction"], startup_timeout=900)
+    with running(proc):
+        yield proc

@@ -32,14 +32,12 @@ DENSE = {"sgl_sparse_method": "dense"}
 
 
 @pytest.fixture(scope="module")
-def rm_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
-    procs = {
-        "mixed": ServerProcess(tiny_model, [*FLAGS, "--sparse-request-methods", "eviction"], startup_timeout=900),
-        "snapkv": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv", "--sparse-config",
-                                             json.dumps(SNAPKV_CONFIG)], startup_timeout=900),
-    }
-    with running(*procs.values()):
-        yield {**procs, "dense": servers["ours"]}
+def rm_servers(tiny_model: str, servers: dict[str, ServerProcess],
+               mixed_server: ServerProcess) -> Iterator[dict[str, ServerProcess]]:
+    snapkv = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv", "--sparse-config",
+                                        json.dumps(SNAPKV_CONFIG)], startup_timeout=900)
+    with running(snapkv):
+        yield {"mixed": mixed_server, "snapkv": snapkv, "dense": servers["ours"]}
 
 
 def _gen(server: ServerProcess, ids: list[int], n: int, custom: dict[str, Any] | None = None) -> dict:

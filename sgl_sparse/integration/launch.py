@@ -286,6 +286,10 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         if device != "cpu" and prefill not in (None, DISABLED):
             problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: its extend attention runs "
                             "eagerly (the launcher turns prefill CUDA graphs off for it); drop the flag")
+    if (args.tokenizer_worker_num or 1) > 1:
+        problems.append(f"--tokenizer-worker-num {args.tokenizer_worker_num}: each extra tokenizer worker re-imports "
+                        "SGLang's HTTP app (entrypoints/http_server.py L2647-2660) without sgl_sparse's routes "
+                        "(/v1/prefix_cache/*); use 1")
     if args.enable_hisparse:
         problems.append("--enable-hisparse: SGLang's hierarchical sparse attention manages its own KV layout and "
                         "index lists; it cannot be combined with sgl_sparse's backends")
@@ -339,6 +343,13 @@ def main(argv: list[str] | None = None) -> None:
     check_registered()
     args, hand = parse_args(argv)
     handoff.publish(hand)  # before ServerArgs: its __post_init__ and the spawned children read it
+    from sglang.srt.entrypoints.http_server import app
+
+    from sgl_sparse.integration import prune_api
+
+    # Prefix-Cache Pruning: our routes on SGLang's app and their communicator, before the TokenizerManager exists.
+    prune_api.register_communicator()
+    prune_api.install_routes(app)
 
     from sglang.launch_server import run_server
     from sglang.srt.server_args import ServerArgs

@@ -150,6 +150,10 @@ def register() -> None:
     # and prefix-tree namespace at admission (scheduler).
     HookRegistry.register(per_request.WAIT_TARGET, per_request.around_wait_one_response, HookType.AROUND)
     HookRegistry.register(per_request.ADMIT_TARGET, per_request.before_add_request_to_queue, HookType.BEFORE)
+    from sgl_sparse.integration import prune_api
+
+    # Prefix-Cache Pruning's control request, handled by each scheduler between batches.
+    HookRegistry.register(prune_api.DISPATCHER_TARGET, prune_api.after_init_request_dispatcher, HookType.AFTER)
     if _is_cpu_server():
         from sgl_sparse.integration.cpu_support import register_cpu_support
 

@@ -145,9 +145,27 @@ class SparseRadixCache(RadixCache):
         super().__init__(params)
 
     def _evicts(self, req: Any) -> bool:
+        """Whether ``req`` is cached the Chain Cache way (insertion at finish, its holes and record kept):
+        its method evicts, or it continues a record (a pruned or compacted sequence), whose hidden positions
+        its own finished sequence must keep hiding."""
         if not self.evicting:
             return False
-        return True if self._evicts_for is None else self._evicts_for(req)
+        if self._evicts_for is None or self._evicts_for(req):
+            return True
+        view = getattr(req, VIEW_ATTR, None)
+        return view is not None and view.record is not None
+
+    def _chain_cached(self, req: Any, token_ids: Any) -> bool:
+        """``_evicts(req)``, or a request of a non-evicting config whose sequence runs into holes the tree
+        holds in its namespace (a pruned range, or an evicting request's record on a mixed server): the
+        stock insertion would hand it the tree's sentinels for positions it computed itself (and SGLang's
+        chunk caching asserts against that), so it is cached at finish, its slots filling those holes."""
+        if self._evicts(req):
+            return True
+        if not self.evicting or self.disable:
+            return False
+        res = super().match_prefix(MatchPrefixParams(key=self._ns(RadixKey(token_ids, req.extra_key))))
+        return any(_holes(node).numel() for node in self._path(res.last_device_node))
 
     # -- namespace -------------------------------------------------------------------------------
     def _ns(self, key: RadixKey) -> RadixKey:
@@ -335,11 +353,11 @@ class SparseRadixCache(RadixCache):
     # -- request lifecycle -----------------------------------------------------------------------
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         finished = self._on_finish(req) if self._on_finish is not None else None
-        if not self._evicts(req):
+        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+        if not self._chain_cached(req, token_ids):
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         alloc = self.token_to_kv_pool_allocator
-        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
         n = len(token_ids)
         protected = req.cache_protected_len
         kept = finished.kept if finished is not None else retained_positions(row[:n])
@@ -435,9 +453,11 @@ class SparseRadixCache(RadixCache):
             pos += len(node.key)
         return torch.cat(moved) if moved else _EMPTY
 
-    def _compact_exclusive(self, path: list[TreeNode], hidden: torch.Tensor) -> None:
+    def _compact_exclusive(self, path: list[TreeNode], hidden: torch.Tensor, own_tail: bool = False) -> None:
         """Free the KV the finished request hid, on the nodes only its path reaches (no lock, no other
-        branch below them): bottom-up until the first shared node."""
+        branch below them): bottom-up until the first shared node. ``own_tail``: the last node's children
+        all extend the sequence (a prune of a cached sequence: every match through them continues it, so
+        it sees the record at its end and never a hole), so they do not make the last node shared."""
         if not hidden.numel():
             return
         starts, pos = [], 0
@@ -448,6 +468,8 @@ class SparseRadixCache(RadixCache):
         freed_abs: list[torch.Tensor] = []
         for node, s in zip(reversed(path), reversed(starts)):
             branches = len(node.children) - (1 if below is not None else 0)
+            if own_tail and node is path[-1]:
+                branches = 0
             if node.lock_ref > 0 or branches > 0:
                 break
             below = node
@@ -473,7 +495,7 @@ class SparseRadixCache(RadixCache):
                     node.chain = None
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        if not self._evicts(req) and not self.disable:
+        if not self.disable and not self._chain_cached(req, req.get_fill_ids()):
             return super().cache_unfinished_req(req, chunked)
         # Evicting methods defer insertion to finish: the prompt stays request-owned, so the method
         # may free it. With the tree disabled (--disable-radix-cache) nothing is inserted either. In

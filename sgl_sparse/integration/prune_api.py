@@ -1,0 +1,331 @@
+"""The Prefix-Cache Pruning HTTP API (docs/prefix-cache-pruning.md); the tree surgery is sgl_sparse/radix/prune.py.
+
+    POST /v1/prefix_cache/prune        {selector, ranges | roles + lag, keep_tokens: 0, policy: "drop"} -> 202
+    GET  /v1/prefix_cache/prune/{id}   the prune's status: completed | blocked | failed, tokens pruned, slots freed
+    POST /v1/prefix_cache/match        {selector}: how many of its tokens the tree serves, and how many are resident
+    POST /v1/prefix_cache/inspect      {selector}: the same, with the path of tree nodes
+
+A selector is exactly one of ``token_ids``, ``text`` (tokenized as ``/generate`` tokenizes it) or ``messages``
+(an OpenAI chat, rendered with the tokenizer's chat template, no generation prompt); ``sgl_sparse_method`` /
+``sgl_sparse_config`` pick a per-request method's namespace (default: the server's).
+
+Plumbing (../shared/notes/sglang-0.5.17-wave2-map.md §C.1-C.2): the routes are added to SGLang's FastAPI app in
+the launcher process before ``run_server``; the request goes to every scheduler (every DP rank, every TP rank)
+as a control request through a ``FanOutCommunicator`` registered in ``_COMMUNICATOR_SPECS`` before the
+TokenizerManager is built; each scheduler runs it between batches (a handler added to its request dispatcher)
+and answers at once. A prune is applied when the POST returns (the 202 and the id keep SparseEngine's polling
+API); ``blocked`` (a running request holds the range) is final for that id: retry with a new POST.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import Request
+from sglang.srt.managers.io_struct import BaseReq
+
+from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
+
+PRUNE, INSPECT = "prune", "inspect"
+POLICIES = ("drop",)
+_RESULTS_KEPT = 4096  # prune ids remembered for GET (oldest dropped first)
+
+
+class SparsePruneReqInput(BaseReq):
+    op: str = PRUNE
+    body: str = "{}"  # JSON: token_ids, extra_key, ranges
+
+
+class SparsePruneReqOutput(BaseReq):
+    result: str = "{}"  # JSON: one rank's result
+
+
+class BadPruneRequest(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# -- parsing and validation (HTTP process; pure, so it is tested without a server) ----------------------
+
+def _int_list(value: Any, field: str, vocab_size: int | None = None) -> list[int]:
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise BadPruneRequest(field, "expected a non-empty list of integers")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadPruneRequest(field, "expected a non-empty list of integers")
+    if vocab_size is not None:
+        bad = next((i for i, t in enumerate(value) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadPruneRequest(f"{field}[{bad}]", f"{value[bad]} is not a token id of this model (vocab size "
+                                                      f"{vocab_size})")
+    return list(value)
+
+
+def parse_ranges(value: Any, n_tokens: int) -> list[tuple[int, int]]:
+    """``[[L, R], ...]`` of logical positions, ``0 <= L < R <= n_tokens``, sorted and merged."""
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise BadPruneRequest("ranges", "expected a non-empty list of [start, end] pairs")
+    out = []
+    for i, r in enumerate(value):
+        if (not isinstance(r, Sequence) or isinstance(r, str) or len(r) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise BadPruneRequest(f"ranges[{i}]", f"expected [start, end] integers, got {r!r}")
+        lo, hi = r
+        if not 0 <= lo < hi <= n_tokens:
+            raise BadPruneRequest(f"ranges[{i}]", f"[{lo}, {hi}) must satisfy 0 <= start < end <= {n_tokens} (the "
+                                                  "selected sequence's length)")
+        out.append((lo, hi))
+    out.sort()
+    merged = [out[0]]
+    for lo, hi in out[1:]:
+        if lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def message_spans(render: Any, messages: list[Any]) -> list[tuple[int, int]]:
+    """Token span of each message's content in ``render(messages)``: ``render(messages[:i])`` gives where message
+    ``i`` starts; the template's own markers around its content (found by rendering it with empty content) are
+    left out, so pruning a message never removes the role markers the next turn's rendering repeats."""
+    spans = []
+    for i, msg in enumerate(messages):
+        before = render(messages[:i]) if i else []
+        full = render(messages[:i + 1])
+        empty = render([*messages[:i], {**msg, "content": ""}])
+        a, b, c = len(before), full, empty
+        head = 0
+        while a + head < min(len(b), len(c)) and b[a + head] == c[a + head]:
+            head += 1
+        tail = 0
+        while tail < min(len(b), len(c)) - a - head and b[-1 - tail] == c[-1 - tail]:
+            tail += 1
+        spans.append((a + head, len(b) - tail))
+    return spans
+
+
+def role_ranges(spans: list[tuple[int, int]], messages: list[Any], roles: Any, lag: Any) -> list[tuple[int, int]]:
+    """The content spans of ``roles`` messages except the ``lag`` most recent of them."""
+    if (not isinstance(roles, Sequence) or isinstance(roles, str) or not roles
+            or not all(isinstance(r, str) for r in roles)):
+        raise BadPruneRequest("roles", "expected a non-empty list of role names, e.g. [\"tool\"]")
+    if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
+        raise BadPruneRequest("lag", f"expected an integer >= 0 (how many most recent such messages to spare), got "
+                                     f"{lag!r}")
+    chosen = [i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") in roles]
+    chosen = chosen[:len(chosen) - lag] if lag else chosen
+    return [spans[i] for i in chosen if spans[i][1] > spans[i][0]]
+
+
+def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, resolve: Any,
+               need_ranges: bool) -> dict[str, Any]:
+    """The request as the scheduler needs it: ``token_ids``, ``extra_key`` and (for a prune) ``ranges``.
+    ``tokenize(text) -> ids``; ``render(messages) -> ids``; ``resolve(custom_params) -> Served``."""
+    if not isinstance(body, Mapping):
+        raise BadPruneRequest("body", "expected a JSON object")
+    allowed = {"token_ids", "text", "messages", "ranges", "roles", "lag", "keep_tokens", "policy", METHOD_KEY,
+               CONFIG_KEY}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadPruneRequest(unknown[0], f"unknown field; known fields: {', '.join(sorted(allowed))}")
+    given = [k for k in ("token_ids", "text", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise BadPruneRequest("token_ids", "give exactly one selector: token_ids, text or messages (got "
+                                           f"{', '.join(given) or 'none'})")
+    messages = None
+    if given[0] == "token_ids":
+        token_ids = _int_list(body["token_ids"], "token_ids", vocab_size)
+    elif given[0] == "text":
+        if not isinstance(body["text"], str) or not body["text"]:
+            raise BadPruneRequest("text", "expected a non-empty string")
+        token_ids = list(tokenize(body["text"]))
+    else:
+        messages = body["messages"]
+        if (not isinstance(messages, list) or not messages
+                or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages)):
+            raise BadPruneRequest("messages", "expected a non-empty list of chat messages with a role")
+        try:
+            token_ids = list(render(messages))
+        except Exception as e:  # the template's own error (e.g. a role it does not know)
+            raise BadPruneRequest("messages", f"the chat template cannot render them: {e}") from None
+    try:
+        served = resolve({k: body[k] for k in (METHOD_KEY, CONFIG_KEY) if k in body})
+    except RequestMethodError as e:
+        raise BadPruneRequest(e.key, str(e)) from None
+    out: dict[str, Any] = {"token_ids": token_ids, "fingerprint": served.fingerprint}
+    if not need_ranges:
+        return out
+    policy = body.get("policy", "drop")
+    if policy not in POLICIES:
+        raise BadPruneRequest("policy", f"{policy!r}: expected one of {', '.join(POLICIES)}")
+    keep = body.get("keep_tokens", 0)
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise BadPruneRequest("keep_tokens", f"expected an integer >= 0, got {keep!r}")
+    if keep:
+        raise BadPruneRequest("keep_tokens", "a scored keep is not served by this endpoint yet (it needs the queries "
+                                             "of a forward pass): use 0 (policy drop)")
+    if body.get("roles") is not None:
+        if body.get("ranges") is not None:
+            raise BadPruneRequest("roles", "give either ranges or roles, not both")
+        if messages is None:
+            raise BadPruneRequest("roles", "selecting by role needs the messages selector")
+        ranges = role_ranges(message_spans(render, messages), messages, body["roles"], body.get("lag", 0))
+        out["ranges"] = parse_ranges([list(r) for r in ranges], len(token_ids)) if ranges else []
+    else:
+        out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
+    return out
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer from every DP rank's (each holds its own tree; the sequence lives on one of them)."""
+    for status in ("completed", "blocked"):
+        hit = [r for r in results if r.get("status") == status]
+        if hit:
+            best = max(hit, key=lambda r: r.get("matched_tokens", 0))
+            return {**best, "freed_slots": sum(r.get("freed_slots", 0) for r in results)}
+    return max(results, key=lambda r: r.get("matched_tokens", 0)) if results else {"status": "failed"}
+
+
+# -- scheduler side ---------------------------------------------------------------------------------
+
+def handle(scheduler: Any, req: SparsePruneReqInput) -> SparsePruneReqOutput:
+    from sgl_sparse.radix import prune as tree_prune
+    from sgl_sparse.radix.tree import SparseRadixCache
+
+    tree = scheduler.tree_cache
+    try:
+        body = json.loads(req.body)
+        if not isinstance(tree, SparseRadixCache):
+            result: dict[str, Any] = {"status": "failed", "message": "this scheduler's prefix cache is not ours"}
+        elif tree.disable:
+            result = {"status": "failed", "message": "the radix cache is disabled (--disable-radix-cache)"}
+        else:
+            from sgl_sparse.integration.runtime import get_runtime
+
+            fp = body["fingerprint"]
+            extra_key = None if fp == get_runtime().fingerprint else f"sgl_sparse={fp}"
+            if req.op == PRUNE:
+                result = tree_prune.prune(tree, body["token_ids"], extra_key,
+                                          [tuple(r) for r in body["ranges"]]).to_dict()
+            else:
+                result = tree_prune.inspect(tree, body["token_ids"], extra_key)
+    except Exception as e:  # a bug must not take the scheduler down: report it
+        result = {"status": "failed", "message": f"{type(e).__name__}: {e}"}
+    return SparsePruneReqOutput(rid=req.rid, result=json.dumps(result))
+
+
+def after_init_request_dispatcher(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER ``Scheduler.init_request_dispatcher``: our control request joins the scheduler's dispatcher."""
+    from sglang.utils import TypeBasedDispatcher
+
+    scheduler._request_dispatcher += TypeBasedDispatcher([(SparsePruneReqInput, lambda r: handle(scheduler, r))])
+    return result
+
+
+DISPATCHER_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
+
+
+# -- HTTP process -----------------------------------------------------------------------------------
+
+def register_communicator() -> None:
+    """Before the TokenizerManager exists (launcher process): ``tm.sgl_sparse_prune_communicator``."""
+    from sglang.srt.managers import tokenizer_control_mixin as mixin
+
+    if not any(spec[0] == "sgl_sparse_prune" for spec in mixin._COMMUNICATOR_SPECS):
+        mixin._COMMUNICATOR_SPECS.append(("sgl_sparse_prune", SparsePruneReqOutput))
+
+
+def _error(status: int, message: str, field: str | None = None) -> Any:
+    from fastapi.responses import ORJSONResponse
+
+    return ORJSONResponse({"object": "error", "message": message, "type": "BadRequestError" if status == 400 else
+                           "NotFoundError", "param": field, "code": status}, status_code=status)
+
+
+class _Api:
+    def __init__(self) -> None:
+        self.results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    @staticmethod
+    def _tm() -> Any:
+        from sglang.srt.entrypoints.http_server import get_global_state
+
+        return get_global_state().tokenizer_manager
+
+    def _parse(self, tm: Any, body: Any, need_ranges: bool) -> dict[str, Any]:
+        from sgl_sparse.integration.per_request import http_resolver
+
+        tok = tm.tokenizer
+
+        def render(messages: list[Any]) -> list[int]:
+            ids = tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=False)
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+        return parse_body(body, lambda text: tok.encode(text), render, tm.model_config.vocab_size,
+                          http_resolver().resolve, need_ranges)
+
+    async def _send(self, tm: Any, op: str, parsed: dict[str, Any]) -> dict[str, Any]:
+        tm.auto_create_handle_loop()
+        outs = await tm.sgl_sparse_prune_communicator(SparsePruneReqInput(op=op, body=json.dumps(parsed)))
+        return merge([json.loads(o.result) for o in outs])
+
+    async def _json(self, request: Request) -> Any:
+        try:
+            return await request.json()
+        except Exception:
+            raise BadPruneRequest("body", "expected a JSON object") from None
+
+    async def prune(self, request: Request) -> Any:
+        tm = self._tm()
+        try:
+            parsed = self._parse(tm, await self._json(request), need_ranges=True)
+        except BadPruneRequest as e:
+            return _error(400, str(e), e.field)
+        prune_id = f"prune-{uuid.uuid4().hex[:16]}"
+        if not parsed["ranges"]:
+            result: dict[str, Any] = {"status": "completed", "message": "no range selected", "pruned_tokens": 0,
+                                      "freed_slots": 0}
+        else:
+            result = await self._send(tm, PRUNE, parsed)
+        result = {"prune_id": prune_id, "ranges": [list(r) for r in parsed.get("ranges", [])], **result}
+        self.results[prune_id] = result
+        while len(self.results) > _RESULTS_KEPT:
+            self.results.popitem(last=False)
+        from fastapi.responses import ORJSONResponse
+
+        return ORJSONResponse(result, status_code=202)
+
+    async def status(self, prune_id: str) -> Any:
+        result = self.results.get(prune_id)
+        if result is None:
+            return _error(404, f"no prune {prune_id!r} (unknown, or older than the last {_RESULTS_KEPT})", "prune_id")
+        return result
+
+    async def inspect(self, request: Request) -> Any:
+        tm = self._tm()
+        try:
+            parsed = self._parse(tm, await self._json(request), need_ranges=False)
+        except BadPruneRequest as e:
+            return _error(400, str(e), e.field)
+        result = await self._send(tm, INSPECT, parsed)
+        return {"tokens": len(parsed["token_ids"]), **result}
+
+    async def match(self, request: Request) -> Any:
+        result = await self.inspect(request)
+        if not isinstance(result, dict):
+            return result
+        return {k: result[k] for k in ("tokens", "matched_tokens", "resident_tokens", "hidden_tokens") if k in result}
+
+
+def install_routes(app: Any) -> None:
+    """Our routes on SGLang's FastAPI app (launcher process, before ``run_server``)."""
+    api = _Api()
+    app.add_api_route("/v1/prefix_cache/prune", api.prune, methods=["POST"])
+    app.add_api_route("/v1/prefix_cache/prune/{prune_id}", api.status, methods=["GET"])
+    app.add_api_route("/v1/prefix_cache/inspect", api.inspect, methods=["POST"])
+    app.add_api_route("/v1/prefix_cache/match", api.match, methods=["POST"])

@@ -1,0 +1,135 @@
+"""Prefix-Cache Pruning on :class:`SparseRadixCache`: drop the KV of chosen logical ranges of a cached sequence
+while its token prefix still matches (docs/prefix-cache-pruning.md).
+
+A prune is a Chain Cache decision taken from outside a request: the sequence's visible kept set loses the
+pruned positions and is stored as a :class:`ChainRecord` on the node that ends the sequence, exactly as a
+finishing eviction request stores its own. So it is **copy-on-write** by the same rules:
+
+* a continuation (a request that matches through the sequence's end) sees the pruned view: the pruned
+  positions are hidden, the rest of the prefix is a cache hit, and it prefills only its new suffix;
+* KV is freed only on nodes exclusive to that sequence (no other branch below them, no lock); nodes
+  another conversation shares keep their KV, and that conversation keeps seeing it whole;
+* every other request never sees a hole (its match stops at the first one, as for any record it does not
+  continue).
+
+It runs in the scheduler between batches (a control request), identically on every TP rank. A path that a
+running request holds (``lock_ref > 0`` on a node the ranges touch) is ``blocked``: changing its view would
+change KV that request is reading, so nothing is done and the caller may retry.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sgl_sparse.slots import complement
+
+if TYPE_CHECKING:
+    from sgl_sparse.radix.tree import SparseRadixCache
+
+COMPLETED, BLOCKED, FAILED = "completed", "blocked", "failed"
+
+
+@dataclass
+class PathView:
+    """What the tree serves for a token sequence: ``length`` visible logical tokens (a match), of which
+    ``kept`` hold resident KV, and the path of nodes that holds them."""
+
+    length: int
+    kept: torch.Tensor
+    nodes: list[Any] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    record: Any = None
+
+
+def view_of(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None) -> PathView:
+    """The visible match of ``token_ids`` in ``extra_key``'s namespace (what a request of that sequence
+    would get), without locking anything."""
+    probe = SimpleNamespace()
+    # SGLang's tree keys are array('q') (its match asserts both sides have one type).
+    res = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", token_ids), extra_key), req=probe))
+    from sgl_sparse.radix.tree import VIEW_ATTR
+
+    view = getattr(probe, VIEW_ATTR, None)
+    length = int(len(res.device_indices))
+    kept = view.kept if view is not None and view.length == length else torch.arange(length)
+    nodes = tree._path(res.last_device_node)
+    starts, pos = [], 0
+    for node in nodes:
+        starts.append(pos)
+        pos += len(node.key)
+    return PathView(length, kept, nodes, starts, view.record if view is not None else None)
+
+
+@dataclass
+class PruneResult:
+    status: str  # completed | blocked | failed
+    message: str = ""
+    matched_tokens: int = 0  # visible cached tokens of the sequence
+    pruned_tokens: int = 0  # logical positions newly hidden from the sequence's continuations
+    freed_slots: int = 0  # KV slots returned to the pool (exclusive nodes only: shared ones keep theirs)
+    kept_tokens: int = 0  # resident positions a continuation now sees
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None,
+          ranges: list[tuple[int, int]]) -> PruneResult:
+    """Hide ``ranges`` (logical ``[L, R)``, within the cached sequence) from ``token_ids``'s continuations and
+    free what only that sequence held."""
+    if not tree.evicting:
+        return PruneResult(FAILED, "this server reads SGLang's stock attention lists, which cannot skip pruned "
+                                   "KV: start it with an eviction method or --sparse-request-methods eviction")
+    view = view_of(tree, token_ids, extra_key)
+    end = max(r for _, r in ranges)
+    if view.length < end:
+        return PruneResult(FAILED, f"the tree serves only the first {view.length} of these tokens (never cached, "
+                                   f"evicted, or hidden by an earlier prune or eviction); ranges end at {end}",
+                           matched_tokens=view.length)
+    n = view.length
+    in_ranges = torch.zeros(n, dtype=torch.bool)
+    for lo, hi in ranges:
+        in_ranges[lo:hi] = True
+    hide = view.kept[in_ranges[view.kept]]
+    busy = [s for node, s in zip(view.nodes, view.starts)
+            if node.lock_ref > 0 and bool(in_ranges[s:s + len(node.key)].any())]
+    if busy:
+        return PruneResult(BLOCKED, f"a running request holds this prefix (at position {busy[0]}); retry when it "
+                                    "has finished", matched_tokens=n, kept_tokens=int(view.kept.numel()))
+    if not hide.numel():
+        return PruneResult(COMPLETED, "nothing resident in the ranges", matched_tokens=n,
+                           kept_tokens=int(view.kept.numel()))
+    kept = view.kept[~torch.isin(view.kept, hide)]
+    from sgl_sparse.radix.tree import ChainRecord
+
+    # The record goes on the node that ends the sequence (split there if a longer branch runs through it).
+    last = tree._node_ending_at(view.nodes, view.starts, n)
+    path = tree._path(last)
+    before = tree.token_to_kv_pool_allocator.available_size()
+    tree._compact_exclusive(path, complement(kept, n), own_tail=True)
+    freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
+    # A payload describes a finished request's retained set; with positions removed it no longer does.
+    last.chain = ChainRecord(n, kept.clone(), None, since=n)
+    return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(hide.numel()), freed_slots=freed,
+                       kept_tokens=int(kept.numel()))
+
+
+def inspect(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None) -> dict[str, Any]:
+    """The sequence's match as the tree serves it: visible and resident tokens, and its path of nodes."""
+    view = view_of(tree, token_ids, extra_key)
+    nodes = []
+    for node, s in zip(view.nodes, view.starts):
+        rec = getattr(node, "chain", None)
+        nodes.append({"start": s, "tokens": len(node.key), "resident": int(getattr(node, "phys", len(node.key))),
+                      "in_use": node.lock_ref > 0, "shared": len(node.children) > 1,
+                      "record": None if rec is None else {"end": rec.end, "kept": int(rec.kept.numel()),
+                                                         "since": rec.since}})
+    return {"matched_tokens": view.length, "resident_tokens": int(view.kept.numel()),
+            "hidden_tokens": view.length - int(view.kept.numel()), "nodes": nodes}

@@ -1,0 +1,185 @@
+"""Prefix-Cache Pruning through a real SGLang server on CPU (our launcher, tiny model; the session's dense server
+whose requests may choose eviction methods, and the session's plain dense server): a pruned range's KV goes back to
+the pool while the conversation's next turn still matches its whole prefix; another conversation that shares the
+prefix never reads a hole; a range a running request holds is blocked; hostile bodies get 400 naming the field and
+change nothing; SGLang's strict leak check holds after each step.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+import requests
+
+from sgl_sparse.server_process import ServerProcess
+from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state
+
+pytestmark = pytest.mark.server
+
+
+def _post(server: ServerProcess, path: str, body: Any) -> requests.Response:
+    return requests.post(f"{server.base_url}/v1/prefix_cache/{path}", json=body, timeout=60)
+
+
+def _flush(server: ServerProcess) -> dict:
+    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    return _assert_idle_and_sound(server)
+
+
+def _turn(server: ServerProcess, ids: list[int], n: int) -> dict:
+    return server.generate(input_ids=ids, max_new_tokens=n, ignore_eos=True)
+
+
+def test_prune_frees_the_range_and_the_next_turn_still_matches(mixed_server: ServerProcess,
+                                                               servers: dict[str, ServerProcess]) -> None:
+    server, dense = mixed_server, servers["ours"]
+    base = _flush(server)
+    rng = random.Random(31)
+    prompt = _ids(rng, 400)
+    out = _turn(server, prompt, 20)
+    seq = prompt + out["output_ids"]
+    used = _assert_idle_and_sound(server)["kv_slots_used"] - base["kv_slots_used"]
+    m = _post(server, "match", {"token_ids": seq}).json()
+    assert m["matched_tokens"] == m["resident_tokens"] == used, (m, used)
+
+    r = _post(server, "prune", {"token_ids": seq, "ranges": [[100, 250], [300, 350]]})
+    assert r.status_code == 202, r.text
+    res = r.json()
+    assert res["status"] == "completed" and res["pruned_tokens"] == 200 and res["freed_slots"] == 200, res
+    assert requests.get(f"{server.base_url}/v1/prefix_cache/prune/{res['prune_id']}", timeout=30).json() == res
+    after = _assert_idle_and_sound(server)
+    assert after["kv_slots_used"] - base["kv_slots_used"] == used - 200
+    m = _post(server, "match", {"token_ids": seq}).json()
+    assert m["matched_tokens"] == used and m["resident_tokens"] == used - 200 and m["hidden_tokens"] == 200, m
+
+    # The next turn: its whole prefix is a hit (logical), its attention reads the 200 fewer, and it keeps hiding
+    # them when it finishes (a record at its own end), so the turn after it matches through it too.
+    history = seq + _ids(rng, 30)
+    nxt = _turn(server, history, 10)
+    assert nxt["meta_info"]["cached_tokens"] == used, nxt["meta_info"]
+    seq2 = history + nxt["output_ids"]
+    m2 = _post(server, "match", {"token_ids": seq2}).json()
+    assert m2["hidden_tokens"] == 200 and m2["matched_tokens"] >= len(seq2) - 1, m2
+    third = _turn(server, seq2 + _ids(rng, 5), 4)
+    assert third["meta_info"]["cached_tokens"] == m2["matched_tokens"]
+
+    # Another conversation sharing the first 350 tokens is not a continuation: its match stops at the first pruned
+    # position and it recomputes from there, answering exactly as the dense server does (no hole, no pruned KV).
+    other = prompt[:350] + _ids(rng, 60)
+    got = _turn(server, other, 16)
+    assert got["meta_info"]["cached_tokens"] == 100
+    assert got["output_ids"] == _turn(dense, other, 16)["output_ids"]
+    _assert_idle_and_sound(server)
+
+
+def test_pruning_changes_what_the_continuation_attends_to(mixed_server: ServerProcess) -> None:
+    """Dropping most of a long prompt changes the greedy continuation, and a second prune of the same sequence
+    only adds to the hidden set (never resurrects KV)."""
+    server = mixed_server
+    _flush(server)
+    rng = random.Random(41)
+    prompt = _ids(rng, 500)
+    first = _turn(server, prompt, 8)
+    seq = prompt + first["output_ids"]
+    tail = _ids(rng, 20)
+    unpruned = _turn(server, seq + tail, 24)["output_ids"]
+    _flush(server)
+    again = _turn(server, prompt, 8)
+    assert again["output_ids"] == first["output_ids"]
+    assert _post(server, "prune", {"token_ids": seq, "ranges": [[4, 480]]}).json()["status"] == "completed"
+    pruned = _turn(server, seq + tail, 24)["output_ids"]
+    assert pruned != unpruned
+    res = _post(server, "prune", {"token_ids": seq, "ranges": [[0, 10]]}).json()
+    assert res["status"] == "completed" and res["pruned_tokens"] == 4, res  # 4..10 were hidden already
+    _assert_idle_and_sound(server)
+
+
+def test_a_range_a_running_request_holds_is_blocked(mixed_server: ServerProcess) -> None:
+    server = mixed_server
+    _flush(server)
+    rng = random.Random(51)
+    seq = _ids(rng, 300)
+    seq += _turn(server, seq, 5)["output_ids"]
+    long_turn = threading.Thread(target=_turn, args=(server, seq + _ids(rng, 10), 1500))
+    long_turn.start()
+    deadline = time.monotonic() + 60
+    while _state(server)["requests_tracked"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = _post(server, "prune", {"token_ids": seq, "ranges": [[10, 200]]}).json()
+    long_turn.join()
+    assert r["status"] == "blocked" and "running request" in r["message"], r
+    m = _post(server, "match", {"token_ids": seq}).json()
+    assert m["hidden_tokens"] == 0  # nothing was done
+    after = _post(server, "prune", {"token_ids": seq, "ranges": [[10, 200]]}).json()
+    assert after["status"] == "completed" and after["pruned_tokens"] == 190, after
+    _assert_idle_and_sound(server)
+
+
+def test_chat_selector_prunes_old_tool_results(mixed_server: ServerProcess) -> None:
+    """An agent's chat: prune the tool results but the last one (roles + lag); the next turn (the same messages
+    and a new one, through the OpenAI route) is still a hit for the whole rendered history."""
+    server = mixed_server
+    _flush(server)
+    messages: list[dict[str, str]] = [{"role": "user", "content": "look at the logs"}]
+    for i in range(3):
+        messages += [{"role": "assistant", "content": f"reading part {i}"},
+                     {"role": "tool", "content": " ".join(f"line{i}x{j}" for j in range(60))}]
+    # Serve the history once (the prompt enters the tree when the request finishes).
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0}
+    assert requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120).status_code == 200
+    res = _post(server, "prune", {"messages": messages, "roles": ["tool"], "lag": 1}).json()
+    assert res["status"] == "completed" and len(res["ranges"]) == 2, res
+    assert res["pruned_tokens"] == sum(hi - lo for lo, hi in res["ranges"]) and res["freed_slots"] > 0
+    nxt = {**body, "messages": [*messages, {"role": "user", "content": "summarize"}]}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=nxt, timeout=120).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= res["matched_tokens"] - 1, r["usage"]
+    _assert_idle_and_sound(server)
+
+
+HOSTILE: list[tuple[str, Any, str]] = [
+    ("prune", {}, "token_ids"),
+    ("prune", {"token_ids": [5, 6], "text": "x", "ranges": [[0, 1]]}, "token_ids"),
+    ("prune", {"token_ids": [5, 6, 7]}, "ranges"),
+    ("prune", {"token_ids": [5, 6, 7], "ranges": [[2, 9]]}, "ranges[0]"),
+    ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 1]], "keep_tokens": 1}, "keep_tokens"),
+    ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 1]], "policy": "kvzip_global"}, "policy"),
+    ("prune", {"token_ids": [5, 99999], "ranges": [[0, 1]]}, "token_ids[1]"),
+    ("prune", {"token_ids": [5, 6], "ranges": [[0, 1]], "sgl_sparse_method": "quest"}, "sgl_sparse_method"),
+    ("prune", {"token_ids": [5, 6], "roles": ["tool"]}, "roles"),
+    ("prune", [1, 2, 3], "body"),
+    ("match", {"text": 3}, "text"),
+    ("inspect", {"tokens": [1]}, "tokens"),
+]
+
+
+def test_hostile_bodies_get_400_naming_the_field(mixed_server: ServerProcess) -> None:
+    server = mixed_server
+    before = _assert_idle_and_sound(server)["kv_slots_used"]
+    bad = []
+    for path, body, field in HOSTILE:
+        r = _post(server, path, body)
+        if r.status_code != 400 or r.json().get("param") != field or field not in r.json().get("message", ""):
+            bad.append(f"{path} {body} -> {r.status_code} {r.text[:200]}")
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/prune", data="{not json", timeout=30)
+    if r.status_code != 400:
+        bad.append(f"invalid JSON -> {r.status_code} {r.text[:200]}")
+    assert requests.get(f"{server.base_url}/v1/prefix_cache/prune/prune-nope", timeout=30).status_code == 404
+    assert not bad, "\n".join(bad)
+    assert _assert_idle_and_sound(server)["kv_slots_used"] == before
+
+
+def test_uncached_and_stock_servers_fail_cleanly(mixed_server: ServerProcess,
+                                                 servers: dict[str, ServerProcess]) -> None:
+    res = _post(mixed_server, "prune", {"token_ids": _ids(random.Random(3), 50), "ranges": [[0, 10]]}).json()
+    assert res["status"] == "failed" and "serves only the first 0" in res["message"], res
+    dense = servers["ours"]  # per-request methods off: stock attention lists cannot skip pruned KV
+    seq = _ids(random.Random(4), 60)
+    _turn(dense, seq, 2)
+    res = _post(dense, "prune", {"token_ids": seq, "ranges": [[0, 10]]}).json()
+    assert res["status"] == "failed" and "--sparse-request-methods eviction" in res["message"], res
+    _assert_idle_and_sound(dense)
