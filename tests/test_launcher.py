@@ -238,6 +238,13 @@ def test_decode_capture_accepts_any_decode_graph_off_switch(flags: list[str]) ->
     assert hand.method == "rkv" and hand.config["evict_interval"] == 128
 
 
+def test_rkv_with_decode_graphs_off_also_turns_the_prefill_graph_off() -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "rkv",
+                             "--cuda-graph-backend-decode", "disabled"])
+    assert args.cuda_graph_backend_prefill == "disabled"
+    assert hand.prefill_cuda_graph_off is not None and "rkv captures prefill queries" in hand.prefill_cuda_graph_off
+
+
 @pytest.mark.parametrize(("method", "device", "flags", "prefill", "off"), [
     # SnapKV captures prefill queries: the launcher turns the prefill graph off and says why.
     ("snapkv", "cuda", [], "disabled", "snapkv captures prefill queries"),
