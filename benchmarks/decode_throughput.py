@@ -259,7 +259,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16, help="concurrent requests for vanilla")
     p.add_argument("--sparse-batch", type=int, default=None, help="concurrent requests for ours (default: --batch)")
-    p.add_argument("--sparse-method", default="dense", help="dense (parity with vanilla), snapkv, h2o, ...")
+    p.add_argument("--sparse-method", default="dense", help="dense (parity with vanilla), snapkv, h2o, rkv, ...")
     p.add_argument("--sparse-config", default="{}")
     p.add_argument("--vanilla-backend", choices=BACKENDS, default="flashinfer",
                    help="vanilla's --attention-backend (default flashinfer, the fastest on the H200)")

@@ -53,6 +53,7 @@ DEMO_CONFIGS: dict[str, dict[str, Any]] = {
     "snapkv": {"budget": 512},
     "streamingllm": {"sink_tokens": 64, "recent_tokens": 448},
     "h2o": {"budget": 512},  # as SnapKV's budget; not measured on the demo's sessions yet
+    "rkv": {"budget": 512},  # as SnapKV's budget; not measured on the demo's sessions yet
 }
 STEP_TOKENS, ANSWER_TOKENS = 8, 12
 

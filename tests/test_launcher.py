@@ -209,6 +209,12 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
      "add --cuda-graph-backend-decode"),  # the per-phase flag wins over the legacy one (as in SGLang)
     ([*SNAPKV_DECODE, "--device", "cuda", "--disable-decode-cuda-graph",
       "--cuda-graph-config", '{"decode": {"backend": "full"}}'], "add --cuda-graph-backend-decode"),
+    # R-KV observes decode queries at every compaction: the same rule, whatever its config.
+    (["--sparse-method", "rkv", "--device", "cuda"], "rkv observes decode queries"),
+    (["--sparse-method", "rkv", "--sparse-config", '{"evict_interval": 1024}', "--device", "cuda"],
+     "add --cuda-graph-backend-decode disabled"),
+    (["--sparse-method", "rkv", "--device", "cuda", "--cuda-graph-backend-decode", "full"],
+     "add --cuda-graph-backend-decode disabled"),
     # An explicit prefill graph with a method that captures prefill queries.
     *[(["--sparse-method", "snapkv", "--device", "cuda", *f], "a replayed prefill graph has no request ids")
       for f in (["--cuda-graph-backend-prefill", "breakable"], ["--cuda-graph-backend-prefill", "tc_piecewise"],
@@ -262,9 +268,18 @@ def test_benchmark_gpu_flags_are_accepted_by_our_launcher() -> None:
     ["--device", "cuda", "--cuda-graph-config", '{"decode": {"backend": "disabled"}}'],
     ["--device", "cpu"],  # no graphs on CPU at all
 ])
-def test_snapkv_decode_capture_accepts_any_decode_graph_off_switch(flags: list[str]) -> None:
+def test_decode_capture_accepts_any_decode_graph_off_switch(flags: list[str]) -> None:
     args, hand = parse_args(["--model-path", "m", *SNAPKV_DECODE, *flags])
     assert hand.method == "snapkv" and hand.config["decode_interval"] == 64
+    args, hand = parse_args(["--model-path", "m", "--sparse-method", "rkv", *flags])
+    assert hand.method == "rkv" and hand.config["evict_interval"] == 128
+
+
+def test_rkv_with_decode_graphs_off_also_turns_the_prefill_graph_off() -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "rkv",
+                             "--cuda-graph-backend-decode", "disabled"])
+    assert args.cuda_graph_backend_prefill == "disabled"
+    assert hand.prefill_cuda_graph_off is not None and "rkv captures prefill queries" in hand.prefill_cuda_graph_off
 
 
 @pytest.mark.parametrize(("method", "device", "flags", "prefill", "off"), [

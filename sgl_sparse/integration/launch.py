@@ -323,8 +323,9 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         if method.observation_window() > 0 and method.observes_decode() and (
                 requested_graph_backend(args, "decode") != DISABLED):
             problems.append(f"{method.name} observes decode queries (snapkv's decode_interval > 0, h2o's "
-                            "evict_interval > 0), collected in Python, which decode CUDA graphs would skip: add "
-                            "--cuda-graph-backend-decode disabled (or set that field to 0)")
+                            "evict_interval > 0, rkv always), collected in Python, which decode CUDA graphs would "
+                            "skip: add --cuda-graph-backend-decode disabled (or, for snapkv and h2o, set that field "
+                            "to 0)")
         prefill = requested_graph_backend(args, "prefill")
         if method.observation_window() > 0 and prefill not in (None, DISABLED):
             problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
