@@ -280,3 +280,14 @@ def test_payload_of_a_request_that_never_selected_is_none() -> None:
     assert method.on_finish(trace.state) is None
     assert method.stats()["selections"] == 0
     assert isinstance(TreePayload().data, dict)
+
+
+def test_launcher_refuses_pyramidkv_on_cuda_and_serves_it_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from sgl_sparse.integration.launch import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv"])
+    assert e.value.code == 2
+    assert "per-layer selection" in capsys.readouterr().err
+    args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "pyramidkv"])
+    assert hand.method == "pyramidkv" and args.page_size == 1
