@@ -150,6 +150,9 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
                                     f"fields, got {type(fields[member]).__name__}")
     methods = [create_method(member, fields.get(member, {})) for member in names]
     for m in methods:
+        if m.selector is not None and m.evicts:
+            raise SparseConfigError(f"{where}: {m.name} reads each layer's own kept set through a page selector, "
+                                    "which a quantized pool does not serve yet")
         if m.selector is not None:
             raise SparseConfigError(f"{where}: {m.name} is a dynamic selection method; a composition is one "
                                     "eviction method over one quantization method (selection over a quantized "

@@ -241,11 +241,17 @@ class PageSelector(ABC):
     (:meth:`attend`: for reads that are not a list of tokens, e.g. RetroInfer's estimated clusters).
     One that ``maintains`` also gets :meth:`after_step` (e.g. to build an index over K/V that a
     step completed).
+
+    A ``static`` selector's selection does not depend on the query (:meth:`select` does not read ``q``,
+    which may be ``None``): it is per request and layer, set between steps by its method (PyramidKV's
+    per-layer keep sets) and handed to the request's row in :meth:`bind`. Its selection is also what an
+    extend step's queries read of their cached prefix (the CPU server), not only decode.
     """
 
     page_size: int
     attends: ClassVar[bool] = False
     maintains: ClassVar[bool] = False
+    static: ClassVar[bool] = False
 
     @abstractmethod
     def selects(self, layer_id: int) -> bool:
@@ -297,6 +303,12 @@ class PageSelector(ABC):
     def after_step(self, step: SelectorStep) -> None:
         """After a forward step (``maintains`` selectors; batched over the step's rows, outside CUDA
         graphs, no host sync needed: the lengths are on the host)."""
+        return None
+
+    def bind(self, rids: list[str], req_pool_indices: torch.Tensor) -> None:
+        """Before each forward step's attention metadata is built (eager only, never inside a graph replay):
+        the step's request ids and their ``req_to_token`` rows, in batch order, for a selector whose
+        per-request state its method sets by request id (``static`` selectors)."""
         return None
 
 
@@ -555,3 +567,8 @@ class SparseMethod(ABC, Generic[C]):
         """The request finished (or was aborted). Return what the prefix tree stores beside the
         retained KV for :meth:`restore_state` of a later turn; ``None`` stores nothing extra."""
         return None
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Method-specific counters for ``/server_info`` (``method_stats``; JSON values). Default: none."""
+        return {}

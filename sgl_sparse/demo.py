@@ -54,6 +54,8 @@ DEMO_CONFIGS: dict[str, dict[str, Any]] = {
     "streamingllm": {"sink_tokens": 64, "recent_tokens": 448},
     "h2o": {"budget": 512},  # as SnapKV's budget; not measured on the demo's sessions yet
     "rkv": {"budget": 512},  # as SnapKV's budget; not measured on the demo's sessions yet
+    # The mean per layer, as SnapKV's budget (the pool holds the union of the layers' sets: more); not measured yet.
+    "pyramidkv": {"budget": 512},
 }
 STEP_TOKENS, ANSWER_TOKENS = 8, 12
 

@@ -119,6 +119,8 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         q_pos = torch.arange(start, end)
         kv_pos = torch.cat([retained[:start].nonzero().flatten(), q_pos])
         h = h_all[start:end]
+        if sel is not None:
+            sel.bind([state.rid], rpi)
         for layer in range(model.n_layers):
             q, k, v = model.project(layer, h)
             keys[layer][start:end], vals[layer][start:end] = k, v
@@ -130,7 +132,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
             seq = torch.tensor([end])
             if selecting and not is_prefill and sel.attends:
                 out = sel.attend(layer, q, k_pool[layer], v_pool[layer], r2t, rpi, seq, model.head_dim**-0.5)
-            elif selecting and not is_prefill:
+            elif selecting and (not is_prefill or sel.static):  # a static selection also holds in prefill
                 pages = sel.select(layer, q, r2t, rpi, seq)
                 mask = selected_positions_mask(pages, seq, model.n_kv_heads, ps, end)[0]  # [Hkv, end]
                 out = _attend_per_kv_head(q, keys[layer], vals[layer], q_pos, kv_pos, mask)

@@ -85,6 +85,9 @@ def _server_wide(method: SparseMethod[Any]) -> str | None:
         return (f"{method.name} owns the KV pool's layout ({type(method.store).__name__}), which every request "
                 "of the server shares")
     if method.selector is not None:
+        if method.evicts:  # PyramidKV: per-layer sets read through a static selector
+            return (f"{method.name} reads each layer through its own per-layer selector, an attention path the "
+                    "server is started with (--sparse-method " + method.name + ")")
         return (f"{method.name} is a selection method: its page metadata and its attention path serve every "
                 "request of the server")
     return None

@@ -50,6 +50,8 @@ def test_a_choice_gets_its_own_fingerprint_and_is_cached() -> None:
 @pytest.mark.parametrize(("custom", "key", "needle"), [
     ({METHOD_KEY: "nope"}, METHOD_KEY, "unknown sparse method 'nope'"),
     ({METHOD_KEY: "quest"}, METHOD_KEY, "selection method"),
+    ({METHOD_KEY: "pyramidkv"}, METHOD_KEY, "per-layer selector"),
+    ({METHOD_KEY: "rkv", CONFIG_KEY: "{\"budget\": 0}"}, CONFIG_KEY, "budget"),
     ({METHOD_KEY: "kivi"}, METHOD_KEY, "KV pool's layout"),
     ({METHOD_KEY: "snapkv+fp8_kv"}, METHOD_KEY, "composition"),
     ({METHOD_KEY: ["snapkv"]}, METHOD_KEY, "must be a method name"),

@@ -50,6 +50,7 @@ from sgl_sparse.integration.store_attention import (
     store_extend,
 )
 from sgl_sparse.integration.syncs import no_host_sync
+from sgl_sparse.kernels.pages import selected_positions_mask
 from sgl_sparse.slots import SENTINEL_SLOT
 
 BASES = ("flashinfer", "triton", "torch_native")
@@ -82,6 +83,8 @@ class _SparseBackendMixin:
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
+        if self.selector is not None and forward_batch.rids is not None:
+            self.selector.bind(forward_batch.rids, forward_batch.req_pool_indices)
         super().init_forward_metadata(forward_batch)  # type: ignore[misc]
         if self.store is None:
             return
@@ -165,6 +168,20 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
         self._bind_runtime(model_runner)
+        self._extend_layer: Any = None
+
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._extend_layer = layer  # whose static selection (PyramidKV's layer sets) the extend reads
+        return super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)
+
+    def _static_selection(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                          seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """``[bs, Hkv, width]``: what this layer's static selection lets an extend read, else ``None`` (all)."""
+        sel, layer = self.selector, self._extend_layer
+        if sel is None or not sel.static or layer is None or not sel.selects(layer.layer_id):
+            return None
+        pages = sel.select(layer.layer_id, None, req_to_token, req_pool_indices, seq_lens)
+        return selected_positions_mask(pages, seq_lens, layer.tp_k_head_num, sel.page_size, int(seq_lens.max()))
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,  # type: ignore[no-untyped-def]
                                  seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
@@ -173,13 +190,14 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
             return super()._run_sdpa_forward_extend(
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                 extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
+        visible = self._static_selection(req_to_token, req_pool_indices, seq_lens)
         start_q = 0
         for i in range(seq_lens.shape[0]):
             n_kv, n_prefix, n_q = int(seq_lens[i]), int(extend_prefix_lens[i]), int(extend_seq_lens[i])
             q_pos = torch.arange(n_prefix, n_prefix + n_q, device=query.device)
             output[start_q:start_q + n_q] = self._attend_live(
                 query[start_q:start_q + n_q], q_pos, k_cache, v_cache, req_to_token[req_pool_indices[i], :n_kv],
-                scaling, enable_gqa, causal)
+                scaling, enable_gqa, causal, None if visible is None else visible[i, :, :n_kv])
             start_q += n_q
         return output
 
@@ -216,8 +234,10 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
 
     @staticmethod
     def _attend_live(q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     row: torch.Tensor, scaling: float | None, enable_gqa: bool, causal: bool) -> torch.Tensor:
-        """q ``[n_q, H, D]`` over the live slots of ``row``, causal by logical position."""
+                     row: torch.Tensor, scaling: float | None, enable_gqa: bool, causal: bool,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+        """q ``[n_q, H, D]`` over the live slots of ``row``, causal by logical position; ``visible``
+        (``[Hkv, n]`` over the row's positions): only those, per KV head (a static selection)."""
         live = (row != SENTINEL_SLOT).nonzero().flatten()
         slots = row[live].long()
         k = k_cache[slots].movedim(0, 1)  # [Hkv, n, D]
@@ -226,6 +246,9 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
         if k.dtype != qh.dtype:
             k, v = k.to(qh.dtype), v.to(qh.dtype)
         mask = (live[None, :] <= q_pos[:, None]) if causal else None
+        if visible is not None:  # [H, n_q, n_live]: the KV head's selection, for each of its query heads
+            per_head = visible[:, live].repeat_interleave(qh.shape[0] // visible.shape[0], dim=0)[:, None, :]
+            mask = per_head if mask is None else per_head & mask[None]
         out = scaled_dot_product_attention(qh.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                            scale=scaling, enable_gqa=enable_gqa)
         return out.squeeze(0).movedim(1, 0)

@@ -214,7 +214,11 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
     problems = []
     if (why := served_hooks_problem(method)) is not None:
         problems.append(f"--sparse-method {method.name}: {why}")
-    if (method.selector is not None and device != "cpu" and method.name not in GPU_VALIDATED_SELECTION
+    if method.selector is not None and method.evicts and device != "cpu":
+        problems.append(f"--sparse-method {method.name}: eviction with per-layer selection (each layer reads its "
+                        "own kept set) serves on --device cpu only for now: the GPU selection path plans one list "
+                        "length per request from its sequence length, and per-layer sets differ in size")
+    elif (method.selector is not None and device != "cpu" and method.name not in GPU_VALIDATED_SELECTION
             and os.environ.get(GPU_SELECTION_ENV) != "1"):
         problems.append(f"--sparse-method {method.name}: its GPU decode path (page selection read through "
                         "FlashInfer) has not passed the GPU tests yet; it serves on --device cpu for now "

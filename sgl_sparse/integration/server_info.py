@@ -52,6 +52,8 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "decode_count_mismatches": rt.tables.read_mismatches(),
         **vars(rt.counters),
     }
+    if method_stats := rt.method.stats():
+        state["method_stats"] = method_stats  # e.g. PyramidKV: the union it holds vs the layer sets it reads
     pool = runner.token_to_kv_pool
     store = getattr(pool, "store", None)
     if store is not None:

@@ -1,0 +1,314 @@
+"""PyramidKV (Cai et al., 2024, arXiv:2406.02069): SnapKV's window scoring with a budget per layer that falls
+linearly from the first layer to the last (a pyramid), the mean over layers being ``budget``.
+
+Selection. At the end of the prompt (and every ``decode_interval`` decoded tokens, as SnapKV's), for each layer
+``l`` on its own: the last ``window_size`` queries' softmax attention over that layer's candidates (GQA query
+heads of a group summed), pooled along positions (``kernel_size``, ``pooling``), summed over KV heads (one set
+per layer, shared by its KV heads, as our SnapKV's one set; the original selects per head), then the first
+``sink_tokens`` and the last ``window_size`` candidates plus the best-scored others up to ``budgets[l]``
+(:func:`layer_budgets`). A layer's candidates are what it reads: every position at the first selection, then
+its own kept set plus everything appended since.
+
+The schedule (:func:`layer_budgets`) is kvpress's ``PyramidKVPress.get_layer_budget`` (itself KVCache-Factory's
+``PyramidKVCluster``), with our ``budget`` as KVCache-Factory's ``max_capacity_prompt`` (the mean retained per
+layer) and sink + window as its fixed part: the scored budget of layer ``l`` of ``L`` over a context of ``n`` is
+``round(max_num - l * (max_num - min_num) / (L - 1))`` with ``min_num = (budget - fixed) / beta`` and
+``max_num = 2 (budget - fixed) - min_num``, ``max_num`` capped at ``n - fixed`` (then ``min_num = 2 (budget -
+fixed) - max_num``), so the layers' mean stays ``budget`` (up to rounding). A context within ``budget`` keeps
+everything in every layer (KVCache-Factory's ``q_len < max_capacity_prompt``), so a budget that covers the
+context is dense.
+
+Physical retention. One pool slot holds a token's K/V for every layer, so what is freed is what *no* layer keeps:
+the :class:`KeepPlan` is the union of the layers' sets. Each layer then reads only its own set (plus the tokens
+appended since the selection) through :class:`LayerKeepSelector`, a static :class:`PageSelector`: the selection
+is per request and layer, set between steps by this method, and read by decode attention and by the cached
+prefix of an extend (a Chain Cache continuation's prompt). Memory saved is therefore the union's, which lies
+between the largest layer budget and their sum; :meth:`PyramidKV.stats` reports, over all selections, the union
+sizes beside the per-layer set sizes (``/server_info`` ``method_stats``). The per-layer masks go into the
+:class:`TreePayload`, so the next turn resumes with every layer's set; a resume without it (a match inside a
+record's tail, which the tree gives no payload) reads the union in every layer until its next selection
+(counted in ``stats()['resumed_without_layer_sets']``).
+
+Defaults: ``beta`` 20 (kvpress and KVCache-Factory); ``budget`` 8,192, ``window_size`` 32, ``kernel_size`` 5,
+``pooling`` avgpool, ``sink_tokens`` 64, ``decode_interval`` 0 are our SnapKV's (SnapKV's original window,
+kernel and pooling; kvpress's PyramidKV uses window 64), so ``pyramidkv`` and ``snapkv`` at one config differ
+only in the per-layer schedule. Served on the CPU server only for now: the GPU selection path (FlashInfer lists
+per layer) plans list lengths from the sequence length alone, which per-layer sets of different sizes break.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl_sparse.config import MethodConfig
+from sgl_sparse.contract import (
+    Family,
+    KeepPlan,
+    KVGeometry,
+    ObservationWindow,
+    PageSelector,
+    PrefixReuse,
+    RequestState,
+    SparseMethod,
+    StepInfo,
+    TreePayload,
+)
+from sgl_sparse.methods.eviction.base import topk_keep
+from sgl_sparse.methods.eviction.snapkv import POOLINGS, window_scores
+from sgl_sparse.registry import register_method
+from sgl_sparse.slots import SENTINEL_SLOT
+
+LAYERS = "pyramidkv_layers"  # state.extra / payload: [L, m] bool, layer l keeps state.kept[i] (i < m; later: all)
+SCORED = "pyramidkv_scored"  # state.extra: this step's per-layer (positions, scores) and budgets
+UNUSED = 2**62  # a selection entry past every row's length
+
+
+@dataclass(frozen=True)
+class PyramidKVConfig(MethodConfig):
+    method_name = "pyramidkv"
+    budget: int = 8192  # mean retained tokens per layer, sink and window included
+    beta: int = 20  # pyramid steepness: the last layer's scored budget is about (budget - fixed) / beta
+    window_size: int = 32
+    kernel_size: int = 5
+    pooling: str = "avgpool"
+    sink_tokens: int = 64
+    decode_interval: int = 0  # 0: select once at prefill end; N: re-select every N decoded tokens
+
+    @property
+    def fixed(self) -> int:
+        """Tokens every layer keeps whatever the scores: the sink and the window."""
+        return self.sink_tokens + self.window_size
+
+    def validate(self) -> None:
+        self.require(self.budget >= 1, "budget", "must be >= 1")
+        self.require(self.beta >= 1, "beta", "must be >= 1")
+        self.require(self.window_size >= 1, "window_size", "must be >= 1")
+        self.require(self.sink_tokens >= 0, "sink_tokens", "must be >= 0")
+        self.require(self.sink_tokens + self.window_size <= self.budget, "sink_tokens",
+                     f"+ window_size must be <= budget ({self.budget})")
+        self.require(self.kernel_size >= 1 and self.kernel_size % 2 == 1, "kernel_size", "must be odd and >= 1")
+        self.require(self.pooling in POOLINGS, "pooling", f"must be one of {list(POOLINGS)}")
+        self.require(self.decode_interval >= 0, "decode_interval", "must be >= 0")
+
+
+def layer_budgets(n: int, num_layers: int, budget: int, fixed: int, beta: int) -> list[int]:
+    """Tokens each layer keeps of a context of ``n`` (kvpress's schedule; module docstring): all ``n`` when
+    ``n <= budget``, else ``fixed`` plus a scored part falling linearly over the layers, mean ``budget``."""
+    if n <= budget:
+        return [n] * num_layers
+    if num_layers == 1:
+        return [budget]
+    avg = budget - fixed
+    min_num = avg / beta
+    max_num = 2 * avg - min_num
+    if max_num >= n - fixed:
+        max_num = n - fixed
+        min_num = 2 * avg - max_num
+    step = (max_num - min_num) / (num_layers - 1)
+    return [fixed + round(max_num - layer * step) for layer in range(num_layers)]
+
+
+class LayerKeepSelector(PageSelector):
+    """Each layer reads its own kept set: per request row and layer, the positions the last selection kept
+    (``keep[layer][row]``, ascending, ``UNUSED``-padded), plus every position from ``tail[row]`` on (appended
+    since). A row the method set no sets for has ``tail`` 0: every live position (sentinels skipped), i.e. the
+    union. The method hands a request's sets over by request id (:meth:`set_request`) and :meth:`bind` writes
+    them into the request's row before the next forward step reads it; every admission hands a row over, so a
+    reused row never shows its previous owner's sets.
+
+    Memory: ``int64`` per kept position and layer per row, grown on demand (CPU server only, see the module)."""
+
+    page_size = 1
+    static = True
+
+    def __init__(self) -> None:
+        self.num_layers = 0
+        self.num_kv_heads = 1
+        self.keep: torch.Tensor = torch.empty(0, 0, 0, dtype=torch.int64)  # [L, rows, width]
+        self.tail: torch.Tensor = torch.empty(0, dtype=torch.int64)  # [rows]
+        self.device = torch.device("cpu")
+        # rid -> (positions [m], mask [L, m], tail) to write at the next bind; None: no sets (the union).
+        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor, int] | None] = {}
+
+    def selects(self, layer_id: int) -> bool:
+        return True
+
+    def allocate(self, g: KVGeometry) -> None:
+        self.num_layers, self.num_kv_heads, self.device = g.num_layers, g.num_kv_heads, g.device
+        self.keep = torch.full((g.num_layers, 1, 0), UNUSED, dtype=torch.int64, device=g.device)
+        self.tail = torch.zeros(1, dtype=torch.int64, device=g.device)
+
+    def set_request(self, rid: str, sets: tuple[torch.Tensor, torch.Tensor, int] | None) -> None:
+        self.pending[rid] = sets
+
+    def forget(self, rid: str) -> None:
+        self.pending.pop(rid, None)
+
+    def _grow(self, rows: int, width: int) -> None:
+        r, w = max(rows, self.keep.shape[1]), max(width, self.keep.shape[2])
+        if (r, w) != tuple(self.keep.shape[1:]):
+            keep = torch.full((self.num_layers, r, w), UNUSED, dtype=torch.int64, device=self.device)
+            keep[:, : self.keep.shape[1], : self.keep.shape[2]] = self.keep
+            tail = torch.zeros(r, dtype=torch.int64, device=self.device)
+            tail[: self.tail.numel()] = self.tail
+            self.keep, self.tail = keep, tail
+
+    def bind(self, rids: list[str], req_pool_indices: torch.Tensor) -> None:
+        for rid, row in zip(rids, req_pool_indices.tolist(), strict=True):
+            if rid not in self.pending:
+                continue
+            sets = self.pending.pop(rid)
+            self._grow(row + 1, 0)
+            self.keep[:, row] = UNUSED
+            if sets is None:
+                self.tail[row] = 0
+                continue
+            positions, mask, tail = sets
+            self._grow(row + 1, int(mask.sum(1).max()) if mask.numel() else 0)
+            for layer in range(self.num_layers):
+                p = positions[mask[layer]].to(self.device)
+                self.keep[layer, row, : p.numel()] = p
+            self.tail[row] = tail
+
+    def visible(self, layer_id: int, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                seq_lens: torch.Tensor) -> torch.Tensor:
+        """``[bs, width]`` bool: the positions each row reads at this layer (``width = max(seq_lens)``)."""
+        rows = req_pool_indices.long()
+        width = int(seq_lens.max()) if rows.numel() else 0
+        self._grow(int(rows.max()) + 1 if rows.numel() else 0, 0)
+        pos = torch.arange(width, device=rows.device)
+        live = (req_to_token[rows, :width] != SENTINEL_SLOT) & (pos[None, :] < seq_lens[:, None])
+        member = torch.zeros(rows.numel(), width + 1, dtype=torch.bool, device=rows.device)
+        member.scatter_(1, self.keep[layer_id, rows].clamp(max=width), True)
+        return live & (member[:, :width] | (pos[None, :] >= self.tail[rows][:, None]))
+
+    def select(self, layer_id: int, q: torch.Tensor | None, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        read = self.visible(layer_id, req_to_token, req_pool_indices, seq_lens)
+        pos = torch.arange(read.shape[1], device=read.device)
+        pages = torch.where(read, pos[None, :], UNUSED).sort(dim=1).values
+        return pages.repeat_interleave(self.num_kv_heads, dim=0)
+
+
+@register_method
+class PyramidKV(SparseMethod[PyramidKVConfig]):
+    name = "pyramidkv"
+    family = Family.EVICTION
+    config_cls = PyramidKVConfig
+    evicts = True
+    prefix_reuse = PrefixReuse.CHAIN
+
+    def __init__(self, config: PyramidKVConfig) -> None:
+        super().__init__(config)
+        self._selector = LayerKeepSelector()
+        self.counters = {"selections": 0, "union_tokens_total": 0, "layer_tokens_total": 0,
+                         "max_layer_tokens_total": 0, "resumed_without_layer_sets": 0}
+        self.last_budgets: list[int] = []
+
+    @property
+    def selector(self) -> LayerKeepSelector:
+        return self._selector
+
+    def observation_window(self) -> int:
+        return self.config.window_size
+
+    def observes_decode(self) -> bool:
+        return self.config.decode_interval > 0
+
+    # -- per-layer sets -----------------------------------------------------------------------------
+    def _num_layers(self, state: RequestState) -> int:
+        mask = state.extra.get(LAYERS)
+        return int(mask.shape[0]) if mask is not None else self._selector.num_layers
+
+    def layer_masks(self, state: RequestState, num_layers: int) -> torch.Tensor:
+        """``[L, num_kept]`` bool: which retained positions each layer reads (appended ones: all)."""
+        mask = state.extra.get(LAYERS)
+        full = torch.ones(num_layers, state.num_kept, dtype=torch.bool)
+        if mask is not None:
+            full[:, : mask.shape[1]] = mask
+        return full
+
+    def new_state(self, rid: str) -> RequestState:
+        self._selector.set_request(rid, None)
+        return RequestState(rid=rid)
+
+    def restore_state(self, state: RequestState, payload: TreePayload | None) -> None:
+        mask = payload.data.get(LAYERS) if payload is not None else None
+        if mask is not None and mask.dim() == 2 and mask.shape[1] == state.num_kept:
+            state.extra[LAYERS] = mask.bool().cpu()
+            self._selector.set_request(state.rid, (state.kept, state.extra[LAYERS], state.logical_len))
+        elif state.num_kept < state.logical_len:
+            self.counters["resumed_without_layer_sets"] += 1  # every layer reads the union
+
+    def _over_budget(self, state: RequestState) -> bool:
+        """Whether some layer reads more than its budget at this length (its candidates: its set + the tail)."""
+        num_layers = self._num_layers(state)
+        if num_layers == 0:  # the selector was never allocated (no geometry yet): score, on_step_end decides
+            return state.num_kept > self.config.budget
+        cfg = self.config
+        budgets = layer_budgets(state.logical_len, num_layers, cfg.budget, cfg.fixed, cfg.beta)
+        counts = self.layer_masks(state, num_layers).sum(1).tolist()
+        return any(c > b for c, b in zip(counts, budgets, strict=True))
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
+        if step.final_prefill:
+            return self._over_budget(state)
+        di = self.config.decode_interval
+        return not step.is_prefill and di > 0 and step.decoded_tokens % di == 0 and self._over_budget(state)
+
+    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
+        cfg = self.config
+        masks = self.layer_masks(state, window.num_layers)
+        budgets = layer_budgets(state.logical_len, window.num_layers, cfg.budget, cfg.fixed, cfg.beta)
+        scored = []
+        for layer in range(window.num_layers):
+            buf = window.key_buffer(layer)
+            m = masks[layer]
+            rows, k_pos = window.key_rows[m.to(window.key_rows.device)], window.k_pos[m]
+            s = window_scores(window.queries[layer], buf, rows.to(buf.device), window.q_pos.to(buf.device),
+                              k_pos.to(buf.device), window.scale, cfg.kernel_size, cfg.pooling)
+            scored.append((k_pos.cpu(), s.cpu()))
+        state.extra[SCORED] = (scored, budgets)
+
+    def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
+        pending = state.extra.pop(SCORED, None)
+        if pending is None:
+            return None
+        scored, budgets = pending
+        cfg = self.config
+        keeps = [topk_keep(pos, s, b, cfg.sink_tokens, cfg.window_size) for (pos, s), b in zip(scored, budgets,
+                                                                                                   strict=True)]
+        union = torch.unique(torch.cat(keeps))  # sorted
+        mask = torch.stack([torch.isin(union, k) for k in keeps])
+        state.extra[LAYERS] = mask
+        self._selector.set_request(state.rid, (union, mask, state.logical_len))
+        sizes = [k.numel() for k in keeps]
+        self.counters["selections"] += 1
+        self.counters["union_tokens_total"] += int(union.numel())
+        self.counters["layer_tokens_total"] += sum(sizes)
+        self.counters["max_layer_tokens_total"] += max(sizes)
+        self.last_budgets = budgets
+        return KeepPlan(union) if union.numel() < state.num_kept else None
+
+    def on_finish(self, state: RequestState) -> TreePayload | None:
+        self._selector.forget(state.rid)
+        if LAYERS not in state.extra:
+            return None
+        return TreePayload({LAYERS: self.layer_masks(state, self._num_layers(state))})
+
+    def stats(self) -> dict[str, Any]:
+        c = dict(self.counters)
+        n = c["selections"]
+        if n:
+            # What the pool holds (the union) against what the layers read: a layer-sliced pool would hold the
+            # mean of the layers' sets; one shared slot per token holds the union.
+            layers = max(1, len(self.last_budgets))
+            c["mean_union_tokens"] = c["union_tokens_total"] / n
+            c["mean_layer_tokens"] = c["layer_tokens_total"] / (n * layers)
+            c["union_over_mean_layer"] = c["union_tokens_total"] * layers / max(1, c["layer_tokens_total"])
+        c["last_layer_budgets"] = list(self.last_budgets)
+        return c

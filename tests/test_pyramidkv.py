@@ -1,0 +1,293 @@
+"""PyramidKV against a plain-torch reference (no server): per-layer budgets on kvpress's schedule, per-layer
+SnapKV selections, the union that stays resident, and each layer reading only its own set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_sparse import SparseConfigError, create_method
+from sgl_sparse.contract import KVGeometry, RequestState, StepInfo, TreePayload
+from sgl_sparse.methods.eviction.pyramidkv import UNUSED, LayerKeepSelector, layer_budgets
+from sgl_sparse.reference import ToyAttentionStack, run_request
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def kvpress_budgets(n: int, num_layers: int, budget: int, fixed: int, beta: int) -> list[int]:
+    """kvpress ``PyramidKVPress.get_layer_budget`` written out with ``max_capacity_prompt = budget`` and the
+    window there replaced by our fixed part (sink + window); no compression while ``n <= budget``."""
+    if n <= budget:
+        return [n] * num_layers
+    min_num = (budget - fixed) / beta
+    max_num = (budget - fixed) * 2 - min_num
+    if max_num >= n - fixed:
+        max_num = n - fixed
+        min_num = (budget - fixed) * 2 - max_num
+    steps = (max_num - min_num) / (num_layers - 1)
+    return [fixed + round(max_num - i * steps) for i in range(num_layers)]
+
+
+def _pool(x: list[float], kernel: int, pooling: str) -> list[float]:
+    pad = kernel // 2
+    out = []
+    for i in range(len(x)):
+        part = x[max(0, i - pad):i + pad + 1]
+        out.append(sum(part) / len(part) if pooling == "avgpool" else max(part))
+    return out
+
+
+def reference_pyramidkv(model: ToyAttentionStack, tokens: list[int], prompt_len: int, chunk: int, budget: int,
+                        beta: int, window: int, kernel: int, pooling: str, sink: int,
+                        interval: int) -> tuple[torch.Tensor, list[int], list[list[int]], list[list[int]]]:
+    """PyramidKV written out: every layer holds its own list of positions and attends only to it (float64 loops
+    per query head). At the prompt's end (and every ``interval`` decoded tokens), when some layer holds more
+    than its budget, each layer scores its own positions with the softmax of the last ``window`` queries (causal,
+    GQA group and queries summed per KV head), pools along its positions, sums the KV heads, and keeps its
+    first ``sink`` and last ``window`` positions plus the best others up to its budget (ties to the earlier).
+    Returns (last-layer outputs, union size after each step, each layer's final positions, the budgets of each
+    selection)."""
+    h_all = model.embed[torch.tensor(tokens)]
+    n_layers, hq, hkv, d = model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim
+    group = hq // hkv
+    keys = [torch.zeros(len(tokens), hkv, d, dtype=torch.float64) for _ in range(n_layers)]
+    vals = [torch.zeros(len(tokens), hkv, d, dtype=torch.float64) for _ in range(n_layers)]
+    qs = [torch.zeros(len(tokens), hq, d, dtype=torch.float64) for _ in range(n_layers)]
+    sets: list[list[int]] = [[] for _ in range(n_layers)]
+    outs, union_after, budgets_seen = [], [], []
+    steps = [(s, min(s + chunk, prompt_len)) for s in range(0, prompt_len, chunk)]
+    steps += [(i, i + 1) for i in range(prompt_len, len(tokens))]
+    decoded = 0
+    for start, end in steps:
+        h = h_all[start:end]
+        for layer in range(n_layers):
+            q, k, v = model.project(layer, h)
+            qs[layer][start:end], keys[layer][start:end], vals[layer][start:end] = q, k, v
+            sets[layer] += list(range(start, end))
+            out = torch.zeros(end - start, hq, d)
+            for i in range(end - start):
+                p = start + i
+                visible = [j for j in sets[layer] if j <= p]
+                for head in range(hq):
+                    logits = keys[layer][visible, head // group] @ qs[layer][p, head] / d**0.5
+                    out[i, head] = (logits.softmax(0)[:, None] * vals[layer][visible, head // group]).sum(0).float()
+            h = out.reshape(end - start, -1)
+        outs.append(h)
+        decoded += start >= prompt_len
+        select = end == prompt_len or (start >= prompt_len and interval > 0 and decoded % interval == 0)
+        budgets = kvpress_budgets(end, n_layers, budget, sink + window, beta)
+        if select and any(len(s) > b for s, b in zip(sets, budgets)):
+            budgets_seen.append(budgets)
+            for layer in range(n_layers):
+                cand = sets[layer]
+                if len(cand) <= budgets[layer]:
+                    continue
+                per_kv = [[0.0] * len(cand) for _ in range(hkv)]
+                for p in range(end - window, end):
+                    visible = [ci for ci, j in enumerate(cand) if j <= p]
+                    for head in range(hq):
+                        logits = torch.stack([keys[layer][cand[ci], head // group] @ qs[layer][p, head]
+                                              for ci in visible]) / d**0.5
+                        for ci, pr in zip(visible, logits.softmax(0).tolist()):
+                            per_kv[head // group][ci] += pr
+                score = [sum(col) for col in zip(*(_pool(row, kernel, pooling) for row in per_kv))]
+                middle = range(sink, len(cand) - window)
+                best = sorted(middle, key=lambda ci: (-score[ci], ci))[:budgets[layer] - sink - window]
+                sets[layer] = [cand[ci] for ci in sorted([*range(sink), *best, *range(len(cand) - window, len(cand))])]
+        union_after.append(len(set().union(*sets)))
+    return torch.cat(outs), union_after, sets, budgets_seen
+
+
+def test_layer_budgets_follow_kvpress() -> None:
+    for n, layers, budget, fixed, beta in [(20000, 32, 8192, 96, 20), (9000, 32, 8192, 96, 20), (100, 4, 40, 10, 3),
+                                           (45, 4, 40, 10, 3), (41, 3, 40, 10, 20), (40, 4, 40, 10, 3)]:
+        got = layer_budgets(n, layers, budget, fixed, beta)
+        assert got == kvpress_budgets(n, layers, budget, fixed, beta)
+        assert got == sorted(got, reverse=True) and all(fixed <= b <= n for b in got)
+        assert abs(sum(got) / layers - min(n, budget)) <= 0.5  # the layers' mean is the budget (n within: all)
+    # Far past the budget: first layer 2 avg - avg / beta, last avg / beta (scored parts).
+    assert layer_budgets(10**6, 32, 8192, 96, 20)[0] == 96 + round(2 * 8096 - 8096 / 20)
+    assert layer_budgets(10**6, 32, 8192, 96, 20)[-1] == 96 + round(8096 / 20)
+    # Just past it: the first layer keeps the whole context (max capped at n - fixed).
+    assert layer_budgets(9000, 32, 8192, 96, 20)[0] == 9000
+    assert layer_budgets(500, 1, 64, 8, 20) == [64]
+
+
+@pytest.mark.parametrize(("budget", "beta", "window", "kernel", "pooling", "sink", "interval"), [
+    (24, 20, 4, 3, "avgpool", 2, 0),  # prompt-end selection only
+    (24, 3, 4, 5, "maxpool", 0, 0),  # a gentler pyramid, no sink
+    (20, 20, 4, 1, "avgpool", 2, 6),  # re-selection every 6 decoded tokens over each layer's own set
+    (40, 4, 8, 3, "avgpool", 4, 0),  # the first layers keep almost everything (max capped at the context)
+])
+def test_pyramidkv_equals_plain_reference(budget: int, beta: int, window: int, kernel: int, pooling: str, sink: int,
+                                          interval: int) -> None:
+    model, tokens, prompt_len, chunk = ToyAttentionStack(n_layers=4), _tokens(76, seed=5), 60, 16
+    cfg = {"budget": budget, "beta": beta, "window_size": window, "kernel_size": kernel, "pooling": pooling,
+           "sink_tokens": sink, "decode_interval": interval}
+    method = create_method("pyramidkv", cfg)
+    trace = run_request(method, model, tokens, prompt_len=prompt_len, chunk_size=chunk)
+    ref_out, ref_union, ref_sets, ref_budgets = reference_pyramidkv(model, tokens, prompt_len, chunk, budget, beta,
+                                                                    window, kernel, pooling, sink, interval)
+    assert trace.kept_after_step == ref_union  # what stays resident: the union of the layers' sets
+    kept = trace.state.kept
+    masks = method.layer_masks(trace.state, model.n_layers)
+    assert [kept[masks[layer]].tolist() for layer in range(model.n_layers)] == ref_sets
+    assert method.last_budgets == ref_budgets[-1]
+    assert len(set(map(len, ref_sets))) > 1  # the layers really keep different amounts
+    # Each layer attended to its own set only: the outputs are the reference's (prefill's, then decode's).
+    torch.testing.assert_close(trace.outputs, ref_out, rtol=1e-4, atol=1e-4)
+    stats = method.stats()
+    assert stats["selections"] == len(ref_budgets)
+    assert stats["mean_union_tokens"] >= stats["mean_layer_tokens"]
+
+
+def test_union_only_reading_would_differ() -> None:
+    """The per-layer reading matters: the same selection read as the union in every layer gives other outputs
+    (so the equality above cannot come from reading the union)."""
+    model, tokens = ToyAttentionStack(n_layers=4), _tokens(76, seed=5)
+    cfg = {"budget": 24, "beta": 20, "window_size": 4, "kernel_size": 3, "sink_tokens": 2}
+    per_layer = run_request(create_method("pyramidkv", cfg), model, tokens, prompt_len=60, chunk_size=16)
+    method = create_method("pyramidkv", cfg)
+    method.selector.set_request = lambda rid, sets: None  # every layer reads the union (tail 0: all live)
+    union = run_request(method, model, tokens, prompt_len=60, chunk_size=16)
+    assert union.kept_after_step == per_layer.kept_after_step
+    assert not torch.allclose(union.outputs[60:], per_layer.outputs[60:], atol=1e-3)
+
+
+def test_budget_covering_the_sequence_reproduces_dense() -> None:
+    model, tokens = ToyAttentionStack(n_layers=4), _tokens(90)
+    dense = run_request(create_method("dense"), model, tokens, prompt_len=70, chunk_size=32)
+    sparse = run_request(create_method("pyramidkv", {"budget": 90, "window_size": 8, "sink_tokens": 4,
+                                                      "decode_interval": 4}), model, tokens, prompt_len=70,
+                         chunk_size=32)
+    torch.testing.assert_close(sparse.outputs, dense.outputs, rtol=1e-6, atol=1e-6)
+    assert sparse.kept_after_step == dense.kept_after_step
+    # One token short of the prompt: the pyramid starts at its end (the later layers drop some).
+    short = run_request(create_method("pyramidkv", {"budget": 69, "window_size": 8, "sink_tokens": 4,
+                                                     "decode_interval": 4}), model, tokens, prompt_len=70,
+                        chunk_size=32)
+    assert not torch.allclose(short.outputs[70:], dense.outputs[70:], atol=1e-4)
+
+
+def _selector(layers: int = 2, hkv: int = 2) -> LayerKeepSelector:
+    sel = LayerKeepSelector()
+    sel.allocate(KVGeometry(layers, 4, hkv, 8, 1, 64, torch.float32, torch.device("cpu")))
+    return sel
+
+
+def test_selector_rows_are_the_layer_sets_plus_the_tail_and_never_a_previous_owners() -> None:
+    sel = _selector()
+    r2t = torch.arange(1, 3 * 20 + 1, dtype=torch.int32).view(3, 20)
+    r2t[1, [2, 3, 7]] = 0  # evicted (sentinels)
+    positions = torch.tensor([0, 1, 4, 5, 6, 8, 9])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    sel.set_request("a", (positions, mask, 10))
+    sel.set_request("b", None)
+    sel.bind(["a", "b"], torch.tensor([1, 2]))
+    seq = torch.tensor([13, 5])
+    want0 = [0, 1, 4, 5, 6, 8, 9, 10, 11, 12]
+    want1 = [0, 5, 9, 10, 11, 12]
+    for layer, want in ((0, want0), (1, want1)):
+        pages = sel.select(layer, None, r2t, torch.tensor([1, 2]), seq)
+        assert pages.shape[0] == 4  # one row per (request, KV head)
+        assert pages[0][pages[0] != UNUSED].tolist() == want and torch.equal(pages[0], pages[1])
+        assert pages[2][pages[2] != UNUSED].tolist() == list(range(5))  # no sets: every live position
+    # A new request in row 1: admitted with no sets, it reads its live positions, not "a"'s sets.
+    sel.set_request("c", None)
+    sel.bind(["c"], torch.tensor([1]))
+    pages = sel.select(1, None, r2t, torch.tensor([1]), torch.tensor([13]))
+    assert pages[0][pages[0] != UNUSED].tolist() == [p for p in range(13) if p not in (2, 3, 7)]
+
+
+def test_layer_sets_survive_chain_cache_through_the_payload() -> None:
+    cfg = {"budget": 24, "window_size": 4, "kernel_size": 3, "sink_tokens": 2}
+    method = create_method("pyramidkv", cfg)
+    trace = run_request(method, ToyAttentionStack(n_layers=4), _tokens(70), prompt_len=60, chunk_size=16)
+    payload = method.on_finish(trace.state)
+    assert payload is not None and "a" not in method.selector.pending
+    masks = payload.data["pyramidkv_layers"]
+    assert masks.shape == (4, trace.state.num_kept) and masks[:, -10:].all()  # decoded tokens: every layer
+    nxt = method.new_state("next")
+    nxt.set_kept(trace.state.kept, logical_len=trace.state.logical_len)  # what the tree's match view gives
+    method.restore_state(nxt, payload)
+    assert torch.equal(method.layer_masks(nxt, 4), masks)
+    positions, mask, tail = method.selector.pending["next"]
+    assert torch.equal(positions, trace.state.kept) and torch.equal(mask, masks) and tail == 70
+    # A cut match (inside the record's tail: no payload that fits): every layer reads the union, counted.
+    cut = method.new_state("cut")
+    cut.set_kept(trace.state.kept[:-3], logical_len=67)
+    method.restore_state(cut, payload)
+    assert "pyramidkv_layers" not in cut.extra and method.selector.pending["cut"] is None
+    assert method.stats()["resumed_without_layer_sets"] == 1
+
+
+def test_continuation_reselects_each_layer_over_its_own_set() -> None:
+    """A resumed turn past the budget again: each layer's candidates are its restored set plus the new tokens
+    (a position another layer dropped never comes back into it)."""
+    method = create_method("pyramidkv", {"budget": 24, "window_size": 4, "kernel_size": 3, "sink_tokens": 2})
+    method.selector.allocate(KVGeometry(4, 4, 2, 16, 1, 256, torch.float32, torch.device("cpu")))
+    first = run_request(method, ToyAttentionStack(n_layers=4), _tokens(70), prompt_len=60, chunk_size=16)
+    payload = method.on_finish(first.state)
+    st = method.new_state("turn2")
+    st.set_kept(first.state.kept, logical_len=70)
+    method.restore_state(st, payload)
+    before = method.layer_masks(st, 4)
+    st.advance(30)  # the next prompt's 30 tokens
+    step = StepInfo(True, 30, 0, final_prefill=True)
+    assert method.wants_observation(st, step)
+    scored = []
+    for layer in range(4):  # the scores themselves do not matter here: the candidates do
+        cand = torch.cat([st.kept[:before.shape[1]][before[layer]], torch.arange(70, 100)])
+        scored.append((cand, torch.rand(cand.numel(), generator=torch.Generator().manual_seed(layer))))
+    st.extra["pyramidkv_scored"] = (scored, layer_budgets(100, 4, 24, 6, 20))
+    plan = method.on_step_end(st, step)
+    assert plan is not None
+    masks = st.extra["pyramidkv_layers"]
+    for layer in range(4):
+        chosen = set(plan.keep[masks[layer]].tolist())
+        assert chosen <= set(scored[layer][0].tolist())
+        assert len(chosen) == layer_budgets(100, 4, 24, 6, 20)[layer]
+
+
+def test_config_defaults_and_errors() -> None:
+    m = create_method("pyramidkv")
+    assert m.config.to_dict() == {"budget": 8192, "beta": 20, "window_size": 32, "kernel_size": 5,
+                                  "pooling": "avgpool", "sink_tokens": 64, "decode_interval": 0}
+    assert m.observation_window() == 32 and not m.observes_decode() and m.evicts
+    assert m.selector.static and m.selector.selects(0)
+    assert m.on_finish(RequestState(rid="r")) is None
+    assert create_method("pyramidkv", {"decode_interval": 8}).observes_decode()
+    for cfg, message in [({"budget": 0}, "field 'budget' must be >= 1"),
+                         ({"beta": 0}, "field 'beta' must be >= 1"),
+                         ({"budget": 64, "sink_tokens": 40, "window_size": 32}, "field 'sink_tokens'"),
+                         ({"kernel_size": 4}, "field 'kernel_size' must be odd"),
+                         ({"pooling": "sum"}, "field 'pooling' must be one of"),
+                         ({"decode_interval": -1}, "field 'decode_interval' must be >= 0")]:
+        with pytest.raises(SparseConfigError, match=message):
+            create_method("pyramidkv", cfg)
+
+
+def test_composition_over_a_store_is_refused() -> None:
+    with pytest.raises(SparseConfigError, match="pyramidkv reads each layer's own kept set"):
+        create_method("pyramidkv+fp8_kv")
+
+
+def test_payload_of_a_request_that_never_selected_is_none() -> None:
+    method = create_method("pyramidkv", {"budget": 200, "window_size": 4, "sink_tokens": 2})
+    trace = run_request(method, ToyAttentionStack(n_layers=4), _tokens(40), prompt_len=30, chunk_size=16)
+    assert method.on_finish(trace.state) is None
+    assert method.stats()["selections"] == 0
+    assert isinstance(TreePayload().data, dict)
+
+
+def test_launcher_refuses_pyramidkv_on_cuda_and_serves_it_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from sgl_sparse.integration.launch import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv"])
+    assert e.value.code == 2
+    assert "per-layer selection" in capsys.readouterr().err
+    args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "pyramidkv"])
+    assert hand.method == "pyramidkv" and args.page_size == 1

@@ -1,0 +1,197 @@
+"""PyramidKV through real SGLang servers on CPU (our launcher, tiny model of 4 layers): a PyramidKV server, its
+negative control (same selection, every layer reads the union: ``tests/pyramidkv_union.py``) and a dense one.
+Dense token for token while the budget covers the context (prompts longer than the window and a chunk); past it,
+the pool holds exactly the union of the layers' sets (reported in ``method_stats``) plus the decoded tokens;
+the layers read their own sets, in decode and in a continuation's prefill (outputs differ from the control's
+while the same slots are in use); Chain Cache turns, concurrency and aborts without a leak (SGLang's strict
+idle check is on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from sgl_sparse.methods.eviction.pyramidkv import layer_budgets
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report"]
+SMALL = {"budget": 512, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, "beta": 20}
+LAYERS = 4  # the tiny model's
+
+
+def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+    extra = ["--sparse-config", json.dumps(config)] if config is not None else []
+    env = {"SGLSPARSE_METHOD_MODULES": "tests.pyramidkv_union",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], env=env, startup_timeout=900)
+
+
+@pytest.fixture(scope="module")
+def pyramid_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "pyramidkv", SMALL),
+             "union": _server(tiny_model, "pyramidkv_union", SMALL)}
+    with running(*procs.values()):
+        yield procs
+
+
+def _flush(server: ServerProcess) -> dict:
+    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    return _assert_idle_and_sound(server)
+
+
+def _generate_with_logprobs(server: ServerProcess, ids: list[int], n_out: int) -> dict:
+    body = {"input_ids": ids, "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": n_out, "ignore_eos": True}}
+    r = requests.post(f"{server.base_url}/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+def _logprobs(out: dict) -> list[float]:
+    return [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_server_info_reports_pyramidkv(pyramid_servers: dict) -> None:
+    st = _state(pyramid_servers["small"])
+    assert st["method"] == "pyramidkv" and st["family"] == "eviction"
+    assert st["config"] == {**SMALL, "pooling": "avgpool", "decode_interval": 0}
+
+
+def test_budget_covering_context_equals_dense(pyramid_servers: dict) -> None:
+    """Contexts within the budget: prompts longer than the window and than a 128-token chunk, decode after: no
+    layer drops anything, the tokens are dense's."""
+    server = pyramid_servers["small"]
+    before = _flush(server)
+    rng = random.Random(7)
+    for n, out in ((40, 24), (200, 150), (450, 60)):
+        ids = _ids(rng, n)
+        got = {name: pyramid_servers[name].generate(input_ids=ids, max_new_tokens=out, ignore_eos=True)["output_ids"]
+               for name in ("small", "dense")}
+        assert got["small"] == got["dense"], n
+    st = _assert_idle_and_sound(server)
+    assert st["evicted_tokens_total"] == before["evicted_tokens_total"]
+    assert st.get("method_stats", {}).get("selections", 0) == before.get("method_stats", {}).get("selections", 0)
+
+
+def test_pool_holds_the_union_and_layers_read_their_own_sets(pyramid_servers: dict) -> None:
+    """Past the budget: the pool keeps the union of the layers' sets (more than the mean budget, at most the sum
+    of the layer budgets) plus the decoded tokens. The control holds the same slots (same selection: the prompt's
+    window scores are computed before any selection) but its layers read the union, so decode differs; the first
+    token (from the prefill, before the selection) is the same."""
+    ids, n_out = _ids(random.Random(1), 1500), 60
+    outs, used, stats = {}, {}, {}
+    for name in ("small", "union"):
+        server = pyramid_servers[name]
+        before = _flush(server)
+        outs[name] = _generate_with_logprobs(server, ids, n_out)
+        assert outs[name]["meta_info"]["completion_tokens"] == n_out
+        after = _assert_idle_and_sound(server)
+        used[name] = after["kv_slots_used"] - before["kv_slots_used"]
+        b, a = before.get("method_stats", {}), after["method_stats"]
+        stats[name] = {k: a[k] - b.get(k, 0) for k in ("selections", "union_tokens_total", "layer_tokens_total")}
+        stats[name]["budgets"] = a["last_layer_budgets"]
+    budgets = layer_budgets(1500, LAYERS, SMALL["budget"], SMALL["sink_tokens"] + SMALL["window_size"], 20)
+    assert stats["small"]["budgets"] == budgets and budgets[0] > budgets[-1]
+    assert stats["small"]["selections"] == 1
+    union = stats["small"]["union_tokens_total"]
+    assert stats["small"]["layer_tokens_total"] == sum(budgets)
+    assert max(budgets) <= union <= sum(budgets) and union > SMALL["budget"]
+    # What stays resident: the union plus the decoded tokens (the last one never forwarded).
+    assert union + n_out - 1 <= used["small"] <= union + n_out, (used, union)
+    assert used["union"] == used["small"] and stats["union"] == stats["small"]
+    lp = {name: _logprobs(o) for name, o in outs.items()}
+    assert abs(lp["small"][0] - lp["union"][0]) < 1e-5
+    assert max(abs(x - y) for x, y in zip(lp["small"][1:], lp["union"][1:])) > 1e-3
+
+
+def test_continuation_prefill_reads_each_layers_set(pyramid_servers: dict) -> None:
+    """A Chain Cache turn: the next prompt's tokens attend to the resumed prefix through each layer's own set
+    (restored from the tree's payload), not the union: its first token already differs from the control's,
+    while the cached prefix and the slots are the same."""
+    first = _ids(random.Random(3), 1500)  # past the first layer's budget (976 at 1,500): the union drops some
+    outs = {}
+    for name in ("small", "union"):
+        server = pyramid_servers[name]
+        base = _flush(server)
+        t1 = server.generate(input_ids=first, max_new_tokens=1, ignore_eos=True)
+        history = first + t1["output_ids"] + _ids(random.Random(5), 40)
+        outs[name] = _generate_with_logprobs(server, history, 1)
+        meta = outs[name]["meta_info"]
+        assert len(first) <= meta["cached_tokens"] <= len(first) + 1, meta  # the whole first turn is reused
+        st = _assert_idle_and_sound(server)
+        assert st["chain_hits_total"] - base["chain_hits_total"] == 1
+    lp = {name: _logprobs(o)[0] for name, o in outs.items()}
+    assert abs(lp["small"] - lp["union"]) > 1e-4, lp
+
+
+def test_no_slot_is_freed_while_the_first_layer_keeps_everything(pyramid_servers: dict) -> None:
+    """Between the budget and the first layer's cap (``2 (budget - fixed) - (budget - fixed) / beta + fixed`` =
+    976 here) the first layer keeps the whole context, so the union is everything: the later layers read less,
+    but no slot is freed (the memory PyramidKV saves is the union's, reported as such)."""
+    server = pyramid_servers["small"]
+    before = _flush(server)
+    out = server.generate(input_ids=_ids(random.Random(11), 900), max_new_tokens=8, ignore_eos=True)
+    assert out["meta_info"]["completion_tokens"] == 8
+    after = _assert_idle_and_sound(server)
+    assert after["evicted_tokens_total"] == before["evicted_tokens_total"]
+    assert after["method_stats"]["selections"] == before.get("method_stats", {}).get("selections", 0) + 1
+    assert after["method_stats"]["last_layer_budgets"][0] == 900
+    assert after["kv_slots_used"] - before["kv_slots_used"] >= 900
+
+
+def test_chain_cache_three_turns(pyramid_servers: dict) -> None:
+    server = pyramid_servers["small"]
+    base = _flush(server)
+    rng = random.Random(9)
+    history, prev_len = _ids(rng, 1200), None  # the first layer keeps at most 976 of it: the union drops some
+    for turn in range(3):
+        out = server.generate(input_ids=history, max_new_tokens=20, ignore_eos=True)
+        meta = out["meta_info"]
+        if prev_len is not None:  # the whole previous sequence matches; only the new suffix is prefilled
+            assert meta["cached_tokens"] == prev_len, (turn, meta, prev_len)
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+        st = _assert_idle_and_sound(server)
+        # Bounded by the layer budgets' sum at this length plus what was decoded since the last selection.
+        bound = sum(layer_budgets(len(history) + 20, LAYERS, SMALL["budget"], 24, 20)) + 20
+        assert st["kv_slots_used"] - base["kv_slots_used"] <= bound, (turn, st)
+        prev_len = len(history) + len(out["output_ids"])
+        history = history + out["output_ids"] + _ids(rng, 40)
+    st = _state(server)
+    assert st["chain_hits_total"] - base["chain_hits_total"] == 2
+    assert st["method_stats"]["resumed_without_layer_sets"] == base.get("method_stats", {}).get(
+        "resumed_without_layer_sets", 0)
+
+
+def test_concurrent_sessions_do_not_leak(pyramid_servers: dict) -> None:
+    server = pyramid_servers["small"]
+    rng = random.Random(13)
+    sessions = [(_ids(rng, rng.randrange(10, 1200)), rng.randrange(1, 4), rng.randrange(1, 40)) for _ in range(12)]
+
+    def run(session: tuple[list[int], int, int]) -> int:
+        history, turns, n_out = session
+        local = random.Random(len(history))
+        for _ in range(turns):
+            out = server.generate(input_ids=history, max_new_tokens=n_out, ignore_eos=True)
+            assert out["meta_info"]["completion_tokens"] == n_out
+            history = history + out["output_ids"] + [local.randrange(8, 2048) for _ in range(local.randrange(1, 80))]
+        return turns
+
+    with ThreadPoolExecutor(4) as pool:
+        assert sum(pool.map(run, sessions)) >= 12
+    assert _assert_idle_and_sound(server)["evicted_tokens_total"] > 0
+
+
+def test_aborts_mid_prefill_and_mid_decode_do_not_leak(pyramid_servers: dict) -> None:
+    abort_mid_prefill_and_mid_decode(pyramid_servers["small"], random.Random(4), "pyramidkv")
