@@ -132,7 +132,10 @@ def decode_window(log_text: str, batch: int, interval: int = DECODE_LOG_INTERVAL
             events.append(("prefill", ts, None))
     full = [i for i, (kind, _, d) in enumerate(events) if kind == "decode" and d and int(d.group(1)) == batch]
     if not full:
-        raise ValueError(f"no 'Decode batch' line with #running-req: {batch} in the log")
+        most = max((int(d.group(1)) for kind, _, d in events if kind == "decode" and d), default=0)
+        hint = (f"; at most {most} ran together (the KV pool fits fewer: measure that batch with --sparse-batch "
+                f"{most})" if 0 < most < batch else "")
+        raise ValueError(f"no 'Decode batch' line with #running-req: {batch} in the log{hint}")
     last_prefill = max((i for i, (kind, _, _) in enumerate(events) if kind == "prefill" and i < full[-1]),
                        default=-1)
     after = [i for i in full if i > last_prefill]

@@ -12,7 +12,8 @@
 #                                                the headline one server per step (vanilla x 6, ours dense
 #                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60, and x 6), so one
 #                                                vanilla run serves every comparison; table130k prints the table.
-#   bash benchmarks/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x 6, ours
+#   bash benchmarks/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x
+#                                                SELECT_BATCH (default 5 for Quest, what its pool fits, else 6), ours
 #                                                only (table130k adds them). On a fresh machine the first server of
 #                                                each compiles FlashInfer kernels for its wrappers (minutes).
 #   bash benchmarks/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6 | turboquant130k | turboquant130k6
@@ -115,8 +116,10 @@ vanilla130k|dense130k|snapkv130k|snapkv130k6)  # the 130K table one server per s
 quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / RetroInfer (default configs) at 130K x 6, ours
   install                # only; OmniKV's and RetroInfer's GPU paths are behind the launcher's opt-in until their GPU tests pass
   m=${1%130k}
+  # Quest's page summaries (1/16 of K+V) leave a pool of 744,944 slots: 5 x 130K fit, not 6 (2026-12-03).
+  b="${SELECT_BATCH:-$([ "$m" = quest ] && echo 5 || echo 6)}"
   SGLSPARSE_GPU_SELECTION=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
-      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch 6 \
+      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" \
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
