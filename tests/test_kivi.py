@@ -219,10 +219,14 @@ def test_prefix_kernel_equals_the_store_reference(bits: int) -> None:
     q = torch.randn(13, HKV * G, D, generator=gen)
     want, want_lse = store.prefix(1, q, qo, r2t, rpi.long(), lens.long(), new, SCALE)
     bm = fp8_attention.prefix_block_m(G, False, 4)
-    got, got_lse = kivi_attention.prefix_attention(q, *store._buffers(1), qo, r2t, rpi, lens, SCALE, bits, GS,
-                                                   fp8_attention.prefix_blocks(new, bm, q.device), bm, block_n=16)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
+    # One workspace pass with the step's blocks, and passes of at most 30 prefix tokens (27 | 5 | 40 alone).
+    for kw in ({"blocks": fp8_attention.prefix_blocks(new, bm, q.device)}, {"ws_tokens": 30}):
+        got, got_lse = kivi_attention.prefix_attention(q, *store._buffers(1), qo, r2t, rpi, lens, SCALE, bits, GS,
+                                                       new, bm, block_n=16, **kw)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
+    assert kivi_attention._passes([27, 5, 0, 40], 30) == [[0], [1], [3]]
+    assert kivi_attention._passes([27, 5, 0, 40], 80) == [[0, 1, 3]]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")

@@ -8,10 +8,15 @@ holds each request's positions past its last whole page, in the model dtype.
 
 Decode grid: request x KV head x ``splits``, as the FP8 decode kernel; a position reads the codes if it
 lies in a whole page, else the residual row, under one online softmax; the splits are merged in torch.
-Extend (:func:`prefix_attention`): blocks of ``BLOCK_M`` new tokens of one request x KV head (the group's
-query heads as rows of one tile), over the request's cached prefix read the same way; output and natural
-log-sum-exp, merged by the caller with the new tokens' own attention. The store's torch path is the
-reference of both.
+Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
+the model dtype (``[prefix tokens, Hkv, D]`` for K and V, at most ``WS_TOKENS`` prefix tokens at a time: a
+130K prefix takes 0.5 GB a layer), then blocks of ``BLOCK_M`` new tokens of one request x KV head (the
+group's query heads as rows of one tile) attend over it with the tensor cores in that dtype; output and
+natural log-sum-exp, merged by the caller with the new tokens' own attention. Why a workspace: an extend
+tile that dequantized the prefix itself (the first version) did so once per block of new tokens, i.e.
+1,024 times for a 16K chunk, and ran at ~4 TFLOP/s on the H200 (a 130K prompt took minutes to prefill,
+BENCHMARKS.md 2026-12-03); the workspace dequantizes each prefix token once per layer and chunk. The
+store's torch path is the reference of both kernels.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_sparse.kernels import fp8_attention
 from sgl_sparse.kernels.splits import (
     extend_rows,
     group_queries,
     merge_splits,
     online_step,
+    online_step_weighted,
     split_span,
     split_workspace,
     store_rows,
@@ -33,6 +40,8 @@ from sgl_sparse.kernels.splits import (
 )
 
 SPLITS = 16
+WS_TOKENS = 1 << 18  # prefix tokens dequantized per pass (K and V: 1 GB at 8 KV heads x 128 in bf16)
+DEQUANT_BLOCK = 64
 
 
 @triton.jit
@@ -61,31 +70,51 @@ def _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, 
 
 
 @triton.jit
-def _prefix_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, qo_indptr, req_to_token,
-                   req_pool_indices, prefix_lens, blk_req, blk_start, out, lse, stride_qt, stride_qh, stride_ot,
-                   stride_oh, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr,
-                   stride_rt, stride_rh, stride_r2t, scale, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                   D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    i, tok, head, rm, qv = extend_rows(q, qo_indptr, blk_req, blk_start, stride_qt, stride_qh, G, GP, D, BLOCK_M)
-    qv = qv.to(tl.float32)
+def _dequant_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
+                    prefix_lens, ws_start, wk, wv, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss,
+                    stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t, stride_wt, stride_wh, D: tl.constexpr,
+                    GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Request ``program_id(0)``'s cached prefix, KV head ``program_id(1)``, positions of block ``program_id(2)``:
+    dequantized into the workspace from row ``ws_start[i]`` (``-1``: not in this pass)."""
+    i = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(prefix_lens + i)
+    base = tl.load(ws_start + i).to(tl.int64)
+    pos = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ok = (pos < n) & (base >= 0)
     whole = n // GS * GS
     row = tl.load(req_pool_indices + i).to(tl.int64)
     row_ptr = req_to_token + row * stride_r2t
+    kk, vv = _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row_ptr, row, h, pos, ok,
+                       whole, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr,
+                       stride_rt, stride_rh, BLOCK, D, GS, BITS)
+    d = tl.arange(0, D)
+    off = (base + pos.to(tl.int64))[:, None] * stride_wt + h * stride_wh + d[None, :]
+    tl.store(wk + off, kk.to(wk.dtype.element_ty), mask=ok[:, None])
+    tl.store(wv + off, vv.to(wv.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _prefix_kernel(q, wk, wv, qo_indptr, prefix_lens, ws_start, blk_req, blk_start, out, lse, stride_qt, stride_qh,
+                   stride_ot, stride_oh, stride_wt, stride_wh, scale, HQ: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    i, tok, head, rm, qv = extend_rows(q, qo_indptr, blk_req, blk_start, stride_qt, stride_qh, G, GP, D, BLOCK_M)
+    h = tl.program_id(1)
+    n = tl.load(prefix_lens + i)
+    base = tl.load(ws_start + i).to(tl.int64)
+    d = tl.arange(0, D)
     m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
     for start in range(0, n, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < n
-        kk, vv = _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row_ptr, row, h, pos,
-                           ok, whole, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr,
-                           stride_rt, stride_rh, BLOCK_N, D, GS, BITS)
+        off = (base + pos.to(tl.int64))[:, None] * stride_wt + h * stride_wh + d[None, :]
+        kk = tl.load(wk + off, mask=ok[:, None], other=0.0)
+        vv = tl.load(wv + off, mask=ok[:, None], other=0.0)
         s = tl.dot(qv, tl.trans(kk)) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
-        m, den, acc = online_step(m, den, acc, s, vv)
+        m, den, acc = online_step_weighted(m, den, acc, s, vv, tl.full([BLOCK_N], 1.0, tl.float32))
     store_rows(out, lse, tok, head, rm, m, den, acc, stride_ot, stride_oh, HQ, D)
 
 
@@ -140,27 +169,69 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
+def _passes(prefix_lens: list[int], limit: int) -> list[list[int]]:
+    """Requests with a cached prefix, grouped in order so that each group's prefixes fit the workspace (a
+    prefix longer than ``limit`` is a group of its own)."""
+    groups: list[list[int]] = []
+    total = limit + 1
+    for i, n in enumerate(prefix_lens):
+        if n == 0:
+            continue
+        if total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
 def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
                      k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
                      res_v: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, bits: int, group: int,
-                     blocks: tuple[torch.Tensor, torch.Tensor], block_m: int,
-                     block_n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                     extend_lens: list[int], block_m: int, block_n: int = 64,
+                     prefix_lens_host: list[int] | None = None, ws_tokens: int = WS_TOKENS,
+                     blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """KIVI extend over the cached prefix: ``q`` ``[n, Hq, D]`` (request ``i``'s rows from ``qo_indptr[i]``) over
     the first ``prefix_lens[i]`` positions of its row -> (output, fp32 natural log-sum-exp ``[n, Hq]``, ``-inf``
-    over an empty prefix). ``blocks``: ``fp8_attention.prefix_blocks`` of this step for ``block_m``."""
+    over an empty prefix). ``extend_lens``: each request's new tokens (host); ``prefix_lens_host``: the prefix
+    lengths on the host if the caller has them (else one host read per call: extend steps run eagerly);
+    ``blocks``: ``fp8_attention.prefix_blocks(extend_lens, block_m)`` if the caller keeps them for the step
+    (used when one pass holds every prefix)."""
     n, hq, d = q.shape
     hkv = k_codes.shape[1]
     out = torch.zeros_like(q)
     lse = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=q.device)
     if n == 0:
         return out, lse
+    lens = prefix_lens_host if prefix_lens_host is not None else prefix_lens.tolist()
     g = hq // hkv
-    blk_req, blk_start = blocks
-    _prefix_kernel[(blk_req.shape[0], hkv)](
-        q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, qo_indptr, req_to_token,
-        req_pool_indices, prefix_lens, blk_req, blk_start, out, lse, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1), v_scale.stride(0),
-        v_scale.stride(1), res_k.stride(0), res_k.stride(1), res_k.stride(2), req_to_token.stride(0), scale, HQ=hq,
-        G=g, GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n)
+    passes = _passes(lens, ws_tokens)
+    for members in passes:
+        starts = [-1] * len(lens)
+        at = 0
+        for i in members:
+            starts[i], at = at, at + lens[i]
+        ws_start = torch.tensor(starts, dtype=torch.int64).to(q.device, non_blocking=True)
+        wk = torch.empty(at, hkv, d, dtype=q.dtype, device=q.device)
+        wv = torch.empty_like(wk)
+        longest = max(lens[i] for i in members)
+        _dequant_kernel[(len(lens), hkv, triton.cdiv(longest, DEQUANT_BLOCK))](
+            k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
+            prefix_lens, ws_start, wk, wv, k_codes.stride(0), k_codes.stride(1), k_scale.stride(0),
+            k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), res_k.stride(0), res_k.stride(1),
+            res_k.stride(2), req_to_token.stride(0), wk.stride(0), wk.stride(1), D=d, GS=group, BITS=bits,
+            BLOCK=DEQUANT_BLOCK)
+        if blocks is not None and len(passes) == 1:
+            blk_req, blk_start = blocks  # requests without a prefix read nothing (their prefix length is 0)
+        else:
+            chosen = set(members)
+            blk_req, blk_start = fp8_attention.prefix_blocks(
+                [m if i in chosen else 0 for i, m in enumerate(extend_lens)], block_m, q.device)
+        if not blk_req.numel():
+            continue
+        _prefix_kernel[(blk_req.shape[0], hkv)](
+            q, wk, wv, qo_indptr, prefix_lens, ws_start, blk_req, blk_start, out, lse, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), wk.stride(0), wk.stride(1), scale, HQ=hq, G=g,
+            GP=triton.next_power_of_2(g), D=d, BLOCK_M=block_m, BLOCK_N=block_n)
     return out, lse

@@ -207,10 +207,10 @@ class KIVIStore(KVStore):
         if not self.use_triton:
             return super().prefix(layer_id, q, qo_indptr, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                   scale)
-        bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], False)
+        bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], q.is_cuda)
         return kivi_attention.prefix_attention(q, *self._buffers(layer_id), qo_indptr, req_to_token, req_pool_indices,
-                                               prefix_lens, scale, self.bits, self.group,
-                                               self._blocks.get(extend_lens, bm, q.device), bm)
+                                               prefix_lens, scale, self.bits, self.group, extend_lens, bm,
+                                               blocks=self._blocks.get(extend_lens, bm, q.device))
 
 
 @register_method
