@@ -115,12 +115,14 @@ def test_prefix_kernel_equals_the_store_reference(bits: int, qjl: bool) -> None:
     q = torch.randn(sum(NEW), HKV * 2, D, generator=gen)
     want, want_lse = store.prefix(1, q, qo, r2t, rpi.long(), lens.long(), NEW, SCALE)
     bm = fp8_attention.prefix_block_m(2, False, 4)
-    got, got_lse = turboquant_attention.prefix_attention(
-        q, store.layer(1), qo, r2t, rpi, lens, SCALE, fp8_attention.prefix_blocks(NEW, bm, q.device), bm, block_n=16
-    )
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
-    assert torch.isinf(got_lse[3:5]).all() and not got[3:5].any()  # request 2's new tokens: no prefix
+    # One workspace pass with the step's blocks, and passes of at most 32 prefix tokens (27 | 5 | 40 | 1).
+    for kw in ({"blocks": fp8_attention.prefix_blocks(NEW, bm, q.device)}, {"ws_tokens": 32}):
+        got, got_lse = turboquant_attention.prefix_attention(
+            q, store.layer(1), qo, r2t, rpi, lens, SCALE, NEW, bm, block_n=16, **kw
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
+        assert torch.isinf(got_lse[3:5]).all() and not got[3:5].any()  # request 2's new tokens: no prefix
 
 
 @pytest.mark.parametrize("group", [1, 3])

@@ -32,6 +32,7 @@ from sgl_sparse.kernels.splits import (
     merge_splits,
     online_step,
     online_step_weighted,
+    prefix_passes,
     split_span,
     split_workspace,
     store_rows,
@@ -169,22 +170,6 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
-def _passes(prefix_lens: list[int], limit: int) -> list[list[int]]:
-    """Requests with a cached prefix, grouped in order so that each group's prefixes fit the workspace (a
-    prefix longer than ``limit`` is a group of its own)."""
-    groups: list[list[int]] = []
-    total = limit + 1
-    for i, n in enumerate(prefix_lens):
-        if n == 0:
-            continue
-        if total + n > limit:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += n
-    return groups
-
-
 def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
                      k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
                      res_v: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
@@ -206,7 +191,7 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         return out, lse
     lens = prefix_lens_host if prefix_lens_host is not None else prefix_lens.tolist()
     g = hq // hkv
-    passes = _passes(lens, ws_tokens)
+    passes = prefix_passes(lens, ws_tokens)
     for members in passes:
         starts = [-1] * len(lens)
         at = 0

@@ -127,3 +127,19 @@ def merge_splits(ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor) -
     w = torch.exp(ws_m - torch.where(top.isinf(), torch.zeros_like(top), top))
     den = (w * ws_l).sum(dim=1)
     return (w[..., None] * ws_acc).sum(dim=1) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+
+
+def prefix_passes(prefix_lens: list[int], limit: int) -> list[list[int]]:
+    """Requests with a cached prefix, grouped in order so that each group's prefixes fit the workspace (a
+    prefix longer than ``limit`` is a group of its own)."""
+    groups: list[list[int]] = []
+    total = limit + 1
+    for i, n in enumerate(prefix_lens):
+        if n == 0:
+            continue
+        if total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups

@@ -13,9 +13,13 @@ contiguous buffers: their strides follow from ``Hkv``, ``bits`` and ``D``.
 
 Decode grid: request x KV head x ``splits`` (split-KV, merged in torch), each program over its share of
 the row's ``seq_lens`` tokens read through ``req_to_token``, the group's query heads as rows of one tile.
-Extend (:func:`prefix_attention`): blocks of ``BLOCK_M`` new tokens of one request x KV head over the
-request's cached prefix; output and natural log-sum-exp, which the caller merges with the new tokens' own
-attention. The store's torch path (``TurboQuantStore.row_attention``) is the reference of both: the kernels
+Extend (:func:`prefix_attention`): the step's cached prefixes are decoded once per layer into an fp32 workspace
+in the rotated basis (keys, values and QJL's scaled signs; at most ``WS_TOKENS`` prefix tokens a pass), then
+blocks of ``BLOCK_M`` new tokens of one request x KV head attend over it; output and natural log-sum-exp, which
+the caller merges with the new tokens' own attention. Decoding inside each extend tile instead (the first
+version) repeats the codebook lookups of the whole prefix once per block of new tokens, as KIVI's did
+(BENCHMARKS.md, 2026-12-03).
+The store's torch path (``TurboQuantStore.row_attention``) is the reference of both: the kernels
 decode in fp32 (their dots in TF32 on the GPU, Triton's default for fp32) where the torch path rounds each
 dequantized key and value to the model dtype, so the two agree to that dtype's precision (exactly, up to
 summation order, with an fp32 model).
@@ -30,11 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_sparse.kernels import fp8_attention
 from sgl_sparse.kernels.splits import (
     extend_rows,
     group_queries,
     merge_splits,
+    online_step,
     online_step_weighted,
+    prefix_passes,
     split_span,
     split_workspace,
     store_rows,
@@ -43,6 +50,10 @@ from sgl_sparse.kernels.splits import (
 )
 
 SPLITS = 16
+# Prefix tokens decoded per extend pass: K, V and QJL's residual in fp32 (the kernels' precision), 1.5 GB at
+# 8 KV heads x 128.
+WS_TOKENS = 1 << 17
+DEQUANT_BLOCK = 64
 
 
 class Layer(NamedTuple):
@@ -170,9 +181,7 @@ def _decode_kernel(
 
 
 @triton.jit
-def _prefix_kernel(
-    q_rot,
-    q_proj,
+def _dequant_kernel(
     k_codes,
     v_codes,
     k_norm,
@@ -180,22 +189,63 @@ def _prefix_kernel(
     k_signs,
     k_rnorm,
     unit_levels,
-    qo_indptr,
     req_to_token,
     req_pool_indices,
     prefix_lens,
+    ws_start,
+    wk,
+    wv,
+    wj,
+    stride_r2t,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    QJL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Request ``program_id(0)``'s cached prefix, KV head ``program_id(1)``, positions of block ``program_id(2)``,
+    decoded into the workspace from row ``ws_start[i]`` (``-1``: not in this pass), in the rotated basis: the keys
+    and values (codebook levels x norm) and, with QJL, the key residual's signs x its norm."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(prefix_lens + i)
+    base = tl.load(ws_start + i).to(tl.int64)
+    pos = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ok = (pos < n) & (base >= 0)
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    slot = tl.load(row_ptr + pos, mask=ok, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    off = (base + pos.to(tl.int64))[:, None] * (HKV * D) + h * D + d[None, :]
+    kl, kn = _levels(k_codes, k_norm, unit_levels, slot, h, ok, HKV, D, BITS, BLOCK)
+    tl.store(wk + off, kl * kn[:, None], mask=ok[:, None])
+    vl, vn = _levels(v_codes, v_norm, unit_levels, slot, h, ok, HKV, D, BITS, BLOCK)
+    tl.store(wv + off, vl * vn[:, None], mask=ok[:, None])
+    if QJL:
+        bit = unpack_planes(k_signs, slot, h, HKV * (D // 8), D // 8, ok, BLOCK, 1, D)
+        rn = tl.load(k_rnorm + slot * HKV + h, mask=ok, other=0.0)
+        tl.store(wj + off, (2 * bit - 1).to(tl.float32) * rn[:, None], mask=ok[:, None])
+
+
+@triton.jit
+def _prefix_kernel(
+    q_rot,
+    q_proj,
+    wk,
+    wv,
+    wj,
+    qo_indptr,
+    prefix_lens,
+    ws_start,
     blk_req,
     blk_start,
     out,
     lse,
-    stride_r2t,
     scale,
     qjl_scale,
     HKV: tl.constexpr,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
-    BITS: tl.constexpr,
     QJL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -206,35 +256,20 @@ def _prefix_kernel(
         _, _, _, _, qp = extend_rows(q_proj, qo_indptr, blk_req, blk_start, HKV * G * D, D, G, GP, D, BLOCK_M)
     h = tl.program_id(1)
     n = tl.load(prefix_lens + i)
-    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    base = tl.load(ws_start + i).to(tl.int64)
+    d = tl.arange(0, D)
     m = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, D], tl.float32)
     for start in range(0, n, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < n
-        slot = tl.load(row_ptr + pos, mask=ok, other=0).to(tl.int64)
-        s = _logits(
-            qv,
-            qp,
-            k_codes,
-            k_norm,
-            k_signs,
-            k_rnorm,
-            unit_levels,
-            slot,
-            h,
-            ok,
-            scale,
-            qjl_scale,
-            HKV,
-            D,
-            BITS,
-            BLOCK_N,
-            QJL,
-        )
-        vl, vn = _levels(v_codes, v_norm, unit_levels, slot, h, ok, HKV, D, BITS, BLOCK_N)
-        m, den, acc = online_step_weighted(m, den, acc, s, vl, vn)
+        off = (base + pos.to(tl.int64))[:, None] * (HKV * D) + h * D + d[None, :]
+        s = tl.dot(qv, tl.trans(tl.load(wk + off, mask=ok[:, None], other=0.0))) * scale
+        if QJL:
+            s += tl.dot(qp, tl.trans(tl.load(wj + off, mask=ok[:, None], other=0.0))) * qjl_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m, den, acc = online_step(m, den, acc, s, tl.load(wv + off, mask=ok[:, None], other=0.0))
     store_rows(out, lse, tok, head, rm, m, den, acc, HKV * G * D, D, HKV * G, D)
 
 
@@ -317,41 +352,51 @@ def prefix_attention(
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     scale: float,
-    blocks: tuple[torch.Tensor, torch.Tensor],
+    extend_lens: list[int],
     block_m: int,
     block_n: int = 32,
+    prefix_lens_host: list[int] | None = None,
+    ws_tokens: int = WS_TOKENS,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TurboQuant extend over the cached prefix: ``q`` ``[n, Hq, D]`` (request ``i``'s rows from ``qo_indptr[i]``)
     over the first ``prefix_lens[i]`` positions of its row -> (output, fp32 natural log-sum-exp ``[n, Hq]``,
-    ``-inf`` over an empty prefix). ``blocks``: ``fp8_attention.prefix_blocks`` of this step for ``block_m``."""
+    ``-inf`` over an empty prefix). ``extend_lens``: each request's new tokens (host); ``prefix_lens_host``: the
+    prefix lengths on the host if the caller has them; ``blocks``: ``fp8_attention.prefix_blocks(extend_lens,
+    block_m)`` if the caller keeps them for the step (used when one pass holds every prefix)."""
     n, hq, d = q.shape
     lse = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=q.device)
     if n == 0:
         return torch.zeros_like(q), lse
     hkv, bits = layer.k_codes.shape[1], layer.k_codes.shape[2]
     g = hq // hkv
+    qjl = layer.proj is not None
     tensors, scalars = _inputs(q, layer, scale)
+    q_rot, q_proj, pool = tensors[0], tensors[1], tensors[2:]
     out = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)  # in the rotated basis until the end
-    blk_req, blk_start = blocks
-    _prefix_kernel[(blk_req.shape[0], hkv)](
-        *tensors,
-        qo_indptr,
-        req_to_token,
-        req_pool_indices,
-        prefix_lens,
-        blk_req,
-        blk_start,
-        out,
-        lse,
-        req_to_token.stride(0),
-        *scalars,
-        HKV=hkv,
-        G=g,
-        GP=triton.next_power_of_2(g),
-        D=d,
-        BITS=bits,
-        QJL=layer.proj is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-    )
+    lens = prefix_lens_host if prefix_lens_host is not None else prefix_lens.tolist()
+    passes = prefix_passes(lens, ws_tokens)
+    for members in passes:
+        starts = [-1] * len(lens)
+        at = 0
+        for i in members:
+            starts[i], at = at, at + lens[i]
+        ws_start = torch.tensor(starts, dtype=torch.int64).to(q.device, non_blocking=True)
+        wk = torch.empty(at, hkv, d, dtype=torch.float32, device=q.device)
+        wv = torch.empty_like(wk)
+        wj = torch.empty_like(wk) if qjl else wk  # never read without QJL
+        _dequant_kernel[(len(lens), hkv, triton.cdiv(max(lens[i] for i in members), DEQUANT_BLOCK))](
+            *pool, req_to_token, req_pool_indices, prefix_lens, ws_start, wk, wv, wj, req_to_token.stride(0),
+            HKV=hkv, D=d, BITS=bits, QJL=qjl, BLOCK=DEQUANT_BLOCK)
+        if blocks is not None and len(passes) == 1:
+            blk_req, blk_start = blocks  # requests without a prefix read nothing (their prefix length is 0)
+        else:
+            chosen = set(members)
+            blk_req, blk_start = fp8_attention.prefix_blocks(
+                [m if i in chosen else 0 for i, m in enumerate(extend_lens)], block_m, q.device)
+        if not blk_req.numel():
+            continue
+        _prefix_kernel[(blk_req.shape[0], hkv)](
+            q_rot, q_proj, wk, wv, wj, qo_indptr, prefix_lens, ws_start, blk_req, blk_start, out, lse, *scalars,
+            HKV=hkv, G=g, GP=triton.next_power_of_2(g), D=d, QJL=qjl, BLOCK_M=block_m, BLOCK_N=block_n)
     return (out @ layer.rot).to(q.dtype), lse

@@ -159,10 +159,11 @@ class TurboQuantStore(KVStore):
         if not self.use_triton:
             return super().prefix(layer_id, q, qo_indptr, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                   scale)
+        # 16 tokens x the group's heads a tile (fp32 tiles: a 128-row one would spill its registers).
         bm = fp8_attention.prefix_block_m(q.shape[1] // self.k_codes[layer_id].shape[1], False)
         return turboquant_attention.prefix_attention(q, self.layer(layer_id), qo_indptr, req_to_token,
-                                                     req_pool_indices, prefix_lens, scale,
-                                                     self._blocks.get(extend_lens, bm, q.device), bm)
+                                                     req_pool_indices, prefix_lens, scale, extend_lens, bm,
+                                                     blocks=self._blocks.get(extend_lens, bm, q.device))
 
 
 @register_method
