@@ -171,6 +171,10 @@ class StepInfo:
     new_tokens: int
     decoded_tokens: int  # output tokens so far (for decode-interval triggers)
     final_prefill: bool = False  # this step completed the prompt
+    # The token ids at the step's new positions, in order: filled only for a method whose
+    # ``needs_token_ids()`` is true (SkipKV finds sentence boundaries in them); None otherwise, and also
+    # when the server does not know them yet (overlap scheduling on CUDA, for a per-request method).
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -544,6 +548,11 @@ class SparseMethod(ABC, Generic[C]):
     def observes_decode(self) -> bool:
         """Whether :meth:`wants_observation` can be true in decode, i.e. the runtime must also keep
         decode queries (per decode step, outside CUDA graphs)."""
+        return False
+
+    def needs_token_ids(self) -> bool:
+        """Whether every :class:`StepInfo` this method gets carries ``token_ids`` (the ids at the step's
+        new positions; the server reads them from the request's input and output ids, on the host)."""
         return False
 
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
