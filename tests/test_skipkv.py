@@ -202,9 +202,12 @@ def test_a_restated_sentence_leaves_whole_where_recency_drops_the_oldest() -> No
     cfg = {"budget": n - 6, "sink_tokens": 4, "recent_tokens": 8, "window_size": 4, "evict_interval": n - prompt_len,
            "boundary_token_ids": [BOUNDARY]}
     model = ToyAttentionStack()
-    kept = run_request(create_method("skipkv", cfg), model, tokens, prompt_len, 16).state.kept.tolist()
+    method = create_method("skipkv", cfg)
+    kept = run_request(method, model, tokens, prompt_len, 16).state.kept.tolist()
     dropped = sorted(set(range(n)) - set(kept))
     assert dropped == list(spans["A1"])
+    assert method.stats() == {"sentences_closed_total": 6, "sentence_penalized_tokens_total": 6,
+                              "sentence_evicted_tokens_total": 6}
     assert set(spans["U0"]) <= set(kept) and set(spans["A2"]) <= set(kept)
 
     recency = run_request(create_method("streamingllm", {"sink_tokens": 4, "recent_tokens": n - 10,

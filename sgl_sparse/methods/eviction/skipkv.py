@@ -131,10 +131,11 @@ class _Sentences:
 
 
 def track(sentences: _Sentences, first: int, ids: Sequence[int], boundaries: frozenset[int], max_tokens: int,
-          min_tokens: int, max_tracked: int) -> None:
+          min_tokens: int, max_tracked: int) -> int:
     """Extend the segmentation by the tokens ``ids`` at positions ``first, first + 1, ...``: a sentence closes at
     a boundary id (included) or at ``max_tokens``; closed ones under ``min_tokens`` are dropped, the newest
-    ``max_tracked`` kept."""
+    ``max_tracked`` kept. Returns how many sentences it closed and tracked."""
+    closed = 0
     for offset, token in enumerate(ids):
         pos = first + offset
         if sentences.open_start is None:
@@ -142,8 +143,10 @@ def track(sentences: _Sentences, first: int, ids: Sequence[int], boundaries: fro
         if token in boundaries or pos + 1 - sentences.open_start >= max_tokens:
             if pos + 1 - sentences.open_start >= min_tokens:
                 sentences.spans.append((sentences.open_start, pos + 1))
+                closed += 1
             sentences.open_start = None
     del sentences.spans[:max(0, len(sentences.spans) - max_tracked)]
+    return closed
 
 
 def sentence_penalty(keys: torch.Tensor, positions: torch.Tensor, spans: Sequence[tuple[int, int]],
@@ -171,11 +174,14 @@ def sentence_penalty(keys: torch.Tensor, positions: torch.Tensor, spans: Sequenc
     return penalty
 
 
-def skipkv_scores(window: ObservationWindow, spans: Sequence[tuple[int, int]], cfg: SkipKVConfig) -> torch.Tensor:
+def skipkv_scores(window: ObservationWindow, spans: Sequence[tuple[int, int]],
+                  cfg: SkipKVConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Score of each retained position ``[n]`` (float32, CPU; the observation window's tokens score 0, they are
     kept as recent tokens): per layer ``importance - alpha * redundancy`` averaged over KV heads, minus
-    ``sentence_weight`` x the sentence penalty, summed over layers."""
+    ``sentence_weight`` x the sentence penalty, summed over layers; and which positions some layer's sentence
+    penalty hit (``[n]`` bool, for the method's counters)."""
     n = window.k_pos.numel()
+    penalized = torch.zeros(n, dtype=torch.bool)
     past = n - cfg.window_size
     hi = n - cfg.recent_tokens  # candidates: [sink_tokens, hi)
     lo = max(cfg.sink_tokens, hi - cfg.redundancy_window)
@@ -188,9 +194,11 @@ def skipkv_scores(window: ObservationWindow, spans: Sequence[tuple[int, int]], c
         if hi > lo and cfg.alpha > 0:
             s[lo:hi] -= cfg.alpha * redundancy(keys[lo:hi], RKV_SIMILARITY_THRESHOLD).mean(dim=0).cpu()
         if spans and cfg.sentence_weight > 0:
-            s -= cfg.sentence_weight * sentence_penalty(keys, window.k_pos, spans, cfg.sentence_threshold)
+            penalty = sentence_penalty(keys, window.k_pos, spans, cfg.sentence_threshold)
+            s -= cfg.sentence_weight * penalty
+            penalized |= penalty > 0
         total += s
-    return total
+    return total, penalized
 
 
 @register_method
@@ -204,6 +212,11 @@ class SkipKV(SparseMethod[SkipKVConfig]):
     def __init__(self, config: SkipKVConfig) -> None:
         super().__init__(config)
         self.boundaries = frozenset(config.boundary_token_ids)
+        # Server-wide counters (/server_info method_stats): that real token ids close sentences, and how often
+        # the sentence term, not the token scores, decided what a compaction dropped.
+        self.sentences_closed_total = 0
+        self.sentence_penalized_tokens_total = 0  # candidates a compaction found in a restated sentence
+        self.sentence_evicted_tokens_total = 0  # of those, the ones it dropped
 
     def observation_window(self) -> int:
         return self.config.window_size
@@ -231,12 +244,21 @@ class SkipKV(SparseMethod[SkipKVConfig]):
             # ids at all, fixed segments stand in for sentences.
             ids = step.token_ids if step.token_ids is not None else (-1,) * step.new_tokens
             bounded = bool(self.boundaries)
-            track(sentences, state.logical_len - step.new_tokens, ids, self.boundaries,
-                  cfg.sentence_max_tokens if bounded else cfg.segment_tokens,
-                  cfg.sentence_min_tokens if bounded else 1, cfg.max_tracked_sentences)
+            self.sentences_closed_total += track(
+                sentences, state.logical_len - step.new_tokens, ids, self.boundaries,
+                cfg.sentence_max_tokens if bounded else cfg.segment_tokens,
+                cfg.sentence_min_tokens if bounded else 1, cfg.max_tracked_sentences)
         window: ObservationWindow | None = state.extra.pop(WINDOW, None)
         if window is None:
             return None
-        scores = skipkv_scores(window, sentences.spans, cfg)
+        scores, penalized = skipkv_scores(window, sentences.spans, cfg)
         keep = topk_keep(window.k_pos, scores, cfg.budget, cfg.sink_tokens, cfg.recent_tokens)
+        candidates = penalized[cfg.sink_tokens:penalized.numel() - cfg.recent_tokens]
+        self.sentence_penalized_tokens_total += int(candidates.sum())
+        self.sentence_evicted_tokens_total += int((penalized & ~torch.isin(window.k_pos, keep)).sum())
         return KeepPlan(keep) if keep.numel() < window.k_pos.numel() else None
+
+    def stats(self) -> dict[str, int]:
+        return {"sentences_closed_total": self.sentences_closed_total,
+                "sentence_penalized_tokens_total": self.sentence_penalized_tokens_total,
+                "sentence_evicted_tokens_total": self.sentence_evicted_tokens_total}
