@@ -215,11 +215,10 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
      "add --cuda-graph-backend-decode disabled"),
     (["--sparse-method", "rkv", "--device", "cuda", "--cuda-graph-backend-decode", "full"],
      "add --cuda-graph-backend-decode disabled"),
-    # SkipKV observes decode queries as R-KV does, and reads each decoded token's id, which overlap scheduling
-    # appends to the request only after the next forward.
+    # SkipKV observes decode queries as R-KV does.
     (["--sparse-method", "skipkv", "--device", "cuda"], "skipkv observes decode queries"),
-    (["--sparse-method", "skipkv", "--device", "cuda", "--cuda-graph-backend-decode", "disabled"],
-     "add --disable-overlap-schedule"),
+    (["--sparse-method", "skipkv", "--device", "cuda", "--cuda-graph-backend-decode", "full"],
+     "add --cuda-graph-backend-decode disabled"),
     # An explicit prefill graph with a method that captures prefill queries.
     *[(["--sparse-method", "snapkv", "--device", "cuda", *f], "a replayed prefill graph has no request ids")
       for f in (["--cuda-graph-backend-prefill", "breakable"], ["--cuda-graph-backend-prefill", "tc_piecewise"],
@@ -468,9 +467,9 @@ def test_a_composition_on_gpu_is_refused_until_its_path_exists(capsys: pytest.Ca
     assert "serves on --device cpu only for now" in capsys.readouterr().err
 
 
-def test_skipkv_on_gpu_with_decode_graphs_and_overlap_off_is_accepted() -> None:
+def test_skipkv_on_gpu_with_decode_graphs_off_is_accepted() -> None:
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "skipkv",
-                             "--cuda-graph-backend-decode", "disabled", "--disable-overlap-schedule"])
+                             "--cuda-graph-backend-decode", "disabled"])
     assert hand.method == "skipkv" and args.cuda_graph_backend_prefill == "disabled"
 
 

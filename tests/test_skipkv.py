@@ -256,17 +256,22 @@ def test_config_defaults_and_errors() -> None:
             create_method("skipkv", cfg)
 
 
-def test_unknown_token_ids_close_no_sentence() -> None:
-    """A step without ids (a per-request method under overlap scheduling) segments by length only."""
-    method = create_method("skipkv", {"budget": 1000, "sink_tokens": 4, "recent_tokens": 8,
-                                      "boundary_token_ids": [BOUNDARY], "sentence_max_tokens": 5})
+def test_ids_a_step_late_segment_the_same_sentences() -> None:
+    """Under overlap scheduling a decoded token's id is known one step after its K/V was written: the method
+    segments it then, and closes the same sentences."""
     from sgl_sparse.contract import StepInfo
 
-    state = method.new_state("r")
-    for i in range(12):
-        state.advance(1)
-        method.on_step_end(state, StepInfo(False, 1, i + 1, token_ids=None))
-    assert state.extra[skipkv.SENTENCES].spans == [(0, 5), (5, 10)]
+    tokens = _tokens(120, seed=2, boundary_every=6)
+    for lag in (0, 1):
+        method = create_method("skipkv", {"boundary_token_ids": [BOUNDARY]})
+        state = method.new_state("r")
+        state.advance(20)  # the prompt
+        for pos in range(20, 120):
+            state.advance(1)
+            known = pos + 1 - lag
+            method.on_step_end(state, StepInfo(False, 1, pos - 19, token_ids=lambda a, b, k=known: tokens[a:min(b, k)]))
+        expected = reference_sentences(tokens, 20, 120 - lag, {BOUNDARY}, 256, 4, 256)
+        assert expected and state.extra[skipkv.SENTENCES].spans == expected, lag
 
 
 def test_chain_cache_needs_no_payload() -> None:

@@ -363,9 +363,6 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
                             "evict_interval > 0, rkv and skipkv always), collected in Python, which decode CUDA "
                             "graphs would skip: add --cuda-graph-backend-decode disabled (or, for snapkv and h2o, "
                             "set that field to 0)")
-        if method.needs_token_ids() and not args.disable_overlap_schedule:
-            problems.append(f"{method.name} reads each decoded token's id after the forward that wrote its KV, which "
-                            "overlap scheduling appends only later: add --disable-overlap-schedule")
         prefill = requested_graph_backend(args, "prefill")
         if method.observation_window() > 0 and prefill not in (None, DISABLED):
             problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "

@@ -10,7 +10,9 @@ the host), no device sync; the frees are ordered against the schedule stream by 
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,7 +47,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         is_prefill = not t.prompt_done
         final = is_prefill and seq_len >= len(req.origin_input_ids) + len(req.output_ids)
         method = t.method
-        ids = _token_ids(req, seq_len - new_tokens, seq_len) if method.needs_token_ids() else None
+        ids = functools.partial(_token_ids, req) if method.needs_token_ids() else None
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
                         token_ids=ids)
         if method.observation_window() > 0 and method.wants_observation(st, info):
@@ -65,15 +67,12 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         _apply(rt, plans, model_runner)
 
 
-def _token_ids(req: Any, start: int, end: int) -> tuple[int, ...] | None:
-    """The ids at logical positions ``[start, end)`` of ``origin_input_ids + output_ids`` (a decode step's one
-    position is the last output token, whose K/V this forward wrote), without building the concatenation; None
-    when some are not known yet: overlap scheduling (CUDA) appends a sampled token to ``output_ids`` only after
-    the next forward is launched. The launcher refuses overlap for a server method that needs ids; a request
-    that chose one itself (``--sparse-request-methods eviction``) gets None, which the method must tolerate."""
+def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
+    """The ids known at logical positions ``[start, end)`` of ``origin_input_ids + output_ids``, without
+    building the concatenation: a prefix of them, since under overlap scheduling the token a decode forward
+    wrote is appended to ``output_ids`` only after the next forward (``StepInfo.token_ids``)."""
     n_in = len(req.origin_input_ids)
-    ids = (*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)])
-    return ids if len(ids) == end - start else None
+    return [*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)]]
 
 
 def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> ObservationWindow:

@@ -124,10 +124,12 @@ class SkipKVConfig(MethodConfig):
 
 @dataclass
 class _Sentences:
-    """The request's closed sentences (logical ``[start, end)`` spans, oldest first) and its open one."""
+    """The request's closed sentences (logical ``[start, end)`` spans, oldest first), its open one, and the next
+    decoded position to segment (its id may come a step late: ``StepInfo.token_ids``)."""
 
     spans: list[tuple[int, int]] = field(default_factory=list)
     open_start: int | None = None
+    cursor: int | None = None
 
 
 def track(sentences: _Sentences, first: int, ids: Sequence[int], boundaries: frozenset[int], max_tokens: int,
@@ -240,14 +242,19 @@ class SkipKV(SparseMethod[SkipKVConfig]):
         cfg = self.config
         sentences: _Sentences = state.extra.setdefault(SENTENCES, _Sentences())
         if not step.is_prefill:
-            # Ids the server does not know yet (None: see StepInfo.token_ids) close no sentence; without boundary
-            # ids at all, fixed segments stand in for sentences.
-            ids = step.token_ids if step.token_ids is not None else (-1,) * step.new_tokens
+            if sentences.cursor is None:  # the first decoded position: sentences are of the output only
+                sentences.cursor = state.logical_len - step.new_tokens
+            if step.token_ids is None:
+                raise RuntimeError("skipkv: the step carries no token ids although needs_token_ids() is true")
+            # Every id known from the cursor on (one step late under overlap scheduling: that token is still in
+            # the recent window, which no compaction touches). Without boundary ids, fixed segments.
+            ids = step.token_ids(sentences.cursor, state.logical_len)
             bounded = bool(self.boundaries)
             self.sentences_closed_total += track(
-                sentences, state.logical_len - step.new_tokens, ids, self.boundaries,
+                sentences, sentences.cursor, ids, self.boundaries,
                 cfg.sentence_max_tokens if bounded else cfg.segment_tokens,
                 cfg.sentence_min_tokens if bounded else 1, cfg.max_tracked_sentences)
+            sentences.cursor += len(ids)
         window: ObservationWindow | None = state.extra.pop(WINDOW, None)
         if window is None:
             return None
