@@ -100,6 +100,9 @@ class Composed(SparseMethod[ComposedConfig]):
     def observes_decode(self) -> bool:
         return self.eviction.observes_decode()
 
+    def needs_token_ids(self) -> bool:
+        return self.eviction.needs_token_ids()
+
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
         return self.eviction.wants_observation(state, step)
 

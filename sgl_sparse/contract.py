@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -171,6 +171,12 @@ class StepInfo:
     new_tokens: int
     decoded_tokens: int  # output tokens so far (for decode-interval triggers)
     final_prefill: bool = False  # this step completed the prompt
+    # For a method whose ``needs_token_ids()`` is true (SkipKV finds sentence boundaries in them), None
+    # otherwise: ``token_ids(start, end)`` gives the ids the runtime knows at logical positions
+    # ``[start, end)``, a prefix of them (possibly empty). The newest decoded token's id may be known only a
+    # step after its K/V was written: SGLang's overlap scheduler (its default, on CPU too) appends a sampled
+    # token to the request after the next forward has run. Valid during the hook call only.
+    token_ids: Callable[[int, int], Sequence[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -544,6 +550,11 @@ class SparseMethod(ABC, Generic[C]):
     def observes_decode(self) -> bool:
         """Whether :meth:`wants_observation` can be true in decode, i.e. the runtime must also keep
         decode queries (per decode step, outside CUDA graphs)."""
+        return False
+
+    def needs_token_ids(self) -> bool:
+        """Whether every :class:`StepInfo` this method gets carries ``token_ids`` (the server reads them
+        from the request's input and output ids, on the host)."""
         return False
 
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:

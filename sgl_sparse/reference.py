@@ -150,7 +150,8 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         retained[start:end] = True
         state.advance(end - start)
         decoded += 0 if is_prefill else 1
-        step = StepInfo(is_prefill, end - start, decoded, final_prefill=is_prefill and chunk.is_final)
+        step = StepInfo(is_prefill, end - start, decoded, final_prefill=is_prefill and chunk.is_final,
+                        token_ids=(lambda a, b, e=end: tokens[a:min(b, e)]) if method.needs_token_ids() else None)
         if w and method.wants_observation(state, step):
             n_w = window_q[0].shape[0]
             positions = retained.nonzero().flatten()

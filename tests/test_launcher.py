@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sgl_sparse.integration import BACKEND_NAME, handoff
-from sgl_sparse.integration.launch import parse_args
+from sgl_sparse.integration.launch import parse_args, with_boundary_ids
 from sgl_sparse.integration.plugin import register
 
 
@@ -214,6 +214,10 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     (["--sparse-method", "rkv", "--sparse-config", '{"evict_interval": 1024}', "--device", "cuda"],
      "add --cuda-graph-backend-decode disabled"),
     (["--sparse-method", "rkv", "--device", "cuda", "--cuda-graph-backend-decode", "full"],
+     "add --cuda-graph-backend-decode disabled"),
+    # SkipKV observes decode queries as R-KV does.
+    (["--sparse-method", "skipkv", "--device", "cuda"], "skipkv observes decode queries"),
+    (["--sparse-method", "skipkv", "--device", "cuda", "--cuda-graph-backend-decode", "full"],
      "add --cuda-graph-backend-decode disabled"),
     # An explicit prefill graph with a method that captures prefill queries.
     *[(["--sparse-method", "snapkv", "--device", "cuda", *f], "a replayed prefill graph has no request ids")
@@ -461,3 +465,30 @@ def test_a_composition_on_gpu_is_refused_until_its_path_exists(capsys: pytest.Ca
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv+fp8_kv"])
     assert "serves on --device cpu only for now" in capsys.readouterr().err
+
+
+def test_skipkv_on_gpu_with_decode_graphs_off_is_accepted() -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "skipkv",
+                             "--cuda-graph-backend-decode", "disabled"])
+    assert hand.method == "skipkv" and args.cuda_graph_backend_prefill == "disabled"
+
+
+def test_skipkv_boundary_ids_come_from_the_served_tokenizer(tiny_model: str) -> None:
+    """An empty ``boundary_token_ids`` (the default) is filled at launch with the tokenizer's ids whose text closes
+    a sentence, in a composition's member too; an explicit list and a server without a tokenizer keep theirs."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args, hand = parse_args(["--model-path", tiny_model, "--device", "cpu", "--sparse-method", "skipkv"])
+    ids = with_boundary_ids(hand, args).config["boundary_token_ids"]
+    assert ids and all(tok.decode([i]).rstrip(" \t").endswith((".", "!", "?", "\n")) for i in ids)
+    assert tok.convert_tokens_to_ids(".") in ids and tok.convert_tokens_to_ids("the") not in ids
+    assert len(ids) < len(tok) // 4
+    args, hand = parse_args(["--model-path", tiny_model, "--device", "cpu", "--sparse-method", "skipkv+fp8_kv"])
+    assert with_boundary_ids(hand, args).config["skipkv"]["boundary_token_ids"] == ids
+    args, hand = parse_args(["--model-path", tiny_model, "--device", "cpu", "--sparse-method", "skipkv",
+                             "--sparse-config", '{"boundary_token_ids": [7]}'])
+    assert with_boundary_ids(hand, args).config["boundary_token_ids"] == [7]
+    args, hand = parse_args(["--model-path", tiny_model, "--device", "cpu", "--sparse-method", "skipkv",
+                             "--skip-tokenizer-init"])
+    assert with_boundary_ids(hand, args).config["boundary_token_ids"] == []

@@ -192,6 +192,39 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
                                  decode_graphs=decode_graphs)
 
 
+BOUNDARY_FIELD = "boundary_token_ids"  # a method config's sentence-boundary ids (skipkv); empty: derived here
+
+
+def with_boundary_ids(hand: handoff.Handoff, args: argparse.Namespace) -> handoff.Handoff:
+    """Fill an empty ``boundary_token_ids`` of the served config (a composition's member too) from the served
+    tokenizer: every vocabulary id whose text closes a sentence (``skipkv.boundary_ids``). Done once here, in
+    the launcher, so that the scheduler gets the filled list in the config (its fingerprint covers it,
+    ``/server_info`` shows it) and the method needs no tokenizer. Left empty (the method then cuts fixed
+    segments) when the server has no tokenizer."""
+    configs = [hand.config, *(v for v in hand.config.values() if isinstance(v, dict))]
+    targets = [c for c in configs if c.get(BOUNDARY_FIELD) == []]
+    if not targets:
+        return hand
+    logger = logging.getLogger(__name__)
+    if getattr(args, "skip_tokenizer_init", False):
+        logger.warning("sgl_sparse: --skip-tokenizer-init: no sentence boundary ids for %s, fixed segments instead",
+                       hand.method)
+        return hand
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.methods.eviction.skipkv import boundary_ids
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path,
+                                        trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
+    ids = boundary_ids([tok.decode([i]) for i in range(len(tok))])
+    for c in targets:
+        c[BOUNDARY_FIELD] = ids
+    # Re-validated as the scheduler will build it (create_method raises on a bad list).
+    create_method(hand.method, hand.config)
+    logger.info("sgl_sparse: %d sentence boundary token ids from the tokenizer", len(ids))
+    return hand
+
+
 # Method-owned KV layouts whose GPU kernels have passed their tests/gpu file on an H200 (test_gpu_quant.py,
 # test_gpu_kivi.py, test_gpu_turboquant.py: none yet); the others need the opt-in until theirs have.
 GPU_VALIDATED_STORES: frozenset[str] = frozenset()
@@ -327,9 +360,9 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         if method.observation_window() > 0 and method.observes_decode() and (
                 requested_graph_backend(args, "decode") != DISABLED):
             problems.append(f"{method.name} observes decode queries (snapkv's decode_interval > 0, h2o's "
-                            "evict_interval > 0, rkv always), collected in Python, which decode CUDA graphs would "
-                            "skip: add --cuda-graph-backend-decode disabled (or, for snapkv and h2o, set that field "
-                            "to 0)")
+                            "evict_interval > 0, rkv and skipkv always), collected in Python, which decode CUDA "
+                            "graphs would skip: add --cuda-graph-backend-decode disabled (or, for snapkv and h2o, "
+                            "set that field to 0)")
         prefill = requested_graph_backend(args, "prefill")
         if method.observation_window() > 0 and prefill not in (None, DISABLED):
             problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
@@ -347,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     load_plugins()
     check_registered()
     args, hand = parse_args(argv)
+    hand = with_boundary_ids(hand, args)
     handoff.publish(hand)  # before ServerArgs: its __post_init__ and the spawned children read it
     from sglang.srt.entrypoints.http_server import app
 

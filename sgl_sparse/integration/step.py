@@ -10,7 +10,9 @@ the host), no device sync; the frees are ordered against the schedule stream by 
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,8 +46,10 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         st.advance(new_tokens)
         is_prefill = not t.prompt_done
         final = is_prefill and seq_len >= len(req.origin_input_ids) + len(req.output_ids)
-        info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final)
         method = t.method
+        ids = functools.partial(_token_ids, req) if method.needs_token_ids() else None
+        info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
+                        token_ids=ids)
         if method.observation_window() > 0 and method.wants_observation(st, info):
             if not is_prefill and not rt.capture.observes_decode(req.rid):
                 raise RuntimeError(f"sgl_sparse: {method.name}.wants_observation is true in decode but "
@@ -61,6 +65,14 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
                 plans.append((req, t, keep))
     if plans:
         _apply(rt, plans, model_runner)
+
+
+def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
+    """The ids known at logical positions ``[start, end)`` of ``origin_input_ids + output_ids``, without
+    building the concatenation: a prefix of them, since under overlap scheduling the token a decode forward
+    wrote is appended to ``output_ids`` only after the next forward (``StepInfo.token_ids``)."""
+    n_in = len(req.origin_input_ids)
+    return [*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)]]
 
 
 def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> ObservationWindow:

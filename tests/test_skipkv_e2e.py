@@ -1,0 +1,120 @@
+"""SkipKV through real SGLang servers on CPU (our launcher, tiny model): one SkipKV server and a dense one. Sentence
+boundaries derived from the tiny model's tokenizer at launch; dense token for token while the budget covers the
+context; KV slots bounded by budget + evict_interval as decode keeps compressing (a prompt over the budget stays
+whole until the first decode compaction); the decoded tokens' real ids close the sentences the method counts;
+Chain Cache turns; aborts without a leak (SGLang's strict idle check is on).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from sgl_sparse.methods.eviction.skipkv import boundary_ids
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+
+pytestmark = pytest.mark.server
+
+FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report"]
+SMALL = {"budget": 512, "recent_tokens": 128, "evict_interval": 16}  # sink 64, window 8, the rest SkipKV's
+
+
+def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+    extra = ["--sparse-config", json.dumps(config)] if config is not None else []
+    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
+
+
+@pytest.fixture(scope="module")
+def skipkv_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "skipkv", SMALL)}
+    with running(*procs.values()):
+        yield procs
+
+
+def _flush(server: ServerProcess) -> dict:
+    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    return _assert_idle_and_sound(server)
+
+
+def _closed_sentences(ids: list[int], boundaries: set[int], min_tokens: int = 4, max_tokens: int = 256) -> int:
+    """How many sentences SkipKV closes and tracks over these decoded ids (its defaults: 4 to 256 tokens)."""
+    closed, length = 0, 0
+    for token in ids:
+        length += 1
+        if token in boundaries or length == max_tokens:
+            closed += length >= min_tokens
+            length = 0
+    return closed
+
+
+def test_server_info_reports_skipkv_with_the_tokenizers_boundaries(skipkv_servers: dict, tiny_model: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    st = _state(skipkv_servers["small"])
+    assert st["method"] == "skipkv" and st["family"] == "eviction"
+    assert st["config"]["boundary_token_ids"] == boundary_ids([tok.decode([i]) for i in range(len(tok))])
+    assert {k: st["config"][k] for k in SMALL} == SMALL and st["config"]["sentence_threshold"] == 0.95
+
+
+def test_budget_covering_context_equals_dense(skipkv_servers: dict) -> None:
+    """Contexts within the budget (multi-chunk prompts, decode past many intervals): queries and token ids are
+    collected every step, nothing is compressed, the tokens are dense's."""
+    server = skipkv_servers["small"]
+    before = _flush(server)
+    rng = random.Random(7)
+    for n, out in ((40, 24), (200, 150), (450, 62)):
+        ids = _ids(rng, n)
+        got = {name: skipkv_servers[name].generate(input_ids=ids, max_new_tokens=out, ignore_eos=True)["output_ids"]
+               for name in ("small", "dense")}
+        assert got["small"] == got["dense"], n
+    st = _assert_idle_and_sound(server)
+    assert st["evicted_tokens_total"] == before["evicted_tokens_total"]
+
+
+def test_small_budget_bounds_kv_slots_and_sentences_follow_the_ids(skipkv_servers: dict) -> None:
+    server = skipkv_servers["small"]
+    before = _flush(server)
+    out = server.generate(input_ids=_ids(random.Random(1), 1500), max_new_tokens=200, ignore_eos=True)
+    assert out["meta_info"]["completion_tokens"] == 200
+    after = _assert_idle_and_sound(server)
+    used = after["kv_slots_used"] - before["kv_slots_used"]
+    # The prompt stays whole; decode compresses to the budget every 16 decoded tokens: 200 = 12 x 16 + 8.
+    assert used == SMALL["budget"] + 200 % SMALL["evict_interval"], used
+    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == 1700 - used
+    assert after["eviction_steps_total"] - before["eviction_steps_total"] == 200 // SMALL["evict_interval"]
+    # The method segmented the output by its real ids: every decoded token's K/V was written (1,700 slots; overlap
+    # scheduling runs one more decode forward), and each id is known a step after its K/V (the same overlap), so
+    # all but the last output token were segmented.
+    stats = {k: after["method_stats"][k] - before.get("method_stats", {}).get(k, 0) for k in after["method_stats"]}
+    boundaries = set(after["config"]["boundary_token_ids"])
+    assert stats["sentences_closed_total"] == _closed_sentences(out["output_ids"][:-1], boundaries) > 0, stats
+    assert stats["sentence_evicted_tokens_total"] <= stats["sentence_penalized_tokens_total"]
+
+
+def test_chain_cache_three_turns(skipkv_servers: dict) -> None:
+    server = skipkv_servers["small"]
+    base = _flush(server)
+    rng = random.Random(9)
+    history, prev_len = _ids(rng, 700), None
+    for turn in range(3):
+        out = server.generate(input_ids=history, max_new_tokens=20, ignore_eos=True)
+        meta = out["meta_info"]
+        if prev_len is not None:  # the whole previous sequence matches; only the new suffix is prefilled
+            assert meta["cached_tokens"] == prev_len, (turn, meta, prev_len)
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+        st = _assert_idle_and_sound(server)
+        # Each turn: the kept set + 40 new tokens, compressed to 512 at decoded 16, then 4 more.
+        assert st["kv_slots_used"] - base["kv_slots_used"] == SMALL["budget"] + 4, (turn, st)
+        prev_len = len(history) + len(out["output_ids"])
+        history = history + out["output_ids"] + _ids(rng, 40)
+    assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 2
+
+
+def test_aborts_mid_prefill_and_mid_decode_do_not_leak(skipkv_servers: dict) -> None:
+    abort_mid_prefill_and_mid_decode(skipkv_servers["small"], random.Random(4), "skipkv")
