@@ -112,6 +112,16 @@ def _worker(rank: int, port: int, out_dir: str, use_sglang_group: bool) -> None:
         for i, (name, config) in enumerate(CASES):
             results[f"{seed}/{i}/reduced"] = _keep(name, config, qs, ks, reducer)
             results[f"{seed}/{i}/local"] = _keep(name, config, qs, ks, None)
+    if use_sglang_group:
+        from sgl_sparse.integration.tp import check_ranks_agree
+
+        check_ranks_agree([torch.arange(5), torch.tensor([1, 7, 9])])  # the same sets on both ranks: no error
+        check_ranks_agree([])
+        try:
+            check_ranks_agree([torch.tensor([0, 1, 2 + rank])])  # rank 1 keeps another position
+            results["check_caught"] = torch.tensor(False)
+        except RuntimeError:
+            results["check_caught"] = torch.tensor(True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -177,6 +187,8 @@ def test_sglang_tp_group_reduces_scores_on_cpu(tmp_path: Path) -> None:
     """The reducer the server hands to every observation window: SGLang's own TP group coordinator, here over
     gloo on CPU (as a --device cpu server sets it up), gives both ranks the single-process sets."""
     results = _run_ranks(tmp_path, use_sglang_group=True)
+    # The digest check (SGLSPARSE_TP_CHECK) passes equal sets and raises on both ranks for different ones.
+    assert all(bool(r["check_caught"]) for r in results)
     for seed, tie in ((0, False), (2, True)):
         for case, (name, config) in enumerate(CASES):
             reference = _keep(name, config, *_inputs(seed, tie), None)

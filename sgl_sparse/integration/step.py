@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_sparse.contract import ObservationWindow, StepInfo, check_keep_plan
-from sgl_sparse.integration.tp import scores_all_reduce
+from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
 from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
             keep = check_keep_plan(method, plan, st.kept)
             if keep.numel() < st.num_kept:
                 plans.append((req, t, keep))
+    if TP_CHECK:
+        check_ranks_agree([keep for _, _, keep in plans])
     if plans:
         _apply(rt, plans, model_runner)
 
