@@ -10,6 +10,7 @@ every head, so the greedy tokens match.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +28,15 @@ pytestmark = pytest.mark.server
 SNAPKV = {"budget": 128, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, "decode_interval": 16}
 FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report", "--sparse-method", "snapkv",
          "--sparse-config", json.dumps(SNAPKV)]
-# No GPU here, but a CUDA build of torch ships libnccl: SGLang's TP group then binds NCCL to a CUDA device and
-# the scheduler dies ("Expected a cuda device, but got: cpu", pynccl.py). A library that cannot load is SGLang's
-# own "non-GPU environment" case: NCCL off, the group's all-reduce goes through gloo.
-CPU_TP_ENV = {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+_CORES = sorted(os.sched_getaffinity(0))
+# What SGLang 0.5.17 needs to run --tp-size 2 on this CPU machine (docs/parallelism.md):
+# * SGLANG_CPU_OMP_THREADS_BIND: without it each TP rank takes a NUMA node and the scheduler asserts "tp_size 2
+#   should be smaller than or equal to number of numa node on the machine 1" (utils/numa_utils.py); one core each.
+# * SGLANG_NCCL_SO_PATH: no GPU here, but a CUDA build of torch ships libnccl, so SGLang's TP group binds NCCL to a
+#   CUDA device and dies ("Expected a cuda device, but got: cpu", pynccl.py). A library that cannot load is
+#   SGLang's own "non-GPU environment" case: NCCL off, the group's all-reduce goes through gloo.
+CPU_TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": f"{_CORES[0]}|{_CORES[-1]}",
+              "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 
 
 @pytest.fixture(scope="module")
