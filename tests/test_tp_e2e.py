@@ -61,9 +61,21 @@ def dp2(tiny_model: str) -> Iterator[ServerProcess]:
         yield proc
 
 
-def _generate(server: ServerProcess, ids: list[int], **extra: Any) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True},
-            **extra}
+# The other eviction methods, chosen per request on the same servers (custom_params; PyramidKV's per-layer
+# selector is server-wide, so it is covered by the CPU gloo test only): H2O accumulates decode scores, R-KV
+# re-selects every 16 decoded tokens, StreamingLLM needs no scores (lengths only).
+PER_REQUEST: dict[str, dict[str, Any]] = {
+    "h2o": {"budget": 128, "window_size": 16, "evict_interval": 16},
+    "rkv": {"budget": 128, "window_size": 8, "evict_interval": 16},
+    "streamingllm": {"sink_tokens": 8, "recent_tokens": 120, "evict_interval": 16},
+}
+
+
+def _generate(server: ServerProcess, ids: list[int], method: str | None = None, **extra: Any) -> dict:
+    sampling: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
+    if method is not None:
+        sampling["custom_params"] = {"sgl_sparse_method": method, "sgl_sparse_config": json.dumps(PER_REQUEST[method])}
+    body = {"input_ids": ids, "sampling_params": sampling, **extra}
     r = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
     r.raise_for_status()
     return r.json()
@@ -72,13 +84,16 @@ def _generate(server: ServerProcess, ids: list[int], **extra: Any) -> dict:
 def test_tp2_snapkv_greedy_equals_tp1(tp1: ServerProcess, tp2: ServerProcess) -> None:
     rng = random.Random(7)
     prompts = [_ids(rng, n) for n in (300, 520, 90, 700)]  # 90: under the budget, nothing evicted
+    jobs = [(ids, method) for method in (None, *PER_REQUEST) for ids in prompts]
     servers = {"tp1": tp1, "tp2": tp2}
     outs = {}
     for name, server in servers.items():
-        # Concurrent requests: one batch observes several requests, in the same order on every rank.
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outs[name] = [o["output_ids"] for o in pool.map(lambda ids, s=server: _generate(s, ids), prompts)]
-    assert outs["tp2"] == outs["tp1"]
+        # Concurrent requests: one batch observes several requests (of several methods), in the same order on
+        # every rank.
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            outs[name] = [o["output_ids"] for o in pool.map(lambda job, s=server: _generate(s, *job), jobs)]
+    for i, (ids, method) in enumerate(jobs):
+        assert outs["tp2"][i] == outs["tp1"][i], (method or "snapkv", len(ids))
     for server in servers.values():
         st = _assert_idle_and_sound(server)
         assert st["evicted_tokens_total"] > 0, st
