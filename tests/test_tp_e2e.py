@@ -81,7 +81,7 @@ def _generate(server: ServerProcess, ids: list[int], method: str | None = None, 
     return r.json()
 
 
-def test_tp2_snapkv_greedy_equals_tp1(tp1: ServerProcess, tp2: ServerProcess) -> None:
+def test_tp2_eviction_greedy_equals_tp1(tp1: ServerProcess, tp2: ServerProcess) -> None:
     rng = random.Random(7)
     prompts = [_ids(rng, n) for n in (300, 520, 90, 700)]  # 90: under the budget, nothing evicted
     jobs = [(ids, method) for method in (None, *PER_REQUEST) for ids in prompts]
