@@ -1,6 +1,6 @@
-"""Eviction under tensor and data parallelism through real SGLang servers on CPU: SnapKV at --tp-size 2 (each rank
-holds one of the tiny model's two KV heads, so each scores different values) against the same server at
---tp-size 1, and at --dp-size 2 (a tree per rank).
+"""Eviction under tensor and data parallelism through real SGLang servers on CPU: a SnapKV server (H2O, R-KV and
+StreamingLLM chosen per request beside it) at --tp-size 2 (each rank holds one of the tiny model's two KV heads, so
+each scores different values) against the same server at --tp-size 1, and at --dp-size 2 (a tree per rank).
 
 If the ranks kept different sets, their allocators would diverge and the model's next all-reduce would hang (or
 the leak check fire); the scores' sum over the TP group keeps them identical, and equal to one rank holding
