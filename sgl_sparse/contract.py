@@ -139,6 +139,9 @@ class PrefillChunk:
         return self.end == self.total
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP group; returns the sum
+
+
 @dataclass(frozen=True)
 class ObservationWindow:
     """The end of a prompt, for methods that score the prompt with its last queries (SnapKV).
@@ -157,10 +160,29 @@ class ObservationWindow:
     k_pos: torch.Tensor
     num_layers: int
     scale: float  # the attention softmax scale (1/sqrt(head_dim) for Llama)
+    # Tensor parallelism: this rank holds a shard of the heads (``queries`` and the keys are its heads only),
+    # and ``all_reduce`` sums a tensor over the ranks of the TP group (the same call on every rank, in the
+    # same order). ``None``: one rank holds every head.
+    all_reduce: AllReduce | None = None
 
     def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """That layer's retained keys ``[n, n_kv_heads, head_dim]`` (a copy) and their positions."""
         return self.key_buffer(layer)[self.key_rows], self.k_pos
+
+    def reduce_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` summed over this rank's heads -> summed over every head of the model.
+
+        An evicting method must call it on the per-position scores it selects from, before selecting: under
+        TP every rank frees the same slots of its own pool and its scheduler admits from the same free count,
+        so every rank must pick the identical keep set, and a set picked from one rank's heads would differ
+        from the others' (diverging allocators, then a hang in the next collective). After the sum every rank
+        holds bitwise the same scores (NCCL and gloo return one result to all ranks), and :func:`topk_keep
+        <sgl_sparse.methods.eviction.base.topk_keep>` breaks ties by position, so the sets are identical.
+        Call it the same number of times on every rank: decide *whether* to score only from replicated data
+        (lengths, step counts, earlier keep sets), never from local scores. Identity without TP."""
+        if self.all_reduce is None:
+            return scores
+        return self.all_reduce(scores.float().contiguous())
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,6 @@ def test_request_methods_on_a_dense_cuda_server_turns_the_prefill_graph_off() ->
 @pytest.mark.parametrize(("argv", "message"), [
     (["--sparse-method", "quest", "--sparse-request-methods", "eviction"], "selection method"),
     (["--sparse-method", "fp8_kv", "--sparse-request-methods", "eviction"], "owns the KV pool's layout"),
-    (["--sparse-request-methods", "eviction", "--tp-size", "2"], "--sparse-request-methods eviction (requests may"),
     (["--sparse-request-methods", "sometimes"], "invalid choice"),
 ])
 def test_request_methods_launch_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -180,8 +179,6 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     *[([*m, "--speculative-algorithm", algo], "speculative decoding is not supported")
       for m in ([], ["--sparse-method", "snapkv"], ["--sparse-method", "streamingllm"])
       for algo in ("EAGLE", "NGRAM")],
-    (["--sparse-method", "streamingllm", "--tp-size", "2"], "eviction needs one token set across TP ranks"),
-    (["--sparse-method", "snapkv", "--tp-size", "2"], "--dp-size replicas are untested"),
     *[([*m, "--pp-size", "2"], "pipeline parallelism is not supported") for m in ([], ["--sparse-method", "snapkv"])],
     *[([*m, "--dcp-size", "2"], "decode context parallelism is not supported")
       for m in ([], ["--sparse-method", "streamingllm"])],
@@ -492,3 +489,25 @@ def test_skipkv_boundary_ids_come_from_the_served_tokenizer(tiny_model: str) -> 
     args, hand = parse_args(["--model-path", tiny_model, "--device", "cpu", "--sparse-method", "skipkv",
                              "--skip-tokenizer-init"])
     assert with_boundary_ids(hand, args).config["boundary_token_ids"] == []
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "h2o", "rkv", "skipkv", "pyramidkv"])
+def test_eviction_with_tensor_parallelism(method: str, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every eviction method launches with --tp-size 2 on CPU (its scores are summed over the TP group); on CUDA
+    it has not run yet: a launch error naming the opt-in, which starts it."""
+    monkeypatch.delenv("SGLSPARSE_GPU_TP", raising=False)
+    _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", method, "--tp-size", "2"])
+    assert hand.method == method
+    _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-request-methods", "eviction",
+                          "--tp-size", "2"])
+    assert hand.request_methods == "eviction"
+    if method == "pyramidkv":  # refused on CUDA whatever the TP size (its per-layer selection)
+        return
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", method, "--tp-size", "2"])
+    assert "has not run on GPUs yet; SGLSPARSE_GPU_TP=1" in capsys.readouterr().err
+    monkeypatch.setenv("SGLSPARSE_GPU_TP", "1")
+    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", method, "--tp-size", "2",
+                          "--cuda-graph-backend-decode", "disabled"])
+    assert hand.method == method

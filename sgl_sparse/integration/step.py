@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_sparse.contract import ObservationWindow, StepInfo, check_keep_plan
+from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
 from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
             keep = check_keep_plan(method, plan, st.kept)
             if keep.numel() < st.num_kept:
                 plans.append((req, t, keep))
+    if TP_CHECK:
+        check_ranks_agree([keep for _, _, keep in plans])
     if plans:
         _apply(rt, plans, model_runner)
 
@@ -88,6 +91,8 @@ def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> Obser
     slots = row[to_device(st.kept, row.device)].long()
     q_pos = torch.arange(st.logical_len - n_w, st.logical_len)
     scale = float(rt.capture.scale or 1.0)
+    # TP: this rank's queries and keys are its own heads; the method sums its scores over the group.
+    all_reduce = scores_all_reduce()
     store = getattr(model_runner.token_to_kv_pool, "store", None)
     if store is not None:
         # A method-owned layout (a composition): the keys as the store holds them, dequantized per layer, the
@@ -95,10 +100,11 @@ def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> Obser
         # earlier chunk brought, so the store's is the one view every retained key has.
         return ObservationWindow(queries=queries, q_pos=q_pos, key_buffer=lambda layer: store.read_keys(layer, slots),
                                  key_rows=torch.arange(slots.numel(), device=slots.device), k_pos=st.kept,
-                                 num_layers=n_layers, scale=scale)
+                                 num_layers=n_layers, scale=scale, all_reduce=all_reduce)
     # The pool's key buffers and the request's slots: the scoring kernel reads keys in place.
     return ObservationWindow(queries=queries, q_pos=q_pos, key_buffer=model_runner.token_to_kv_pool.get_key_buffer,
-                             key_rows=slots, k_pos=st.kept, num_layers=n_layers, scale=scale)
+                             key_rows=slots, k_pos=st.kept, num_layers=n_layers, scale=scale,
+                             all_reduce=all_reduce)
 
 
 def _apply(rt: SparseRuntime, plans: list[tuple[Any, Tracked, torch.Tensor]], model_runner: Any) -> None:

@@ -131,6 +131,9 @@ class H2O(SparseMethod[H2OConfig]):
             s = window_scores(window.queries[layer][-new:], buf, *on_device, window.scale, 1, "avgpool")
             total = s if total is None else total + s
         assert total is not None
+        # Under TP this rank scored its own heads; the table must hold the sum over all of them on every rank,
+        # so each observation's increment is summed over the ranks (the sum of the sums is the total's sum).
+        total = window.reduce_heads(total)
         state.extra[SCORES] = _aligned(state.extra.get(SCORES), total.numel(), total.device) + total
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:

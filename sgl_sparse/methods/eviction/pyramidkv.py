@@ -264,15 +264,18 @@ class PyramidKV(SparseMethod[PyramidKVConfig]):
         cfg = self.config
         masks = self.layer_masks(state, window.num_layers)
         budgets = layer_budgets(state.logical_len, window.num_layers, cfg.budget, cfg.fixed, cfg.beta)
-        scored = []
+        positions, scores = [], []
         for layer in range(window.num_layers):
             buf = window.key_buffer(layer)
             m = masks[layer]
             rows, k_pos = window.key_rows[m.to(window.key_rows.device)], window.k_pos[m]
-            s = window_scores(window.queries[layer], buf, rows.to(buf.device), window.q_pos.to(buf.device),
-                              k_pos.to(buf.device), window.scale, cfg.kernel_size, cfg.pooling)
-            scored.append((k_pos.cpu(), s.cpu()))
-        state.extra[SCORED] = (scored, budgets)
+            scores.append(window_scores(window.queries[layer], buf, rows.to(buf.device), window.q_pos.to(buf.device),
+                                        k_pos.to(buf.device), window.scale, cfg.kernel_size, cfg.pooling))
+            positions.append(k_pos.cpu())
+        # Under TP this rank scored its own heads: every layer's scores summed over all of them, in one
+        # all-reduce for the whole request (the layers' candidate counts are replicated, so the split is too).
+        summed = window.reduce_heads(torch.cat(scores)).cpu().split([s.numel() for s in scores])
+        state.extra[SCORED] = (list(zip(positions, summed, strict=True)), budgets)
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
         pending = state.extra.pop(SCORED, None)

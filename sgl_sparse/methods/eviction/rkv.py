@@ -122,14 +122,21 @@ def rkv_scores(window: ObservationWindow, window_size: int, kernel_size: int, mi
     per-head R-KV score averaged over KV heads and summed over layers."""
     total: torch.Tensor | None = None
     past = window.k_pos.numel() - window_size
+    heads = 0
     for layer in range(window.num_layers):
         keys, _ = window.keys(layer)
         q = window.queries[layer].to(keys.device)
         imp = importance(q, keys[:past], window.scale, kernel_size)
         red = redundancy(keys, threshold)[:, :past]
+        heads = keys.shape[1]
         s = (imp * mix_lambda - red * (1.0 - mix_lambda)).mean(dim=0)
         total = s if total is None else total + s
     assert total is not None
+    if window.all_reduce is not None:
+        # TP: this rank averaged its own KV heads. The mean over every head is the sum over the ranks of
+        # (local mean x local heads), over the sum of the ranks' head counts: one all-reduce carries both.
+        both = window.reduce_heads(torch.cat([total * heads, total.new_tensor([float(heads)])]))
+        total = both[:-1] / both[-1]
     return total
 
 

@@ -200,6 +200,13 @@ def skipkv_scores(window: ObservationWindow, spans: Sequence[tuple[int, int]],
             s -= cfg.sentence_weight * penalty
             penalized |= penalty > 0
         total += s
+    if window.all_reduce is not None:
+        # TP: every rank must pick the same set, so the totals are averaged over the ranks weighted by their KV
+        # heads (as R-KV's: exact for the head-mean terms). The sentence cosine is each rank's own heads', so
+        # under TP its term is the ranks' average rather than the single-rank cosine; identical on every rank.
+        heads = window.key_buffer(0).shape[1] if window.num_layers else 0
+        both = window.reduce_heads(torch.cat([total * heads, total.new_tensor([float(heads)])]))
+        total = both[:-1] / both[-1]
     return total, penalized
 
 

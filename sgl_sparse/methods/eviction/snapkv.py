@@ -118,6 +118,8 @@ class SnapKV(SparseMethod[SnapKVConfig]):
                               self.config.pooling)
             total = s if total is None else total + s
         assert total is not None
+        # Under TP this rank scored its own heads; every rank must select from the sum over all of them.
+        total = window.reduce_heads(total)
         state.extra["scores"] = (window.k_pos.cpu(), total.cpu())
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:

@@ -1,0 +1,116 @@
+"""Eviction under tensor and data parallelism through real SGLang servers on CPU: a SnapKV server (H2O, R-KV and
+StreamingLLM chosen per request beside it) at --tp-size 2 (each rank holds one of the tiny model's two KV heads, so
+each scores different values) against the same server at --tp-size 1, and at --dp-size 2 (a tree per rank).
+
+If the ranks kept different sets, their allocators would diverge and the model's next all-reduce would hang (or
+the leak check fire); the scores' sum over the TP group keeps them identical, and equal to one rank holding
+every head, so the greedy tokens match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import requests
+
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state
+
+pytestmark = pytest.mark.server
+
+# decode_interval: re-selection in decode too, so the ranks' sets must agree at every interval, not only once.
+SNAPKV = {"budget": 128, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, "decode_interval": 16}
+FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report", "--sparse-method", "snapkv",
+         "--sparse-config", json.dumps(SNAPKV)]
+_CORES = sorted(os.sched_getaffinity(0))
+# What SGLang 0.5.17 needs to run --tp-size 2 on this CPU machine (docs/parallelism.md):
+# * SGLANG_CPU_OMP_THREADS_BIND: without it each TP rank takes a NUMA node and the scheduler asserts "tp_size 2
+#   should be smaller than or equal to number of numa node on the machine 1" (utils/numa_utils.py); one core each.
+# * SGLANG_NCCL_SO_PATH: no GPU here, but a CUDA build of torch ships libnccl, so SGLang's TP group binds NCCL to a
+#   CUDA device and dies ("Expected a cuda device, but got: cpu", pynccl.py). A library that cannot load is
+#   SGLang's own "non-GPU environment" case: NCCL off, the group's all-reduce goes through gloo.
+CPU_TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": f"{_CORES[0]}|{_CORES[-1]}",
+              "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_model: str) -> Iterator[ServerProcess]:
+    with running(ServerProcess(tiny_model, FLAGS)) as (proc,):
+        yield proc
+
+
+@pytest.fixture
+def tp2(tiny_model: str) -> Iterator[ServerProcess]:
+    # SGLSPARSE_TP_CHECK: every eviction step also checks that both ranks planned the same sets (a scheduler
+    # raises, and the server dies, if not).
+    proc = ServerProcess(tiny_model, [*FLAGS, "--tp-size", "2"], env={**CPU_TP_ENV, "SGLSPARSE_TP_CHECK": "1"},
+                         startup_timeout=600)
+    with running(proc):
+        yield proc
+
+
+@pytest.fixture
+def dp2(tiny_model: str) -> Iterator[ServerProcess]:
+    with running(ServerProcess(tiny_model, [*FLAGS, "--dp-size", "2"], startup_timeout=600)) as (proc,):
+        yield proc
+
+
+# The other eviction methods, chosen per request on the same servers (custom_params; PyramidKV's per-layer
+# selector is server-wide, so it is covered by the CPU gloo test only): H2O accumulates decode scores, R-KV
+# re-selects every 16 decoded tokens, StreamingLLM needs no scores (lengths only).
+PER_REQUEST: dict[str, dict[str, Any]] = {
+    "h2o": {"budget": 128, "window_size": 16, "evict_interval": 16},
+    "rkv": {"budget": 128, "window_size": 8, "evict_interval": 16},
+    "streamingllm": {"sink_tokens": 8, "recent_tokens": 120, "evict_interval": 16},
+}
+
+
+def _generate(server: ServerProcess, ids: list[int], method: str | None = None, **extra: Any) -> dict:
+    sampling: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
+    if method is not None:
+        sampling["custom_params"] = {"sgl_sparse_method": method, "sgl_sparse_config": json.dumps(PER_REQUEST[method])}
+    body = {"input_ids": ids, "sampling_params": sampling, **extra}
+    r = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_tp2_eviction_greedy_equals_tp1(tp1: ServerProcess, tp2: ServerProcess) -> None:
+    rng = random.Random(7)
+    prompts = [_ids(rng, n) for n in (300, 520, 90, 700)]  # 90: under the budget, nothing evicted
+    jobs = [(ids, method) for method in (None, *PER_REQUEST) for ids in prompts]
+    servers = {"tp1": tp1, "tp2": tp2}
+    outs = {}
+    for name, server in servers.items():
+        # Concurrent requests: one batch observes several requests (of several methods), in the same order on
+        # every rank.
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            outs[name] = [o["output_ids"] for o in pool.map(lambda job, s=server: _generate(s, *job), jobs)]
+    for i, (ids, method) in enumerate(jobs):
+        assert outs["tp2"][i] == outs["tp1"][i], (method or "snapkv", len(ids))
+    for server in servers.values():
+        st = _assert_idle_and_sound(server)
+        assert st["evicted_tokens_total"] > 0, st
+    assert _state(tp2)["evicted_tokens_total"] == _state(tp1)["evicted_tokens_total"]
+    assert "TP ranks planned different keep sets" not in tp2.log_tail(400)
+
+
+def test_dp2_one_tree_per_rank_and_affinity(tp1: ServerProcess, dp2: ServerProcess) -> None:
+    """Each DP rank runs its own scheduler, tree and runtime; a conversation pinned to one rank
+    (``routed_dp_rank``, what the X-Data-Parallel-Rank header sets) resumes there from its compacted KV."""
+    ids = _ids(random.Random(3), 400)
+    first = _generate(dp2, ids, routed_dp_rank=1)
+    assert first["output_ids"] == _generate(tp1, ids)["output_ids"]  # a DP rank serves as a lone server
+    turn = [*ids, *first["output_ids"], *_ids(random.Random(4), 30)]
+    second = _generate(dp2, turn, routed_dp_rank=1)
+    assert second["meta_info"]["cached_tokens"] >= len(ids), second["meta_info"]  # Chain Cache on rank 1
+    states = [s["sgl_sparse"] for s in dp2.server_info()["internal_states"]]
+    assert len(states) == 2
+    assert states[1]["evicted_tokens_total"] > 0 and states[1]["chain_hits_total"] >= 1, states[1]
+    assert states[0]["evicted_tokens_total"] == 0 and states[0]["chain_hits_total"] == 0, states[0]
