@@ -183,3 +183,38 @@ def test_uncached_and_stock_servers_fail_cleanly(mixed_server: ServerProcess,
     res = _post(dense, "prune", {"token_ids": seq, "ranges": [[0, 10]]}).json()
     assert res["status"] == "failed" and "--sparse-request-methods eviction" in res["message"], res
     _assert_idle_and_sound(dense)
+
+
+def test_frontend_helper_prunes_a_programs_prefix(mixed_server: ServerProcess) -> None:
+    """sgl_sparse.frontend's prune/match: a frontend-language program run under a per-request method
+    (SparseEndpoint) is cached in that method's namespace, so the endpoint's own helpers find and prune it while
+    the server's namespace holds nothing; a body the server rejects raises with the field it names."""
+    import sglang as sgl
+
+    from sgl_sparse.frontend import PruneRequestError, SparseEndpoint, match, prune
+
+    server = mixed_server
+    _flush(server)
+
+    @sgl.function
+    def program(s, text):  # type: ignore[no-untyped-def]
+        s += text
+        s += sgl.gen("answer", max_tokens=8, temperature=0, ignore_eos=True)
+
+    # A window covering the whole prompt: StreamingLLM evicts nothing, so every prompt position is resident.
+    ep = SparseEndpoint(server.base_url, method="streamingllm", config={"sink_tokens": 16, "recent_tokens": 2000})
+    state = program.run(text=" ".join(f"item{i}" for i in range(120)), backend=ep)
+    text = state.text()
+    assert match(server.base_url, text=text)["matched_tokens"] == 0
+    before = ep.match(text=text)
+    assert before["matched_tokens"] > 100 and before["hidden_tokens"] == 0, before
+    res = ep.prune(text=text, ranges=[[5, 50]])
+    assert res["status"] == "completed" and res["pruned_tokens"] == 45 and res["freed_slots"] == 45, res
+    after = ep.match(text=text)
+    assert after["hidden_tokens"] == 45 and after["matched_tokens"] == before["matched_tokens"], after
+    with pytest.raises(PruneRequestError) as e:
+        prune(server.base_url, text=text, ranges=[[0, 10**6]])
+    assert e.value.status == 400 and e.value.param == "ranges[0]", e.value
+    with pytest.raises(ValueError, match="either ranges or roles"):
+        prune(ep, text=text)
+    _assert_idle_and_sound(server)
