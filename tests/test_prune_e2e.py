@@ -7,6 +7,7 @@ change nothing; SGLang's strict leak check holds after each step.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -217,4 +218,39 @@ def test_frontend_helper_prunes_a_programs_prefix(mixed_server: ServerProcess) -
     assert e.value.status == 400 and e.value.param == "ranges[0]", e.value
     with pytest.raises(ValueError, match="either ranges or roles"):
         prune(ep, text=text)
+    _assert_idle_and_sound(server)
+
+
+def test_per_request_prune_of_its_own_prompt(mixed_server: ServerProcess,
+                                             servers: dict[str, ServerProcess]) -> None:
+    """custom_params sgl_sparse_prune: the request prefills its whole prompt (its first token is dense's), then
+    stops attending to the ranges and frees their KV; the tree stores its sequence with them hidden, so the next
+    turn is a cache hit that keeps hiding them; a server or method that cannot prune answers 400 naming the key."""
+    server, dense = mixed_server, servers["ours"]
+    base = _flush(server)
+    rng = random.Random(71)
+    prompt = _ids(rng, 300)
+    ranges = [[20, 120], [150, 200]]
+    cp = {"sgl_sparse_prune": json.dumps({"ranges": ranges})}
+    out = server.generate(input_ids=prompt, max_new_tokens=16, ignore_eos=True, custom_params=cp)
+    ref = _turn(dense, prompt, 16)["output_ids"]
+    assert out["output_ids"][0] == ref[0] and out["output_ids"] != ref  # the prompt attended them, decode did not
+    seq = prompt + out["output_ids"]
+    m = _post(server, "match", {"token_ids": seq}).json()
+    assert m["hidden_tokens"] == 150 and m["matched_tokens"] >= len(seq) - 1, m
+    used = _assert_idle_and_sound(server)["kv_slots_used"] - base["kv_slots_used"]
+    assert used == m["resident_tokens"] == m["matched_tokens"] - 150, (used, m)
+
+    nxt = _turn(server, seq + _ids(rng, 20), 6)
+    assert nxt["meta_info"]["cached_tokens"] == m["matched_tokens"], nxt["meta_info"]
+    assert _post(server, "match", {"token_ids": seq + nxt["output_ids"]}).json()["hidden_tokens"] >= 150
+    _assert_idle_and_sound(server)
+
+    bad = [(server, {"sgl_sparse_prune": json.dumps({"ranges": [[0, 301]]})}, "[0, 301)"),
+           (server, {**cp, "sgl_sparse_method": "snapkv"}, "aligned to its retained set"),
+           (dense, cp, "stock attention lists")]
+    for srv, params, words in bad:
+        r = requests.post(f"{srv.base_url}/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 2, "custom_params": params}}, timeout=60)
+        assert r.status_code == 400 and "sgl_sparse_prune" in r.text and words in r.text, (params, r.text[:300])
     _assert_idle_and_sound(server)
