@@ -191,7 +191,8 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> list[tuple[int, int
                                      ) from None
     if not isinstance(value, Mapping) or set(value) != {"ranges"}:
         raise RequestMethodError(PRUNE_KEY, "expected a JSON object with exactly one field, ranges: "
-                                            "'{\"ranges\": [[start, end], ...]}'")
+                                            "'{\"ranges\": [[start, end], ...]}' (or, on /v1/chat/completions "
+                                            "only, '{\"roles\": [\"tool\"], \"lag\": n}')")
     ranges = value["ranges"]
     if not isinstance(ranges, list) or not ranges:
         raise RequestMethodError(PRUNE_KEY, "ranges: expected a non-empty list of [start, end] pairs")

@@ -254,3 +254,41 @@ def test_per_request_prune_of_its_own_prompt(mixed_server: ServerProcess,
             "max_new_tokens": 2, "custom_params": params}}, timeout=60)
         assert r.status_code == 400 and "sgl_sparse_prune" in r.text and words in r.text, (params, r.text[:300])
     _assert_idle_and_sound(server)
+
+
+def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: str) -> None:
+    """On /v1/chat/completions, sgl_sparse_prune may name roles + lag: the route resolves them against the request's
+    own messages (the content spans POST /v1/prefix_cache/prune would pick), and the finished turn is cached with
+    exactly those hidden; the next turn is a hit."""
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.integration.prune_api import message_spans, role_ranges
+
+    server = mixed_server
+    _flush(server)
+    messages: list[dict[str, str]] = [{"role": "user", "content": "read the logs"}]
+    for i in range(3):
+        messages += [{"role": "assistant", "content": f"reading part {i}"},
+                     {"role": "tool", "content": " ".join(f"entry{i}y{j}" for j in range(50))}]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def render(msgs: list) -> list[int]:
+        ids = tok.apply_chat_template(list(msgs), tokenize=True, add_generation_prompt=False)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    expected = sum(hi - lo for lo, hi in role_ranges(message_spans(render, messages), messages, ["tool"], 1))
+    assert expected > 0
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0,
+            "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lag": 1})}}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    m = _post(server, "match", {"messages": messages}).json()
+    assert m["hidden_tokens"] == expected and m["matched_tokens"] == m["tokens"], (m, expected)
+    nxt = {**body, "messages": [*messages, {"role": "user", "content": "summarize"}]}
+    del nxt["custom_params"]
+    usage = requests.post(f"{server.base_url}/v1/chat/completions", json=nxt, timeout=120).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= m["matched_tokens"], usage
+    bad = {**body, "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lagg": 1})}}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and "sgl_sparse_prune" in r.text and "lagg" in r.text, r.text[:300]
+    _assert_idle_and_sound(server)
