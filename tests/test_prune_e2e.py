@@ -272,8 +272,8 @@ def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: st
                      {"role": "tool", "content": " ".join(f"entry{i}y{j}" for j in range(50))}]
     tok = AutoTokenizer.from_pretrained(tiny_model)
 
-    def render(msgs: list) -> list[int]:
-        ids = tok.apply_chat_template(list(msgs), tokenize=True, add_generation_prompt=False)
+    def render(msgs: list, generation_prompt: bool = False) -> list[int]:
+        ids = tok.apply_chat_template(list(msgs), tokenize=True, add_generation_prompt=generation_prompt)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     expected = sum(hi - lo for lo, hi in role_ranges(message_spans(render, messages), messages, ["tool"], 1))
@@ -282,9 +282,15 @@ def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: st
             "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lag": 1})}}
     r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text[:300]
-    m = _post(server, "match", {"messages": messages}).json()
-    assert m["hidden_tokens"] == expected and m["matched_tokens"] == m["tokens"], (m, expected)
-    nxt = {**body, "messages": [*messages, {"role": "user", "content": "summarize"}]}
+    # The finished turn's record continues from the end of its prompt (generation prompt included): a match of
+    # the history alone stops at the first hidden position, as for any sequence that is not a continuation.
+    prompt = render(messages, generation_prompt=True)
+    assert prompt[:len(render(messages))] == render(messages)
+    m = _post(server, "match", {"token_ids": prompt}).json()
+    assert m["hidden_tokens"] == expected and m["matched_tokens"] == len(prompt), (m, expected)
+    reply = r.json()["choices"][0]["message"]["content"]
+    nxt = {**body, "messages": [*messages, {"role": "assistant", "content": reply},
+                                {"role": "user", "content": "summarize"}]}
     del nxt["custom_params"]
     usage = requests.post(f"{server.base_url}/v1/chat/completions", json=nxt, timeout=120).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= m["matched_tokens"], usage
