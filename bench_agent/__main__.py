@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--label", default=None)
     r.add_argument("--time-scale", type=float, default=1.0, help="multiplies arrival and wait times")
     r.add_argument("--out", default="bench_out")
+    r.add_argument("--prune-lag", type=int, default=None,
+                   help="pruning mode (openai client): after each turn prune the session's tool results but the "
+                        "N most recent through POST /v1/prefix_cache/prune")
+    r.add_argument("--prune-roles", default="tool", help="comma-separated roles pruned in pruning mode")
 
     c = sub.add_parser("compare", help="start vanilla SGLang, replay, stop; then sgl_sparse; print side by side")
     c.add_argument("--model-path", required=True)
@@ -54,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="vanilla's --attention-backend on GPU (default flashinfer; ours wraps flashinfer unless "
                         "--server-args gives it --attention-backend triton); ignored with --cpu")
     c.add_argument("--out", default="bench_out")
+    c.add_argument("--prune-lag", type=int, default=None,
+                   help="pruning mode (openai client): after each turn prune the session's tool results but the "
+                        "N most recent through POST /v1/prefix_cache/prune; each method runs twice, without and with")
+    c.add_argument("--prune-roles", default="tool", help="comma-separated roles pruned in pruning mode")
     args = p.parse_args(argv)
 
     if args.cmd == "generate":
@@ -78,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
 
         tok = _tokenizer(args.tokenizer)
         result = replay(args.url, trace, tok, client=args.client, label=args.label or args.url,
-                        time_scale=args.time_scale)
+                        time_scale=args.time_scale, prune_lag=args.prune_lag,
+                        prune_roles=args.prune_roles.split(","))
         summaries = report.save([result], args.out)
     else:
         from bench_agent.compare import compare
@@ -90,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         results = compare(args.model_path, trace, _tokenizer(args.model_path), list(zip(methods, configs)),
                           client=args.client, cpu=args.cpu, server_args=args.server_args.split(),
                           out_dir=args.out, time_scale=args.time_scale, skip_vanilla=args.skip_vanilla,
-                          vanilla_backend=args.vanilla_backend)
+                          vanilla_backend=args.vanilla_backend, prune_lag=args.prune_lag,
+                          prune_roles=args.prune_roles.split(","))
         summaries = report.save(results, args.out)
     print(report.table(summaries))
     print(json.dumps(summaries), file=sys.stderr)

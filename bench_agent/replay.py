@@ -12,6 +12,11 @@ Two clients:
 
 Session state follows the server's real responses: each assistant message is the text the server
 returned. Sessions start at their arrival time and wait ``wait_s`` between turns (tool execution).
+
+Pruning mode (``prune_lag``, OpenAI client only): after each turn the session asks the server to prune its
+own tool results but the ``prune_lag`` most recent (``POST /v1/prefix_cache/prune`` with the turn's messages,
+``roles`` and ``lag``: docs/prefix-cache-pruning.md), while the tool runs, before its next turn; each prune is
+recorded (:class:`PruneRecord`), and the next turn's ``cached_tokens`` shows whether it still hit the cache.
 """
 
 from __future__ import annotations
@@ -44,6 +49,19 @@ class TurnRecord:
 
 
 @dataclass
+class PruneRecord:
+    session: str
+    turn: int  # the turn whose prompt was pruned (the next turn continues it)
+    start_s: float
+    end_s: float
+    status: str  # completed | blocked | failed | error (HTTP or connection)
+    ranges: int = 0
+    pruned_tokens: int = 0
+    freed_slots: int = 0
+    message: str = ""
+
+
+@dataclass
 class RunResult:
     label: str
     client: str
@@ -53,6 +71,8 @@ class RunResult:
     kv_samples: list[tuple[float, int]] = field(default_factory=list)  # (t, KV slots in use)
     kv_capacity: int = 0
     errors: list[str] = field(default_factory=list)
+    prunes: list[PruneRecord] = field(default_factory=list)
+    prune_lag: int | None = None
 
 
 def kv_slots_in_use(base_url: str) -> tuple[int, int] | None:
@@ -123,8 +143,32 @@ def _openai_turn(base_url: str, model: str, messages: list[dict], max_tokens: in
     return "".join(text), ttft, usage
 
 
+def _prune_turn(base_url: str, session: Session, turn: int, messages: list[dict], roles: list[str], lag: int,
+                t0: float, result: RunResult) -> None:
+    """Prune the finished turn's prompt (``messages``, as sent): the tree holds it rendered with the generation
+    prompt, followed by the reply, and the prune selector renders it without, a prefix of that sequence."""
+    start = time.monotonic()
+    body = {"messages": messages, "roles": roles, "lag": lag}
+    try:
+        r = requests.post(f"{base_url}/v1/prefix_cache/prune", json=body, timeout=60)
+        res = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+        if r.status_code != 202:
+            rec = PruneRecord(session.id, turn, start - t0, time.monotonic() - t0, "error",
+                              message=f"HTTP {r.status_code}: {str(res.get('message', r.text))[:200]}")
+        else:
+            rec = PruneRecord(session.id, turn, start - t0, time.monotonic() - t0, str(res.get("status")),
+                              len(res.get("ranges") or []), int(res.get("pruned_tokens") or 0),
+                              int(res.get("freed_slots") or 0), str(res.get("message") or ""))
+    except (requests.RequestException, ValueError) as e:
+        rec = PruneRecord(session.id, turn, start - t0, time.monotonic() - t0, "error", message=str(e)[:200])
+    result.prunes.append(rec)
+    if rec.status == "error":
+        result.errors.append(f"{session.id} prune after turn {turn}: {rec.message}")
+
+
 def _run_openai_session(base_url: str, model: str, session: Session, texts: _Materialiser, t0: float,
-                        result: RunResult, timeout: float, time_scale: float) -> None:
+                        result: RunResult, timeout: float, time_scale: float, prune_lag: int | None = None,
+                        prune_roles: list[str] | None = None) -> None:
     messages = [{"role": "system", "content": texts.system}, {"role": "user", "content": texts.task}]
     for i, turn in enumerate(session.turns):
         start = time.monotonic()
@@ -138,9 +182,18 @@ def _run_openai_session(base_url: str, model: str, session: Session, texts: _Mat
         details = usage.get("prompt_tokens_details") or {}
         result.turns.append(TurnRecord(session.id, i, start - t0, end - t0, ttft, int(usage.get("prompt_tokens", 0)),
                                        int(usage.get("completion_tokens", 0)), int(details.get("cached_tokens") or 0)))
+        # Only a turn with a later one benefits, and only once a tool result is older than the lag.
+        n_tools = sum(m["role"] in (prune_roles or ["tool"]) for m in messages)
+        if prune_lag is not None and turn.tool_tokens and n_tools > prune_lag:
+            # The prune runs while the tool "executes", as an agent framework would do it: off the critical path.
+            p0 = time.monotonic()
+            _prune_turn(base_url, session, i, list(messages), prune_roles or ["tool"], prune_lag, t0, result)
+            wait_left = turn.wait_s * time_scale - (time.monotonic() - p0)
+        else:
+            wait_left = turn.wait_s * time_scale
         messages.append({"role": "assistant", "content": reply})
         if turn.tool_tokens:
-            time.sleep(turn.wait_s * time_scale)
+            time.sleep(max(0.0, wait_left))
             messages.append({"role": "tool", "content": texts.tools[i]})
     result.session_end_s[session.id] = time.monotonic() - t0
 
@@ -184,13 +237,18 @@ def _run_frontend_session(backend: Any, program: Any, session: Session, texts: _
 
 def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", label: str = "",
            model: str = "default", request_timeout: float = 3600.0, time_scale: float = 1.0,
-           progress: bool = True) -> RunResult:
-    """Replay every session of ``trace``; ``time_scale`` multiplies arrival and wait times."""
+           progress: bool = True, prune_lag: int | None = None, prune_roles: list[str] | None = None) -> RunResult:
+    """Replay every session of ``trace``; ``time_scale`` multiplies arrival and wait times. ``prune_lag``:
+    pruning mode (module docstring), sparing that many most recent ``prune_roles`` (default ``["tool"]``)
+    messages."""
     if client not in ("openai", "frontend"):
         raise ValueError(f"client must be 'openai' or 'frontend', got {client!r}")
+    if prune_lag is not None and (client != "openai" or prune_lag < 0):
+        raise ValueError("pruning mode needs the openai client (the frontend client has no tool role and sends "
+                         f"text) and prune_lag >= 0; got client {client!r}, prune_lag {prune_lag}")
     source = TextSource(tokenizer)
     texts = {s.id: _Materialiser(source, s) for s in trace.sessions}
-    result = RunResult(label=label or base_url, client=client)
+    result = RunResult(label=label or base_url, client=client, prune_lag=prune_lag)
     t0 = time.monotonic()
     monitor = KVMonitor(base_url, t0, result)
     monitor.start()
@@ -206,7 +264,8 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
         if delay > 0:
             time.sleep(delay)
         if client == "openai":
-            _run_openai_session(base_url, model, session, texts[session.id], t0, result, request_timeout, time_scale)
+            _run_openai_session(base_url, model, session, texts[session.id], t0, result, request_timeout, time_scale,
+                                prune_lag, prune_roles)
         else:
             _run_frontend_session(backend, program, session, texts[session.id], t0, result, time_scale)
         if bar is not None:
@@ -220,6 +279,7 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
     if bar is not None:
         bar.close()
     result.turns.sort(key=lambda r: (r.session, r.turn))
+    result.prunes.sort(key=lambda r: (r.session, r.turn))
     return result
 
 

@@ -52,16 +52,41 @@ def summarize(r: RunResult) -> dict[str, Any]:
         for q in (0.5, 0.9, 0.99):
             v = percentile(vals, q)
             summary[f"{name}_p{int(q * 100)}"] = round(v, 4) if v is not None else None
+    summary.update(_prune_summary(r, ok))
     turn_latency = [t.end_s - t.start_s for t in ok]
     summary["turn_latency_s_p50"] = percentile(turn_latency, 0.5)
     summary["turn_latency_s_mean"] = statistics.fmean(turn_latency) if turn_latency else None
     return summary
 
 
+def _prune_summary(r: RunResult, ok: list[Any]) -> dict[str, Any]:
+    """Pruning mode's effect: how many prunes, by status, tokens hidden and KV slots freed, their latency, and
+    the prefix-cache hit ratio of the turns that continued a pruned prompt (should stay that of any turn)."""
+    if r.prune_lag is None:
+        return {}
+    done = [p for p in r.prunes if p.status == "completed"]
+    pruned_turns = {(p.session, p.turn + 1) for p in done if p.pruned_tokens}
+    after = [t for t in ok if (t.session, t.turn) in pruned_turns]
+    latency = percentile([p.end_s - p.start_s for p in r.prunes], 0.5)
+    return {
+        "prune_lag": r.prune_lag,
+        "prunes": len(r.prunes),
+        "prunes_completed": len(done),
+        "prunes_blocked": sum(p.status == "blocked" for p in r.prunes),
+        "prunes_failed": sum(p.status in ("failed", "error") for p in r.prunes),
+        "pruned_tokens": sum(p.pruned_tokens for p in done),
+        "freed_slots": sum(p.freed_slots for p in done),
+        "prune_s_p50": round(latency, 4) if latency is not None else None,
+        "prefix_hit_ratio_after_prune": round(sum(t.cached_tokens for t in after)
+                                              / max(1, sum(t.prompt_tokens for t in after)), 4) if after else None,
+    }
+
+
 ROWS = ["wall_s", "sessions", "turns", "errors", "output_tokens", "output_tok_s", "session_completion_s_p50",
         "session_completion_s_max", "ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90",
         "tpot_s_p99", "turn_latency_s_p50", "prefix_hit_ratio", "prefix_hit_ratio_turn2plus", "peak_kv_slots",
-        "kv_capacity", "max_prompt_tokens"]
+        "kv_capacity", "max_prompt_tokens", "prune_lag", "prunes", "prunes_completed", "prunes_blocked",
+        "prunes_failed", "pruned_tokens", "freed_slots", "prune_s_p50", "prefix_hit_ratio_after_prune"]
 
 
 def _fmt(v: Any) -> str:

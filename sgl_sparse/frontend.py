@@ -10,16 +10,106 @@
 Every request of the program (``gen``, ``select``'s scoring, prefix caching) is served by that method, in its
 own prefix-tree namespace; the server must take per-request methods (``--sparse-request-methods eviction``,
 the default on an eviction server).
+
+Prefix-Cache Pruning from a client (docs/prefix-cache-pruning.md): :func:`prune`, :func:`match` and
+:func:`inspect` call ``/v1/prefix_cache/*`` on a URL or an endpoint and return the server's answer as a dict;
+a rejected body raises :class:`PruneRequestError` (its ``status``, ``param`` and ``message`` are the server's)::
+
+    from sgl_sparse.frontend import prune
+    r = prune("http://localhost:30000", messages=history, roles=["tool"], lag=2)
+    r["status"], r["pruned_tokens"], r["freed_slots"]
+
+``SparseEndpoint.prune`` / ``.match`` do the same in the endpoint's own method namespace (its requests' KV lives
+there, so a prune without it would look in the server's namespace and find nothing).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import requests
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
 from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY
+
+
+class PruneRequestError(RuntimeError):
+    """The server refused a prefix-cache request (HTTP 4xx/5xx): ``param`` names the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None) -> None:
+        super().__init__(f"HTTP {status}" + (f" ({param})" if param else "") + f": {message}")
+        self.status, self.message, self.param = status, message, param
+
+
+def _target(url_or_endpoint: str | RuntimeEndpoint) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """(base URL, headers, namespace keys) of a URL or an endpoint; a :class:`SparseEndpoint` names its
+    method's namespace, since that is where its requests' KV is cached."""
+    if isinstance(url_or_endpoint, str):
+        return url_or_endpoint.rstrip("/"), {}, {}
+    headers = {"Authorization": f"Bearer {url_or_endpoint.api_key}"} if url_or_endpoint.api_key else {}
+    keys = dict(getattr(url_or_endpoint, "custom_params", {}))
+    return url_or_endpoint.base_url.rstrip("/"), headers, keys
+
+
+def _selector(messages: Sequence[Mapping[str, Any]] | None, token_ids: Sequence[int] | None,
+              text: str | None) -> dict[str, Any]:
+    given = {k: v for k, v in (("messages", messages), ("token_ids", token_ids), ("text", text)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of messages, token_ids, text (got {', '.join(given) or 'none'})")
+    return {k: (list(v) if k != "text" else v) for k, v in given.items()}
+
+
+def _call(url_or_endpoint: str | RuntimeEndpoint, path: str, body: dict[str, Any], method: str | None,
+          config: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+    base, headers, keys = _target(url_or_endpoint)
+    if method is not None:
+        keys[METHOD_KEY] = method
+    if config is not None:
+        keys[CONFIG_KEY] = json.dumps(config)
+    r = requests.post(f"{base}/v1/prefix_cache/{path}", json={**body, **keys}, headers=headers, timeout=timeout)
+    if r.status_code >= 400:
+        try:
+            err = r.json()
+        except ValueError:
+            err = {"message": r.text[:500]}
+        raise PruneRequestError(r.status_code, str(err.get("message", "")), err.get("param"))
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[str, Any]] | None = None,
+          token_ids: Sequence[int] | None = None, text: str | None = None,
+          ranges: Sequence[Sequence[int]] | None = None, roles: Sequence[str] | None = None, lag: int = 0,
+          method: str | None = None, config: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """``POST /v1/prefix_cache/prune``: hide ``ranges`` (logical ``[start, end)`` positions) or the content of
+    ``roles`` messages but the ``lag`` most recent (``messages`` selector only) from the cached sequence's
+    continuations. Returns the server's result (``status`` completed | blocked | failed, ``pruned_tokens``,
+    ``freed_slots``, ...): ``blocked`` and ``failed`` are answers, not exceptions; a body the server rejects
+    raises :class:`PruneRequestError`. ``method`` / ``config`` name a per-request method's namespace."""
+    body = _selector(messages, token_ids, text)
+    if (ranges is None) == (roles is None):
+        raise ValueError("give either ranges or roles")
+    if ranges is not None:
+        body["ranges"] = [list(r) for r in ranges]
+    else:
+        body["roles"], body["lag"] = list(roles or []), lag
+    return _call(url_or_endpoint, "prune", body, method, config, timeout)
+
+
+def match(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[str, Any]] | None = None,
+          token_ids: Sequence[int] | None = None, text: str | None = None, method: str | None = None,
+          config: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """``POST /v1/prefix_cache/match``: ``{tokens, matched_tokens, resident_tokens, hidden_tokens}``."""
+    return _call(url_or_endpoint, "match", _selector(messages, token_ids, text), method, config, timeout)
+
+
+def inspect(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[str, Any]] | None = None,
+            token_ids: Sequence[int] | None = None, text: str | None = None, method: str | None = None,
+            config: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """``POST /v1/prefix_cache/inspect``: ``match``'s answer plus the tree path (``nodes``)."""
+    return _call(url_or_endpoint, "inspect", _selector(messages, token_ids, text), method, config, timeout)
 
 
 class SparseEndpoint(RuntimeEndpoint):
@@ -53,3 +143,11 @@ class SparseEndpoint(RuntimeEndpoint):
         from sglang.utils import http_request
 
         return http_request(self.base_url + path, json=data, api_key=self.api_key, verify=self.verify)
+
+    def prune(self, **kwargs: Any) -> dict[str, Any]:
+        """:func:`prune` in this endpoint's method namespace."""
+        return prune(self, **kwargs)
+
+    def match(self, **kwargs: Any) -> dict[str, Any]:
+        """:func:`match` in this endpoint's method namespace."""
+        return match(self, **kwargs)

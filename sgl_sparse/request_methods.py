@@ -34,6 +34,14 @@ from sgl_sparse.registry import create_method
 METHOD_KEY = "sgl_sparse_method"
 CONFIG_KEY = "sgl_sparse_config"
 KEYS = frozenset({METHOD_KEY, CONFIG_KEY})
+# Per-request Prefix-Cache Pruning (docs/prefix-cache-pruning.md, "Per request"): a JSON string
+# ``{"ranges": [[l, r], ...]}`` of this request's prompt positions hidden from its attention after its final
+# prefill, and from the sequence the tree stores at its finish.
+PRUNE_KEY = "sgl_sparse_prune"
+# Methods whose per-request state does not index the retained set, so positions can leave it without them
+# knowing: dense (no state) and StreamingLLM (positions only). SnapKV's, H2O's, R-KV's and PyramidKV's
+# scores are aligned to the retained set and would silently misalign.
+PRUNABLE_METHODS = frozenset({"dense", "streamingllm"})
 
 OFF, EVICTION = "off", "eviction"
 POLICIES = (OFF, EVICTION)
@@ -169,3 +177,53 @@ def _config_fields(config: Any) -> dict[str, Any]:
     if not isinstance(config, Mapping):
         raise RequestMethodError(CONFIG_KEY, f"expected a JSON object of config fields, got {type(config).__name__}")
     return dict(config)
+
+
+def parse_prune_param(value: Any, prompt_len: int | None) -> list[tuple[int, int]]:
+    """``custom_params[PRUNE_KEY]`` -> sorted, merged ``[l, r)`` ranges of prompt positions, ``0 <= l < r <=
+    prompt_len`` (unchecked against the prompt when its length is not known here). Raises
+    :class:`RequestMethodError` naming the key."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RequestMethodError(PRUNE_KEY, f"invalid JSON ({e}); expected '{{\"ranges\": [[start, end], ...]}}'"
+                                     ) from None
+    if not isinstance(value, Mapping) or set(value) != {"ranges"}:
+        raise RequestMethodError(PRUNE_KEY, "expected a JSON object with exactly one field, ranges: "
+                                            "'{\"ranges\": [[start, end], ...]}' (or, on /v1/chat/completions "
+                                            "only, '{\"roles\": [\"tool\"], \"lag\": n}')")
+    ranges = value["ranges"]
+    if not isinstance(ranges, list) or not ranges:
+        raise RequestMethodError(PRUNE_KEY, "ranges: expected a non-empty list of [start, end] pairs")
+    out: list[tuple[int, int]] = []
+    for i, r in enumerate(ranges):
+        if (not isinstance(r, list) or len(r) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise RequestMethodError(PRUNE_KEY, f"ranges[{i}]: expected [start, end] integers, got {r!r}")
+        lo, hi = r
+        bound = prompt_len if prompt_len is not None else hi
+        if not 0 <= lo < hi <= bound:
+            raise RequestMethodError(PRUNE_KEY, f"ranges[{i}]: [{lo}, {hi}) must satisfy 0 <= start < end <= "
+                                                f"{'the prompt length ' + str(prompt_len) if prompt_len else 'end'}")
+        out.append((lo, hi))
+    out.sort()
+    merged = [out[0]]
+    for lo, hi in out[1:]:
+        if lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def prune_problem(resolver: MethodResolver, served: Served) -> str | None:
+    """Why a request served by ``served`` on this server cannot prune its own prompt (``None``: it can)."""
+    if not (resolver.default.method.evicts or resolver.policy == EVICTION):
+        return (f"this server reads SGLang's stock attention lists, which cannot skip pruned KV: start it with an "
+                f"eviction method or {FLAG} eviction")
+    if served.method.name not in PRUNABLE_METHODS:
+        return (f"{served.method.name} keeps per-request scores aligned to its retained set, which a prune would "
+                f"misalign; per-request pruning serves {', '.join(sorted(PRUNABLE_METHODS))} (choose one with "
+                f"{METHOD_KEY})")
+    return None

@@ -86,3 +86,43 @@ def test_compare_driver_on_cpu(tiny_model: str, tmp_path: Path) -> None:
     assert [s["label"] for s in summaries] == ["vanilla", "sgl_sparse:dense"]
     assert summaries[0]["output_tokens"] == summaries[1]["output_tokens"] > 0
     assert (tmp_path / "out" / "plots.png").stat().st_size > 0
+
+
+@pytest.mark.server
+def test_replay_pruning_mode(mixed_server: ServerProcess, tiny_model: str) -> None:
+    """Pruning mode on a server whose tree can prune: after each turn with a tool result older than the lag, the
+    session prunes it; every prune completes and hides tokens, and the turn that continues the pruned prompt is
+    still a cache hit for the previous turn's prompt. No slot is freed here: each earlier turn's generated reply
+    (ignore_eos, then re-rendered by the template as a message) is a second branch below the tool results, which
+    copy-on-write keeps whole (docs/bench_agent.md, "Pruning mode")."""
+    import requests
+    from transformers import AutoTokenizer
+
+    from tests.test_eviction_e2e import _assert_idle_and_sound
+
+    assert requests.post(f"{mixed_server.base_url}/flush_cache", timeout=30).status_code == 200
+    trace = generate(WorkloadConfig.from_toml(CONFIGS / "tiny.toml"))
+    lag = 1
+    # A prune follows turn i when a later turn exists and the prompt of turn i holds more than `lag` tool results.
+    expected = {(s.id, i) for s in trace.sessions for i, t in enumerate(s.turns) if t.tool_tokens and i > lag}
+    assert expected, "the tiny trace must give pruning mode something to prune"
+    result = replay(mixed_server.base_url, trace, AutoTokenizer.from_pretrained(tiny_model), client="openai",
+                    label="prune", progress=False, prune_lag=lag)
+    s = report.summarize(result)
+    assert s["errors"] == 0, result.errors
+    assert {(p.session, p.turn) for p in result.prunes} == expected
+    assert all(p.status == "completed" and p.pruned_tokens > 0 for p in result.prunes), result.prunes
+    assert s["prunes_completed"] == len(expected) and s["freed_slots"] == sum(p.freed_slots for p in result.prunes)
+    prompts = {(t.session, t.turn): t for t in result.turns}
+    for p in result.prunes:
+        nxt = prompts[(p.session, p.turn + 1)]
+        assert nxt.cached_tokens >= 0.9 * prompts[(p.session, p.turn)].prompt_tokens, (p, nxt)
+    assert s["prefix_hit_ratio_after_prune"] is not None and s["prefix_hit_ratio_after_prune"] > 0.5
+    assert "| freed_slots |" in report.table([s])
+    _assert_idle_and_sound(mixed_server)
+
+
+def test_pruning_mode_needs_the_openai_client(tiny_model: str) -> None:
+    trace = generate(WorkloadConfig.from_toml(CONFIGS / "tiny.toml"))
+    with pytest.raises(ValueError, match="openai client"):
+        replay("http://127.0.0.1:9", trace, None, client="frontend", prune_lag=1, progress=False)

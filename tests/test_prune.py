@@ -229,3 +229,26 @@ def test_a_sequence_cached_inside_a_longer_one_is_pruned_and_freed() -> None:
     assert _invariant(tree, alloc) == 0
     m = _match(tree, full + [4])
     assert len(m.device_indices) == 30 and _holes_in(m.device_indices) == list(range(5, 15))
+
+
+def test_chat_ranges_of_a_requests_own_prompt(tok: Any) -> None:
+    """The per-request chat form: the role spans of the request's messages, only where the tokenizer's template
+    reproduces the start of the prompt the route rendered."""
+    from sgl_sparse.integration.prune_api import chat_ranges
+
+    messages = [{"role": "user", "content": "go"}]
+    for i in range(3):
+        messages += [{"role": "assistant", "content": f"call {i}"}, {"role": "tool", "content": f"output {i}"}]
+    render = _render(tok)
+    prompt = list(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    prompt_ids = tok.encode("".join(prompt), add_special_tokens=False)
+    ids = render(messages)
+    assert prompt_ids[:len(ids)] == ids
+    ranges = chat_ranges(render, messages, prompt_ids, ["tool"], 1)
+    assert [tok.decode(ids[lo:hi]).strip() for lo, hi in ranges] == ["output 0", "output 1"]
+    with pytest.raises(BadPruneRequest) as e:
+        chat_ranges(render, messages, [ids[0] + 1, *ids[1:]], ["tool"], 1)
+    assert e.value.field == "roles" and "renders these messages differently" in str(e.value)
+    with pytest.raises(BadPruneRequest) as e:
+        chat_ranges(render, messages, prompt_ids, ["tool"], -1)
+    assert e.value.field == "lag"

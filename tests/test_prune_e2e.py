@@ -7,6 +7,7 @@ change nothing; SGLang's strict leak check holds after each step.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -183,3 +184,117 @@ def test_uncached_and_stock_servers_fail_cleanly(mixed_server: ServerProcess,
     res = _post(dense, "prune", {"token_ids": seq, "ranges": [[0, 10]]}).json()
     assert res["status"] == "failed" and "--sparse-request-methods eviction" in res["message"], res
     _assert_idle_and_sound(dense)
+
+
+def test_frontend_helper_prunes_a_programs_prefix(mixed_server: ServerProcess) -> None:
+    """sgl_sparse.frontend's prune/match: a frontend-language program run under a per-request method
+    (SparseEndpoint) is cached in that method's namespace, so the endpoint's own helpers find and prune it while
+    the server's namespace holds nothing; a body the server rejects raises with the field it names."""
+    import sglang as sgl
+
+    from sgl_sparse.frontend import PruneRequestError, SparseEndpoint, match, prune
+
+    server = mixed_server
+    _flush(server)
+
+    @sgl.function
+    def program(s, text):  # type: ignore[no-untyped-def]
+        s += text
+        s += sgl.gen("answer", max_tokens=8, temperature=0, ignore_eos=True)
+
+    # A window covering the whole prompt: StreamingLLM evicts nothing, so every prompt position is resident.
+    ep = SparseEndpoint(server.base_url, method="streamingllm", config={"sink_tokens": 16, "recent_tokens": 2000})
+    state = program.run(text=" ".join(f"item{i}" for i in range(120)), backend=ep)
+    text = state.text()
+    assert match(server.base_url, text=text)["matched_tokens"] == 0
+    before = ep.match(text=text)
+    assert before["matched_tokens"] > 100 and before["hidden_tokens"] == 0, before
+    res = ep.prune(text=text, ranges=[[5, 50]])
+    assert res["status"] == "completed" and res["pruned_tokens"] == 45 and res["freed_slots"] == 45, res
+    after = ep.match(text=text)
+    assert after["hidden_tokens"] == 45 and after["matched_tokens"] == before["matched_tokens"], after
+    with pytest.raises(PruneRequestError) as e:
+        prune(server.base_url, text=text, ranges=[[0, 10**6]])
+    assert e.value.status == 400 and e.value.param == "ranges[0]", e.value
+    with pytest.raises(ValueError, match="either ranges or roles"):
+        prune(ep, text=text)
+    _assert_idle_and_sound(server)
+
+
+def test_per_request_prune_of_its_own_prompt(mixed_server: ServerProcess,
+                                             servers: dict[str, ServerProcess]) -> None:
+    """custom_params sgl_sparse_prune: the request prefills its whole prompt (its first token is dense's), then
+    stops attending to the ranges and frees their KV; the tree stores its sequence with them hidden, so the next
+    turn is a cache hit that keeps hiding them; a server or method that cannot prune answers 400 naming the key."""
+    server, dense = mixed_server, servers["ours"]
+    base = _flush(server)
+    rng = random.Random(71)
+    prompt = _ids(rng, 300)
+    ranges = [[20, 120], [150, 200]]
+    cp = {"sgl_sparse_prune": json.dumps({"ranges": ranges})}
+    out = server.generate(input_ids=prompt, max_new_tokens=16, ignore_eos=True, custom_params=cp)
+    ref = _turn(dense, prompt, 16)["output_ids"]
+    assert out["output_ids"][0] == ref[0] and out["output_ids"] != ref  # the prompt attended them, decode did not
+    seq = prompt + out["output_ids"]
+    m = _post(server, "match", {"token_ids": seq}).json()
+    assert m["hidden_tokens"] == 150 and m["matched_tokens"] >= len(seq) - 1, m
+    used = _assert_idle_and_sound(server)["kv_slots_used"] - base["kv_slots_used"]
+    assert used == m["resident_tokens"] == m["matched_tokens"] - 150, (used, m)
+
+    nxt = _turn(server, seq + _ids(rng, 20), 6)
+    assert nxt["meta_info"]["cached_tokens"] == m["matched_tokens"], nxt["meta_info"]
+    assert _post(server, "match", {"token_ids": seq + nxt["output_ids"]}).json()["hidden_tokens"] >= 150
+    _assert_idle_and_sound(server)
+
+    bad = [(server, {"sgl_sparse_prune": json.dumps({"ranges": [[0, 301]]})}, "[0, 301)"),
+           (server, {**cp, "sgl_sparse_method": "snapkv"}, "aligned to its retained set"),
+           (dense, cp, "stock attention lists")]
+    for srv, params, words in bad:
+        r = requests.post(f"{srv.base_url}/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 2, "custom_params": params}}, timeout=60)
+        assert r.status_code == 400 and "sgl_sparse_prune" in r.text and words in r.text, (params, r.text[:300])
+    _assert_idle_and_sound(server)
+
+
+def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: str) -> None:
+    """On /v1/chat/completions, sgl_sparse_prune may name roles + lag: the route resolves them against the request's
+    own messages (the content spans POST /v1/prefix_cache/prune would pick), and the finished turn is cached with
+    exactly those hidden; the next turn is a hit."""
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.integration.prune_api import message_spans, role_ranges
+
+    server = mixed_server
+    _flush(server)
+    messages: list[dict[str, str]] = [{"role": "user", "content": "read the logs"}]
+    for i in range(3):
+        messages += [{"role": "assistant", "content": f"reading part {i}"},
+                     {"role": "tool", "content": " ".join(f"entry{i}y{j}" for j in range(50))}]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def render(msgs: list, generation_prompt: bool = False) -> list[int]:
+        ids = tok.apply_chat_template(list(msgs), tokenize=True, add_generation_prompt=generation_prompt)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    expected = sum(hi - lo for lo, hi in role_ranges(message_spans(render, messages), messages, ["tool"], 1))
+    assert expected > 0
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0,
+            "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lag": 1})}}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    # The finished turn's record continues from the end of its prompt (generation prompt included): a match of
+    # the history alone stops at the first hidden position, as for any sequence that is not a continuation.
+    prompt = render(messages, generation_prompt=True)
+    assert prompt[:len(render(messages))] == render(messages)
+    m = _post(server, "match", {"token_ids": prompt}).json()
+    assert m["hidden_tokens"] == expected and m["matched_tokens"] == len(prompt), (m, expected)
+    reply = r.json()["choices"][0]["message"]["content"]
+    nxt = {**body, "messages": [*messages, {"role": "assistant", "content": reply},
+                                {"role": "user", "content": "summarize"}]}
+    del nxt["custom_params"]
+    usage = requests.post(f"{server.base_url}/v1/chat/completions", json=nxt, timeout=120).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= m["matched_tokens"], usage
+    bad = {**body, "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lagg": 1})}}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and "sgl_sparse_prune" in r.text and "lagg" in r.text, r.text[:300]
+    _assert_idle_and_sound(server)

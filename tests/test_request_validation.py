@@ -199,3 +199,36 @@ def test_hostile_requests_get_400_and_change_nothing(srv: ServerProcess) -> None
     assert requests.get(f"{srv.base_url}/health", timeout=30).status_code == 200
     assert _kv_used(srv) == kv_before  # nothing hostile was prefilled into the tree
     assert _good(srv) == before
+
+
+def test_per_request_prune_is_checked_in_the_http_process() -> None:
+    """custom_params sgl_sparse_prune: well-formed ranges inside the prompt (input_ids, or text through the given
+    tokenizer length), on a server whose tree evicts, for a method whose state survives a prune; else the error
+    names the key."""
+    from sgl_sparse.registry import create_method
+    from sgl_sparse.request_methods import EVICTION, OFF, MethodResolver
+
+    mixed = MethodResolver(create_method("dense"), EVICTION)
+    stock = MethodResolver(create_method("dense"), OFF)
+
+    def check(cp: dict[str, Any], resolver: MethodResolver = mixed, ids: Any = None, text: Any = None) -> None:
+        validate_generate_input(text, ids if ids is not None or text is not None else list(range(8, 108)),
+                                {"custom_params": cp}, VOCAB, resolver, lambda t: len(t.split()))
+
+    ok = {"sgl_sparse_prune": json.dumps({"ranges": [[0, 10], [50, 100]]})}
+    check(ok)
+    check({**ok, "sgl_sparse_method": "streamingllm"})
+    check({"sgl_sparse_prune": '{"ranges": [[1, 3]]}'}, text="a b c d")
+    for cp, resolver, text, words in (
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 101]]})}, mixed, None, "ranges[0]: [0, 101)"),
+        ({"sgl_sparse_prune": '{"ranges": [[1, 5]]}'}, mixed, "a b c d", "prompt length 4"),
+        ({"sgl_sparse_prune": '{"ranges": []}'}, mixed, None, "non-empty list"),
+        ({"sgl_sparse_prune": '{"ranges": [[3, 3]]}'}, mixed, None, "ranges[0]"),
+        ({"sgl_sparse_prune": '{"rangez": [[0, 3]]}'}, mixed, None, "exactly one field"),
+        ({"sgl_sparse_prune": "{not json"}, mixed, None, "invalid JSON"),
+        ({**ok, "sgl_sparse_method": "snapkv"}, mixed, None, "scores aligned to its retained set"),
+        (ok, stock, None, "stock attention lists"),
+    ):
+        with pytest.raises(RequestValidationError) as e:
+            check(cp, resolver, text=text)
+        assert "['sgl_sparse_prune']" in str(e.value) and words in str(e.value), (cp, str(e.value))

@@ -154,6 +154,7 @@ def register() -> None:
 
     # Prefix-Cache Pruning's control request, handled by each scheduler between batches.
     HookRegistry.register(prune_api.DISPATCHER_TARGET, prune_api.after_init_request_dispatcher, HookType.AFTER)
+    HookRegistry.register(prune_api.CHAT_CONVERT_TARGET, prune_api.after_convert_chat_request, HookType.AFTER)
     if _is_cpu_server():
         from sgl_sparse.integration.cpu_support import register_cpu_support
 

@@ -322,6 +322,68 @@ class _Api:
         return {k: result[k] for k in ("tokens", "matched_tokens", "resident_tokens", "hidden_tokens") if k in result}
 
 
+# -- per request: the chat-role form of custom_params sgl_sparse_prune (OpenAI chat route) -------------------
+
+def chat_ranges(render: Any, messages: list[Any], prompt_ids: list[int], roles: Any, lag: Any) -> list[list[int]]:
+    """The ranges of ``{"roles", "lag"}`` over a chat request's own prompt: the content spans of those messages
+    but the ``lag`` most recent, as ``POST /v1/prefix_cache/prune`` selects them. ``render`` (the tokenizer's
+    template) must reproduce the start of the prompt the route rendered, else the spans would point elsewhere."""
+    spans = role_ranges(message_spans(render, messages), messages, roles, lag)
+    full = list(render(messages))
+    if prompt_ids[:len(full)] != full:
+        raise BadPruneRequest("roles", "the chat template this route used renders these messages differently "
+                                       "from the tokenizer's template (e.g. tools or template kwargs): give ranges")
+    return [list(r) for r in spans]
+
+
+def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER ``OpenAIServingChat._convert_to_internal_request``: ``custom_params["sgl_sparse_prune"]`` given as
+    ``{"roles": [...], "lag": n}`` becomes ``{"ranges": ...}`` over this request's rendered prompt (the messages
+    exist only here); the generate-request validation then checks it as any ranges. A ValueError here is the
+    route's HTTP 400."""
+    from sgl_sparse.integration import BACKEND_NAME
+    from sgl_sparse.request_methods import PRUNE_KEY
+
+    tm = serving.tokenizer_manager
+    adapted, request = result
+    sp = adapted.sampling_params if isinstance(adapted.sampling_params, dict) else None
+    cp = sp.get("custom_params") if sp is not None else None
+    if tm.server_args.radix_cache_backend != BACKEND_NAME or not isinstance(cp, dict) or PRUNE_KEY not in cp:
+        return result
+    try:
+        spec = json.loads(cp[PRUNE_KEY]) if isinstance(cp[PRUNE_KEY], str) else cp[PRUNE_KEY]
+    except json.JSONDecodeError:
+        return result  # the validation names the key and the JSON error
+    if not isinstance(spec, Mapping) or "roles" not in spec:
+        return result
+    where = f"custom_params[{PRUNE_KEY!r}]"
+    unknown = sorted(set(spec) - {"roles", "lag"})
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}; the chat form is {{\"roles\": [...], \"lag\": n}}")
+    if not isinstance(adapted.input_ids, list) or not adapted.input_ids or isinstance(adapted.input_ids[0], list):
+        raise ValueError(f"{where}: roles need the route's rendered token ids (a text-only chat template): give "
+                         "ranges")
+    tok = tm.tokenizer
+
+    def render(messages: list[Any]) -> list[int]:
+        ids = tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=False)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    messages = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in request.messages]
+    try:
+        ranges = chat_ranges(render, messages, adapted.input_ids, spec.get("roles"), spec.get("lag", 0))
+    except BadPruneRequest as e:
+        raise ValueError(f"{where}: {e}") from None
+    if ranges:
+        cp[PRUNE_KEY] = json.dumps({"ranges": ranges})
+    else:  # nothing older than the lag: the request is an ordinary one
+        del cp[PRUNE_KEY]
+    return result
+
+
+CHAT_CONVERT_TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
+
+
 def install_routes(app: Any) -> None:
     """Our routes on SGLang's FastAPI app (launcher process, before ``run_server``)."""
     api = _Api()

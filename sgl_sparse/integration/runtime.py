@@ -32,11 +32,20 @@ from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
 from sgl_sparse.registry import create_method
-from sgl_sparse.request_methods import EVICTION, MethodResolver, RequestMethodError, Served
+from sgl_sparse.request_methods import (
+    EVICTION,
+    PRUNE_KEY,
+    MethodResolver,
+    RequestMethodError,
+    Served,
+    parse_prune_param,
+    prune_problem,
+)
 from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)
 SERVED_ATTR = "_sgl_sparse_served"  # set on SGLang's Req at admission: the Served method of the request
+PRUNE_ATTR = "_sgl_sparse_prune"  # set on SGLang's Req at admission: its own prompt ranges to prune, or absent
 
 
 @dataclass
@@ -109,8 +118,14 @@ class SparseRuntime:
             return
         served = self._default
         if self.resolver is not None:
+            custom_params = getattr(req.sampling_params, "custom_params", None)
             try:
-                served = self.resolver.resolve(getattr(req.sampling_params, "custom_params", None))
+                served = self.resolver.resolve(custom_params)
+                if isinstance(custom_params, dict) and PRUNE_KEY in custom_params:
+                    ranges = parse_prune_param(custom_params[PRUNE_KEY], len(req.origin_input_ids))
+                    if (why := prune_problem(self.resolver, served)) is not None:
+                        raise RequestMethodError(PRUNE_KEY, why)
+                    setattr(req, PRUNE_ATTR, ranges)
             except RequestMethodError as e:
                 # The HTTP process validates every request first; this is a request that bypassed it.
                 req.set_finish_with_abort(f"custom_params.{e.key}: {e}")
@@ -127,8 +142,9 @@ class SparseRuntime:
         return s
 
     def evicts_for(self, req: Any) -> bool:
-        """Whether ``req``'s method evicts (the tree defers its insertion to finish and keeps its holes)."""
-        return self.served(req).method.evicts
+        """Whether ``req``'s method evicts, or it prunes its own prompt (either way the tree defers its insertion
+        to finish and keeps its holes)."""
+        return self.served(req).method.evicts or hasattr(req, PRUNE_ATTR)
 
     def requests_by_method(self) -> dict[str, int]:
         out: dict[str, int] = {}

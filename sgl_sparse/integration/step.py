@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
     """The eviction step after ``batch``'s forward: every request's observation and plan, then all
     plans applied at once."""
+    from sgl_sparse.integration.runtime import PRUNE_ATTR  # runtime imports this module
+
     mode = batch.forward_mode
     if not (mode.is_extend() or mode.is_decode()):
         return
@@ -60,10 +62,15 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
             t.prompt_done = True
             rt.capture.prompt_done(req.rid)
         plan = method.on_step_end(st, info)
-        if plan is not None:
-            keep = check_keep_plan(method, plan, st.kept)
-            if keep.numel() < st.num_kept:
-                plans.append((req, t, keep))
+        keep = check_keep_plan(method, plan, st.kept) if plan is not None else None
+        ranges = getattr(req, PRUNE_ATTR, None) if final else None
+        if ranges:
+            # The request's own prune (custom_params sgl_sparse_prune), once its prompt is complete: its prompt
+            # attended the ranges, nothing after it does, and the tree stores the sequence without them. The
+            # ranges come with the request, identical on every TP rank.
+            keep = _without(st.kept if keep is None else keep, ranges)
+        if keep is not None and keep.numel() < st.num_kept:
+            plans.append((req, t, keep))
     if TP_CHECK:
         check_ranks_agree([keep for _, _, keep in plans])
     if plans:
@@ -76,6 +83,14 @@ def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
     wrote is appended to ``output_ids`` only after the next forward (``StepInfo.token_ids``)."""
     n_in = len(req.origin_input_ids)
     return [*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)]]
+
+
+def _without(kept: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """``kept`` less the positions in ``ranges`` (logical ``[l, r)``), order kept."""
+    drop = torch.zeros(kept.numel(), dtype=torch.bool)
+    for lo, hi in ranges:
+        drop |= (kept >= lo) & (kept < hi)
+    return kept[~drop]
 
 
 def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> ObservationWindow:

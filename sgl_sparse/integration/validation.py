@@ -20,16 +20,23 @@ own validation errors behave the same way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sgl_sparse.integration import BACKEND_NAME
-from sgl_sparse.request_methods import KEYS, MethodResolver, RequestMethodError
+from sgl_sparse.request_methods import (
+    KEYS,
+    PRUNE_KEY,
+    MethodResolver,
+    RequestMethodError,
+    parse_prune_param,
+    prune_problem,
+)
 
 CUSTOM_PARAMS_PREFIX = "sgl_sparse_"
 # The custom_params keys that sgl_sparse reads (per-request methods, sgl_sparse/request_methods.py). Any
 # other key with the prefix is a typo, so it is rejected instead of being ignored.
-KNOWN_CUSTOM_PARAMS: frozenset[str] = KEYS
+KNOWN_CUSTOM_PARAMS: frozenset[str] = KEYS | {PRUNE_KEY}
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -40,24 +47,39 @@ class RequestValidationError(ValueError):
 
 
 def validate_generate_input(text: Any, input_ids: Any, sampling_params: Any, vocab_size: int,
-                            resolver: MethodResolver | None = None) -> None:
+                            resolver: MethodResolver | None = None,
+                            text_len: Callable[[str], int] | None = None) -> None:
     """Raise :class:`RequestValidationError` if a raw (not yet normalised) ``GenerateReqInput``
     is bad. The inputs are its fields as the client sent them. Each may be a single value or a
     batch: ``input_ids`` as ``list[int] | list[list[int]]``, ``sampling_params`` as
     ``dict | list[dict]``. Shapes and types that SGLang checks itself are left to SGLang. With a
-    ``resolver``, a per-request method choice must be one the server can serve."""
+    ``resolver``, a per-request method choice must be one the server can serve, and a per-request prune
+    (``sgl_sparse_prune``) must fit the prompt, whose length ``text_len(text)`` gives for a text prompt."""
     if text is not None and input_ids is not None:
         raise RequestValidationError(
             "text and input_ids are mutually exclusive: send the prompt either as text or as input_ids"
         )
     if input_ids is not None:
         _check_input_ids(input_ids, vocab_size)
+    def prompt_len(i: int | None) -> int | None:
+        """The length of prompt ``i`` (``None``: the single prompt) where the HTTP process knows it."""
+        ids = input_ids if i is None or not isinstance(input_ids, Sequence) else (
+            input_ids[i] if i < len(input_ids) and isinstance(input_ids[i], Sequence) else None)
+        if isinstance(ids, Sequence) and ids and not isinstance(ids[0], Sequence):
+            return len(ids)
+        t = text if i is None or not isinstance(text, list) else (text[i] if i < len(text) else None)
+        return text_len(t) if isinstance(t, str) and text_len is not None else None
+
     if isinstance(sampling_params, Mapping):
-        _check_custom_params(sampling_params.get("custom_params"), "custom_params", resolver)
+        cp = sampling_params.get("custom_params")
+        _check_custom_params(cp, "custom_params", resolver,
+                             prompt_len(None) if isinstance(cp, Mapping) and PRUNE_KEY in cp else None)
     elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
         for i, sp in enumerate(sampling_params):
             if isinstance(sp, Mapping):
-                _check_custom_params(sp.get("custom_params"), f"sampling_params[{i}].custom_params", resolver)
+                cp = sp.get("custom_params")
+                _check_custom_params(cp, f"sampling_params[{i}].custom_params", resolver,
+                                     prompt_len(i) if isinstance(cp, Mapping) and PRUNE_KEY in cp else None)
 
 
 def _check_input_ids(input_ids: Any, vocab_size: int) -> None:
@@ -86,7 +108,8 @@ def _check_sequence(seq: Any, vocab_size: int, where: str) -> None:
     )
 
 
-def _check_custom_params(custom_params: Any, where: str, resolver: MethodResolver | None = None) -> None:
+def _check_custom_params(custom_params: Any, where: str, resolver: MethodResolver | None = None,
+                         prompt_len: int | None = None) -> None:
     if custom_params is None:
         return
     if not isinstance(custom_params, Mapping):
@@ -104,7 +127,11 @@ def _check_custom_params(custom_params: Any, where: str, resolver: MethodResolve
             )
     if resolver is not None:
         try:
-            resolver.resolve(custom_params)
+            served = resolver.resolve(custom_params)
+            if PRUNE_KEY in custom_params:
+                parse_prune_param(custom_params[PRUNE_KEY], prompt_len)
+                if (why := prune_problem(resolver, served)) is not None:
+                    raise RequestMethodError(PRUNE_KEY, why)
         except RequestMethodError as e:
             raise RequestValidationError(f"{where}[{e.key!r}]: {e}") from None
 
@@ -136,8 +163,9 @@ def before_generate_request(tm: Any, obj: Any = None, *args: Any, **kwargs: Any)
     # (token_ids_logprob, SamplingParams.verify in tokenizer_manager.py).
     from sgl_sparse.integration.per_request import http_resolver
 
+    # A text prompt's length, for a per-request prune's bounds, as the TokenizerManager will tokenize it.
     validate_generate_input(obj.text, obj.input_ids, obj.sampling_params, tm.model_config.vocab_size,
-                            http_resolver())
+                            http_resolver(), lambda t: len(tm.tokenizer.encode(t)))
 
 
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
