@@ -110,7 +110,8 @@ def test_dp2_one_tree_per_rank_and_affinity(tp1: ServerProcess, dp2: ServerProce
     turn = [*ids, *first["output_ids"], *_ids(random.Random(4), 30)]
     second = _generate(dp2, turn, routed_dp_rank=1)
     assert second["meta_info"]["cached_tokens"] >= len(ids), second["meta_info"]  # Chain Cache on rank 1
-    states = [s["sgl_sparse"] for s in dp2.server_info()["internal_states"]]
-    assert len(states) == 2
+    by_rank = {s["sgl_sparse"]["dp_rank"]: s["sgl_sparse"] for s in dp2.server_info()["internal_states"]}
+    assert sorted(by_rank) == [0, 1], by_rank.keys()  # the ranks' states come in arrival order: keyed by rank
+    states = [by_rank[0], by_rank[1]]
     assert states[1]["evicted_tokens_total"] > 0 and states[1]["chain_hits_total"] >= 1, states[1]
     assert states[0]["evicted_tokens_total"] == 0 and states[0]["chain_hits_total"] == 0, states[0]

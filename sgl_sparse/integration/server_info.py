@@ -32,6 +32,10 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
     state: dict[str, Any] = {
         "method": rt.method.name,
         "family": family_label(rt.method),
+        # Which scheduler answers: under --dp-size each rank has its own tree and counters, and SGLang lists the
+        # ranks' states in the order they arrive.
+        "dp_rank": getattr(getattr(scheduler, "ps", None), "dp_rank", None),
+        "tp_rank": getattr(getattr(scheduler, "ps", None), "tp_rank", None),
         "config": rt.method.config.to_dict(),
         "fingerprint": rt.fingerprint,
         # What a request may choose through custom_params (--sparse-request-methods), and the methods of the
