@@ -138,7 +138,8 @@ def test_prune_hides_the_ranges_frees_them_and_the_continuation_still_matches() 
     seq = _finished(tree, req_pool, alloc, "a", list(range(100, 130)), [7, 8], 1)
     free0 = alloc.available_size()
     r = tree_prune.prune(tree, seq, None, [(4, 10), (20, 22)])
-    assert (r.status, r.matched_tokens, r.pruned_tokens, r.freed_slots, r.kept_tokens) == ("completed", 32, 8, 8, 24)
+    assert (r.status, r.matched_tokens, r.pruned_tokens, r.freed_slots, r.kept_tokens, r.resident_tokens) == (
+        "completed", 32, 8, 8, 0, 24)
     assert alloc.available_size() == free0 + 8 and _invariant(tree, alloc) == 0
     # The next turn (the history plus new tokens) matches all 32 positions, the pruned ones as holes.
     nxt = _match(tree, seq + [1, 2])
@@ -188,7 +189,7 @@ def test_prune_within_an_eviction_record_and_on_a_stock_tree() -> None:
     # A finished eviction request: positions 5..9 already evicted (its Chain Cache record).
     seq = _finished(tree, req_pool, alloc, "a", list(range(100, 124)), [3], 1, evicted=(5, 6, 7, 8, 9))
     r = tree_prune.prune(tree, seq, None, [(0, 12)])
-    assert (r.pruned_tokens, r.kept_tokens, r.freed_slots) == (7, 13, 7)  # 0..4 and 10..11 were still resident
+    assert (r.pruned_tokens, r.resident_tokens, r.freed_slots) == (7, 13, 7)  # 0..4 and 10..11 were still resident
     assert _holes_in(_match(tree, seq + [0]).device_indices) == list(range(12))
     assert _invariant(tree, alloc) == 0
     stock, req_pool, alloc = _make(method="dense")

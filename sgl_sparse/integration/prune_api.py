@@ -1,13 +1,15 @@
 """The Prefix-Cache Pruning HTTP API (docs/prefix-cache-pruning.md); the tree surgery is sgl_sparse/radix/prune.py.
 
-    POST /v1/prefix_cache/prune        {selector, ranges | roles + lag, keep_tokens: 0, policy: "drop"} -> 202
+    POST /v1/prefix_cache/prune        {selector, ranges | roles + lag, keep_tokens, policy: drop | knorm} -> 202
     GET  /v1/prefix_cache/prune/{id}   the prune's status: completed | blocked | failed, tokens pruned, slots freed
     POST /v1/prefix_cache/match        {selector}: how many of its tokens the tree serves, and how many are resident
     POST /v1/prefix_cache/inspect      {selector}: the same, with the path of tree nodes
 
 A selector is exactly one of ``token_ids``, ``text`` (tokenized as ``/generate`` tokenizes it) or ``messages``
 (an OpenAI chat, rendered with the tokenizer's chat template, no generation prompt); ``sgl_sparse_method`` /
-``sgl_sparse_config`` pick a per-request method's namespace (default: the server's).
+``sgl_sparse_config`` pick a per-request method's namespace (default: the server's). ``keep_tokens`` > 0 keeps
+that many of the ranges' tokens (one budget over their union) by the ``policy``'s score of the keys in the pool
+(sgl_sparse/prune_keep.py); each scheduler scores its own heads and the TP group sums the scores.
 
 Plumbing (../shared/notes/sglang-0.5.17-wave2-map.md §C.1-C.2): the routes are added to SGLang's FastAPI app in
 the launcher process before ``run_server``; the request goes to every scheduler (every DP rank, every TP rank)
@@ -25,13 +27,14 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 
+from sgl_sparse.prune_keep import DROP, KNORM, POLICIES, SCORED, knorm_scores
 from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
 
 PRUNE, INSPECT = "prune", "inspect"
-POLICIES = ("drop",)
 _RESULTS_KEPT = 4096  # prune ids remembered for GET (oldest dropped first)
 
 
@@ -123,9 +126,10 @@ def role_ranges(spans: list[tuple[int, int]], messages: list[Any], roles: Any, l
 
 
 def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, resolve: Any,
-               need_ranges: bool) -> dict[str, Any]:
-    """The request as the scheduler needs it: ``token_ids``, ``extra_key`` and (for a prune) ``ranges``.
-    ``tokenize(text) -> ids``; ``render(messages) -> ids``; ``resolve(custom_params) -> Served``."""
+               need_ranges: bool, page_size: int = 1) -> dict[str, Any]:
+    """The request as the scheduler needs it: ``token_ids``, ``fingerprint`` and (for a prune) ``ranges``,
+    ``keep_tokens`` and ``policy``. ``tokenize(text) -> ids``; ``render(messages) -> ids``;
+    ``resolve(custom_params) -> Served``; ``page_size``: the pool's (a kept page is whole)."""
     if not isinstance(body, Mapping):
         raise BadPruneRequest("body", "expected a JSON object")
     allowed = {"token_ids", "text", "messages", "ranges", "roles", "lag", "keep_tokens", "policy", METHOD_KEY,
@@ -160,15 +164,22 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
     out: dict[str, Any] = {"token_ids": token_ids, "fingerprint": served.fingerprint}
     if not need_ranges:
         return out
-    policy = body.get("policy", "drop")
-    if policy not in POLICIES:
-        raise BadPruneRequest("policy", f"{policy!r}: expected one of {', '.join(POLICIES)}")
     keep = body.get("keep_tokens", 0)
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
         raise BadPruneRequest("keep_tokens", f"expected an integer >= 0, got {keep!r}")
-    if keep:
-        raise BadPruneRequest("keep_tokens", "a scored keep is not served by this endpoint yet (it needs the queries "
-                                             "of a forward pass): use 0 (policy drop)")
+    policy = body.get("policy")
+    if policy is None:
+        policy = KNORM if keep else DROP
+    if policy not in POLICIES:
+        raise BadPruneRequest("policy", f"{policy!r}: expected one of {', '.join(POLICIES)} (SnapKV's and KVzip's "
+                                        "scores need queries of a forward pass, which a prune does not have)")
+    if keep and policy not in SCORED:
+        raise BadPruneRequest("keep_tokens", f"policy {policy!r} keeps nothing: give keep_tokens 0, or a scored "
+                                             f"policy ({', '.join(SCORED)})")
+    if keep % page_size:
+        raise BadPruneRequest("keep_tokens", f"{keep} is not a multiple of the page size {page_size} (a page is "
+                                             "kept or dropped whole)")
+    out["keep_tokens"], out["policy"] = keep, policy
     if body.get("roles") is not None:
         if body.get("ranges") is not None:
             raise BadPruneRequest("roles", "give either ranges or roles, not both")
@@ -178,6 +189,10 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
         out["ranges"] = parse_ranges([list(r) for r in ranges], len(token_ids)) if ranges else []
     else:
         out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
+    size = sum(hi - lo for lo, hi in out["ranges"])
+    if keep and size and keep >= size:
+        raise BadPruneRequest("keep_tokens", f"{keep} must be less than the ranges' size, {size} tokens (their "
+                                             "union): keeping them all prunes nothing")
     return out
 
 
@@ -193,7 +208,31 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- scheduler side ---------------------------------------------------------------------------------
 
+def pool_scorer(kvcache: Any, policy: str, all_reduce: Any) -> Any:
+    """``slots -> scores`` (CPU) of ``policy`` over the keys SGLang's KV pool ``kvcache`` holds at those slots, every
+    layer, this rank's KV heads; ``all_reduce`` (``integration/tp.py``, ``None`` with one rank) sums them over the
+    TP group, so every rank ranks the positions alike. A method-owned layout (a composition's quantized store) is
+    read through its store, dequantized: the keys decode attention reads."""
+    if policy != KNORM:
+        raise ValueError(f"no scorer for policy {policy!r}")
+    store = getattr(kvcache, "store", None)
+    start = int(getattr(kvcache, "start_layer", 0) or 0)
+    layers = range(start, start + int(kvcache.layer_num))
+
+    def score(slots: torch.Tensor) -> torch.Tensor:
+        slots = slots.long()
+        keys = (store.read_keys(layer, slots) if store is not None else kvcache.get_key_buffer(layer)[slots]
+                for layer in layers)
+        s = knorm_scores(keys)
+        if all_reduce is not None:
+            s = all_reduce(s)
+        return s.cpu()
+
+    return score
+
+
 def handle(scheduler: Any, req: SparsePruneReqInput) -> SparsePruneReqOutput:
+    from sgl_sparse.integration.tp import scores_all_reduce
     from sgl_sparse.radix import prune as tree_prune
     from sgl_sparse.radix.tree import SparseRadixCache
 
@@ -210,8 +249,11 @@ def handle(scheduler: Any, req: SparsePruneReqInput) -> SparsePruneReqOutput:
             fp = body["fingerprint"]
             extra_key = None if fp == get_runtime().fingerprint else f"sgl_sparse={fp}"
             if req.op == PRUNE:
-                result = tree_prune.prune(tree, body["token_ids"], extra_key,
-                                          [tuple(r) for r in body["ranges"]]).to_dict()
+                keep = int(body.get("keep_tokens", 0))
+                score = pool_scorer(tree.token_to_kv_pool_allocator.get_kvcache(), body.get("policy", KNORM),
+                                    scores_all_reduce()) if keep else None
+                result = tree_prune.prune(tree, body["token_ids"], extra_key, [tuple(r) for r in body["ranges"]],
+                                          keep, score).to_dict()
             else:
                 result = tree_prune.inspect(tree, body["token_ids"], extra_key)
     except Exception as e:  # a bug must not take the scheduler down: report it
@@ -267,7 +309,7 @@ class _Api:
             return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
         return parse_body(body, lambda text: tok.encode(text), render, tm.model_config.vocab_size,
-                          http_resolver().resolve, need_ranges)
+                          http_resolver().resolve, need_ranges, int(tm.server_args.page_size or 1))
 
     async def _send(self, tm: Any, op: str, parsed: dict[str, Any]) -> dict[str, Any]:
         tm.auto_create_handle_loop()
@@ -289,7 +331,7 @@ class _Api:
         prune_id = f"prune-{uuid.uuid4().hex[:16]}"
         if not parsed["ranges"]:
             result: dict[str, Any] = {"status": "completed", "message": "no range selected", "pruned_tokens": 0,
-                                      "freed_slots": 0}
+                                      "kept_tokens": 0, "freed_slots": 0}
         else:
             result = await self._send(tm, PRUNE, parsed)
         result = {"prune_id": prune_id, "ranges": [list(r) for r in parsed.get("ranges", [])], **result}

@@ -12,6 +12,11 @@ finishing eviction request stores its own. So it is **copy-on-write** by the sam
 * every other request never sees a hole (its match stops at the first one, as for any record it does not
   continue).
 
+A **scored keep** (``keep_tokens`` > 0) keeps that many of the ranges' resident positions, one budget shared over
+their union, chosen by ``score`` (the pool's keys of those positions, summed over the TP group: the policies are
+sgl_sparse/prune_keep.py); the rest of the ranges is dropped as above. The kept positions stay resident (on shared
+nodes and exclusive ones alike), so a continuation reads them where they are.
+
 It runs in the scheduler between batches (a control request), identically on every TP rank. A path that a
 running request holds (``lock_ref > 0`` on a node the ranges touch) is ``blocked``: changing its view would
 change KV that request is reading, so nothing is done and the caller may retry.
@@ -20,6 +25,7 @@ change KV that request is reading, so nothing is done and the caller may retry.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -28,6 +34,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from sgl_sparse.prune_keep import select_keep
 from sgl_sparse.slots import complement
 
 if TYPE_CHECKING:
@@ -39,10 +46,12 @@ COMPLETED, BLOCKED, FAILED = "completed", "blocked", "failed"
 @dataclass
 class PathView:
     """What the tree serves for a token sequence: ``length`` visible logical tokens (a match), of which
-    ``kept`` hold resident KV, and the path of nodes that holds them."""
+    ``kept`` hold resident KV, their slots (``slots[p]`` for a kept ``p``; on the pool's device), and the path of
+    nodes that holds them."""
 
     length: int
     kept: torch.Tensor
+    slots: torch.Tensor
     nodes: list[Any] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     record: Any = None
@@ -64,7 +73,7 @@ def view_of(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None)
     for node in nodes:
         starts.append(pos)
         pos += len(node.key)
-    return PathView(length, kept, nodes, starts, view.record if view is not None else None)
+    return PathView(length, kept, res.device_indices, nodes, starts, view.record if view is not None else None)
 
 
 @dataclass
@@ -72,18 +81,25 @@ class PruneResult:
     status: str  # completed | blocked | failed
     message: str = ""
     matched_tokens: int = 0  # visible cached tokens of the sequence
-    pruned_tokens: int = 0  # logical positions newly hidden from the sequence's continuations
+    pruned_tokens: int = 0  # resident positions of the ranges the prune took up (scored, or dropped)
+    kept_tokens: int = 0  # of them, resident still (the scored keep; 0 with drop): pruned - kept are now hidden
     freed_slots: int = 0  # KV slots returned to the pool (exclusive nodes only: shared ones keep theirs)
-    kept_tokens: int = 0  # resident positions a continuation now sees
+    resident_tokens: int = 0  # resident positions a continuation now sees (the whole sequence)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
 
-def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None,
-          ranges: list[tuple[int, int]]) -> PruneResult:
+Scorer = Callable[[torch.Tensor], torch.Tensor]  # slots (pool device) -> one score per slot (CPU), TP-reduced
+
+
+def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, ranges: list[tuple[int, int]],
+          keep_tokens: int = 0, score: Scorer | None = None) -> PruneResult:
     """Hide ``ranges`` (logical ``[L, R)``, within the cached sequence) from ``token_ids``'s continuations and
-    free what only that sequence held."""
+    free what only that sequence held; with ``keep_tokens`` > 0, all but the ``keep_tokens`` resident positions
+    of the ranges that ``score`` (called with their slots) ranks highest, ties to the earlier position."""
+    if keep_tokens > 0 and score is None:
+        raise ValueError("a scored keep (keep_tokens > 0) needs a scorer")
     if not tree.evicting:
         return PruneResult(FAILED, "this server reads SGLang's stock attention lists, which cannot skip pruned "
                                    "KV: start it with an eviction method or --sparse-request-methods eviction")
@@ -97,15 +113,25 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None,
     in_ranges = torch.zeros(n, dtype=torch.bool)
     for lo, hi in ranges:
         in_ranges[lo:hi] = True
-    hide = view.kept[in_ranges[view.kept]]
+    resident = int(view.kept.numel())
+    cand = view.kept[in_ranges[view.kept]]
     busy = [s for node, s in zip(view.nodes, view.starts)
             if node.lock_ref > 0 and bool(in_ranges[s:s + len(node.key)].any())]
     if busy:
         return PruneResult(BLOCKED, f"a running request holds this prefix (at position {busy[0]}); retry when it "
-                                    "has finished", matched_tokens=n, kept_tokens=int(view.kept.numel()))
-    if not hide.numel():
-        return PruneResult(COMPLETED, "nothing resident in the ranges", matched_tokens=n,
-                           kept_tokens=int(view.kept.numel()))
+                                    "has finished", matched_tokens=n, resident_tokens=resident)
+    if not cand.numel():
+        return PruneResult(COMPLETED, "nothing resident in the ranges", matched_tokens=n, resident_tokens=resident)
+    if keep_tokens >= cand.numel():
+        return PruneResult(COMPLETED, f"the ranges hold {cand.numel()} resident tokens, no more than keep_tokens "
+                                      f"{keep_tokens}: nothing dropped", matched_tokens=n,
+                           pruned_tokens=int(cand.numel()), kept_tokens=int(cand.numel()), resident_tokens=resident)
+    keep = cand[:0]
+    if keep_tokens > 0:
+        assert score is not None
+        scores = score(view.slots[cand.to(view.slots.device)])
+        keep = select_keep(cand, scores.cpu(), keep_tokens)
+    hide = cand[~torch.isin(cand, keep)]
     kept = view.kept[~torch.isin(view.kept, hide)]
     from sgl_sparse.radix.tree import ChainRecord
 
@@ -117,12 +143,13 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None,
     freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
     # A payload describes a finished request's retained set; with positions removed it no longer does.
     last.chain = ChainRecord(n, kept.clone(), None, since=n)
-    return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(hide.numel()), freed_slots=freed,
-                       kept_tokens=int(kept.numel()))
+    return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(cand.numel()), kept_tokens=int(keep.numel()),
+                       freed_slots=freed, resident_tokens=int(kept.numel()))
 
 
 def inspect(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None) -> dict[str, Any]:
-    """The sequence's match as the tree serves it: visible and resident tokens, and its path of nodes."""
+    """The sequence's match as the tree serves it: visible, resident and hidden tokens (and the hidden positions as
+    ``[start, end)`` runs), and its path of nodes."""
     view = view_of(tree, token_ids, extra_key)
     nodes = []
     for node, s in zip(view.nodes, view.starts):
@@ -132,4 +159,15 @@ def inspect(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None)
                       "record": None if rec is None else {"end": rec.end, "kept": int(rec.kept.numel()),
                                                          "since": rec.since}})
     return {"matched_tokens": view.length, "resident_tokens": int(view.kept.numel()),
-            "hidden_tokens": view.length - int(view.kept.numel()), "nodes": nodes}
+            "hidden_tokens": view.length - int(view.kept.numel()),
+            "hidden_ranges": runs(complement(view.kept, view.length)), "nodes": nodes}
+
+
+def runs(positions: torch.Tensor) -> list[list[int]]:
+    """Sorted positions as ``[[start, end), ...]`` runs of consecutive ones."""
+    if not positions.numel():
+        return []
+    p = positions.tolist()
+    cuts = [i for i in range(1, len(p)) if p[i] != p[i - 1] + 1]
+    bounds = [0, *cuts, len(p)]
+    return [[p[a], p[b - 1] + 1] for a, b in zip(bounds, bounds[1:])]
