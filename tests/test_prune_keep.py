@@ -1,0 +1,221 @@
+"""The scored keep of Prefix-Cache Pruning without a server: the ``knorm`` score and the shared-budget mask
+(sgl_sparse/prune_keep.py) against plain references written here, the body checks of ``keep_tokens`` / ``policy``,
+and the tree surgery of a partial keep (sgl_sparse/radix/prune.py) on SGLang's real radix tree, allocator and MHA KV
+pool, whose keys are built so that the positions to keep are known: kept slots stay where they are, dropped ones
+are freed (only on nodes no other conversation shares), nothing leaks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+from sgl_sparse.integration.prune_api import BadPruneRequest, parse_body, pool_scorer
+from sgl_sparse.prune_keep import knorm_scores, select_keep
+from sgl_sparse.radix import prune as tree_prune
+from sgl_sparse.radix.tree import SparseRadixCache
+from sgl_sparse.registry import create_method
+from sgl_sparse.request_methods import EVICTION, MethodResolver
+from tests.test_prune import _finished
+from tests.test_sparse_tree import POOL, _holes_in, _invariant, _match
+
+LAYERS, HKV, D = 3, 2, 8
+
+
+# -- the score and the mask ---------------------------------------------------------------------------
+
+def _ref_knorm(keys: list[torch.Tensor]) -> list[float]:
+    """Per token: the sum over layers and heads of minus the key's Euclidean length, one number at a time."""
+    n = keys[0].shape[0]
+    out = []
+    for t in range(n):
+        total = 0.0
+        for k in keys:
+            for h in range(k.shape[1]):
+                total -= math.sqrt(sum(float(x) ** 2 for x in k[t, h]))
+        out.append(total)
+    return out
+
+
+def _ref_keep(positions: list[int], scores: list[float], keep: int) -> list[int]:
+    """The ``keep`` best by (higher score, earlier position), sorted by position."""
+    best = sorted(zip(positions, scores), key=lambda ps: (-ps[1], ps[0]))[:max(keep, 0)]
+    return sorted(p for p, _ in best)
+
+
+def test_knorm_scores_match_the_plain_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(17, HKV, D, generator=g) * (i + 1) for i in range(LAYERS)]
+    got = knorm_scores(iter(keys))
+    assert got.dtype == torch.float64 and got.shape == (17,)
+    assert torch.allclose(got, torch.tensor(_ref_knorm(keys), dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    # bf16 keys are scored in float32 (and summed in float64), not in bf16.
+    bf = [k.bfloat16() for k in keys]
+    assert torch.allclose(knorm_scores(bf), torch.tensor(_ref_knorm([k.float() for k in bf]), dtype=torch.float64),
+                          rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        knorm_scores([])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_select_keep_matches_the_plain_reference(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randperm(200, generator=g)[:60].sort().values
+    # Coarse scores: many exact ties, which only the position breaks.
+    scores = torch.randint(0, 6, (60,), generator=g).double()
+    for keep in (0, 1, 7, 30, 59, 60, 61, 500):
+        got = select_keep(positions, scores, keep)
+        assert got.tolist() == _ref_keep(positions.tolist(), scores.tolist(), keep), keep
+
+
+def test_ties_go_to_the_earlier_position_and_a_covering_budget_keeps_all() -> None:
+    positions = torch.tensor([3, 4, 5, 10, 11, 12])
+    equal = torch.zeros(6, dtype=torch.float64)
+    assert select_keep(positions, equal, 4).tolist() == [3, 4, 5, 10]
+    assert select_keep(positions, equal, 6).tolist() == positions.tolist()
+    assert select_keep(positions, equal, 9).tolist() == positions.tolist()
+    assert select_keep(positions, equal, 0).tolist() == []
+    # -0.0 and 0.0 are one score: still the earlier position first.
+    assert select_keep(torch.tensor([1, 2]), torch.tensor([0.0, -0.0], dtype=torch.float64), 1).tolist() == [1]
+    with pytest.raises(ValueError):
+        select_keep(positions, equal[:5], 2)
+
+
+def test_one_budget_is_shared_over_the_union_of_the_ranges() -> None:
+    """Two ranges, one of which holds every high score: the whole budget goes there (no per-range quota)."""
+    positions = torch.tensor([*range(10, 20), *range(40, 45)])
+    scores = torch.tensor([*([-5.0] * 10), -1.0, -2.0, -1.5, -3.0, -4.0], dtype=torch.float64)
+    assert select_keep(positions, scores, 4).tolist() == [40, 41, 42, 43]
+    assert select_keep(positions, scores, 6).tolist() == [10, 40, 41, 42, 43, 44]
+
+
+# -- the request body ------------------------------------------------------------------------------
+
+RESOLVER = MethodResolver(create_method("dense"), EVICTION)
+
+
+def _parse(body: dict[str, Any], page_size: int = 1) -> dict[str, Any]:
+    return parse_body(body, lambda text: [1, 2, 3], lambda m: [1, 2, 3], 2048, RESOLVER.resolve, True, page_size)
+
+
+def test_keep_tokens_and_policy_in_the_body() -> None:
+    base = {"token_ids": list(range(1, 41)), "ranges": [[0, 10], [20, 30]]}
+    assert (_parse(base)["keep_tokens"], _parse(base)["policy"]) == (0, "drop")
+    assert _parse({**base, "keep_tokens": 5})["policy"] == "knorm"  # a keep without a policy: the scored one
+    assert _parse({**base, "keep_tokens": 19, "policy": "knorm"})["keep_tokens"] == 19
+    assert _parse({**base, "keep_tokens": 0, "policy": "knorm"})["policy"] == "knorm"
+    assert _parse({**base, "keep_tokens": 8}, page_size=4)["keep_tokens"] == 8
+    for body, field, words in (
+            ({**base, "keep_tokens": 20}, "keep_tokens", "less than the ranges' size, 20"),  # the union's size
+            ({**base, "ranges": [[0, 10], [5, 12]], "keep_tokens": 12}, "keep_tokens", "12 tokens"),  # merged
+            ({**base, "keep_tokens": 3, "policy": "drop"}, "keep_tokens", "keeps nothing"),
+            ({**base, "keep_tokens": 6}, "keep_tokens", "page size 4"),
+            ({**base, "keep_tokens": 1.5}, "keep_tokens", "integer"),
+            ({**base, "keep_tokens": 3, "policy": "snapkv_global"}, "policy", "queries"),
+            ({**base, "policy": "kvzip_global"}, "policy", "knorm")):
+        with pytest.raises(BadPruneRequest) as e:
+            _parse(body, page_size=4 if "page size" in words else 1)
+        assert e.value.field == field and words in str(e.value), (body, e.value)
+
+
+# -- the tree surgery over a real KV pool ------------------------------------------------------------
+
+def _make_with_pool() -> tuple[SparseRadixCache, ReqToTokenPool, TokenToKVPoolAllocator, MHATokenToKVPool]:
+    kv = MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=LAYERS,
+                          device="cpu", enable_memory_saver=False)
+    req_pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", kv, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=1)
+    m = create_method("streamingllm")
+    return SparseRadixCache(params, m, m.config.fingerprint()), req_pool, alloc, kv
+
+
+def _write_norms(tree: Any, kv: MHATokenToKVPool, seq: list[int], norm_of: dict[int, float]) -> dict[int, int]:
+    """Give position ``p`` of ``seq`` keys of per-head length ``norm_of[p]`` (1.0 elsewhere) in every layer;
+    returns each position's slot."""
+    slots = _match(tree, seq).device_indices
+    for layer in range(LAYERS):
+        buf = kv.get_key_buffer(layer)
+        for p, slot in enumerate(slots.tolist()):
+            v = torch.zeros(HKV, D)
+            v[:, (p + layer) % D] = norm_of.get(p, 1.0) * (1 if layer % 2 else -1)
+            buf[slot] = v
+    return dict(enumerate(slots.tolist()))
+
+
+def _scorer(kv: MHATokenToKVPool) -> Any:
+    return pool_scorer(kv, "knorm", None)
+
+
+def test_a_scored_keep_keeps_the_lowest_norm_keys_frees_the_rest_and_leaks_nothing() -> None:
+    tree, req_pool, alloc, kv = _make_with_pool()
+    seq = _finished(tree, req_pool, alloc, "a", list(range(100, 130)), [7, 8], 1)
+    # Low key norms (high knorm scores) at 21, 6, 23, 9 and 4, spread over both ranges.
+    low = {21: 0.1, 6: 0.2, 23: 0.3, 9: 0.4, 4: 0.5, 30: 0.01}  # 30 is outside the ranges: never in question
+    slot_of = _write_norms(tree, kv, seq, low)
+    free0 = alloc.available_size()
+    r = tree_prune.prune(tree, seq, None, [(4, 12), (20, 26)], keep_tokens=5, score=_scorer(kv))
+    assert (r.status, r.matched_tokens, r.pruned_tokens, r.kept_tokens, r.freed_slots, r.resident_tokens) == (
+        "completed", 32, 14, 5, 9, 32 - 9), r
+    assert alloc.available_size() == free0 + 9 and _invariant(tree, alloc) == 0
+    kept = [4, 6, 9, 21, 23]
+    dropped = sorted((set(range(4, 12)) | set(range(20, 26))) - set(kept))
+    nxt = _match(tree, seq + [1, 2])
+    assert len(nxt.device_indices) == 32 and _holes_in(nxt.device_indices) == dropped
+    # The kept positions read the very slots they had (nothing moved), the dropped slots are free again.
+    assert all(int(nxt.device_indices[p]) == slot_of[p] for p in kept)
+    insp = tree_prune.inspect(tree, seq, None)
+    assert insp["hidden_ranges"] == [[5, 6], [7, 9], [10, 12], [20, 21], [22, 23], [24, 26]]
+    # A drop of the same ranges now takes up only the kept 5; once the pool's LRU evicts it all, the whole pool is
+    # free: no slot leaked, none freed twice.
+    again = tree_prune.prune(tree, seq, None, [(4, 12), (20, 26)])
+    assert (again.pruned_tokens, again.kept_tokens, again.freed_slots) == (5, 0, 5)
+    tree.evict(EvictParams(num_tokens=POOL))
+    assert alloc.available_size() == POOL and _invariant(tree, alloc) == 0
+
+
+def test_a_budget_covering_the_resident_tokens_drops_nothing() -> None:
+    tree, req_pool, alloc, kv = _make_with_pool()
+    seq = _finished(tree, req_pool, alloc, "a", list(range(100, 124)), [3], 1, evicted=(5, 6, 7, 8, 9))
+    free0 = alloc.available_size()
+    calls: list[int] = []
+
+    def score(slots: Any) -> Any:
+        calls.append(len(slots))
+        return _scorer(kv)(slots)
+
+    r = tree_prune.prune(tree, seq, None, [(0, 12)], keep_tokens=7, score=score)  # 7 of 12 are resident
+    assert (r.status, r.pruned_tokens, r.kept_tokens, r.freed_slots) == ("completed", 7, 7, 0) and not calls, r
+    assert alloc.available_size() == free0 and tree_prune.inspect(tree, seq, None)["hidden_tokens"] == 5
+    r = tree_prune.prune(tree, seq, None, [(0, 12)], keep_tokens=3, score=score)
+    assert (r.pruned_tokens, r.kept_tokens, r.freed_slots) == (7, 3, 4) and calls == [7], r
+    assert _invariant(tree, alloc) == 0
+    with pytest.raises(ValueError):
+        tree_prune.prune(tree, seq, None, [(0, 12)], keep_tokens=2)
+
+
+def test_a_scored_keep_on_a_shared_prefix_is_copy_on_write() -> None:
+    """Positions in the prefix another conversation shares are hidden from this one (kept or not by the score)
+    but keep their KV; the other conversation still sees its whole prefix; only the exclusive dropped slots are
+    freed, and the score picks across both nodes from one budget."""
+    tree, req_pool, alloc, kv = _make_with_pool()
+    shared = list(range(100, 120))
+    a = _finished(tree, req_pool, alloc, "a", shared + [1, 2, 3, 4, 5, 6], [9], 1)
+    b = _finished(tree, req_pool, alloc, "b", shared + [5, 6, 7, 8], [9], 2)
+    _write_norms(tree, kv, a, {3: 0.1, 22: 0.2, 5: 0.3})
+    free0 = alloc.available_size()
+    r = tree_prune.prune(tree, a, None, [(2, 8), (20, 25)], keep_tokens=3, score=_scorer(kv))
+    # 11 candidates, 3 kept (3, 5 in the shared node, 22 in a's own), 8 hidden; a's own 20, 21, 23, 24 are freed.
+    assert (r.pruned_tokens, r.kept_tokens, r.freed_slots) == (11, 3, 4), r
+    assert alloc.available_size() == free0 + 4 and _invariant(tree, alloc) == 0
+    assert _holes_in(_match(tree, a + [0]).device_indices) == [2, 4, 6, 7, 20, 21, 23, 24]
+    mb = _match(tree, b + [0])
+    assert len(mb.device_indices) == len(b) and _holes_in(mb.device_indices) == []
+    tree.evict(EvictParams(num_tokens=POOL))
+    assert alloc.available_size() == POOL and _invariant(tree, alloc) == 0
