@@ -18,6 +18,7 @@ a rejected body raises :class:`PruneRequestError` (its ``status``, ``param`` and
     from sgl_sparse.frontend import prune
     r = prune("http://localhost:30000", messages=history, roles=["tool"], lag=2)
     r["status"], r["pruned_tokens"], r["freed_slots"]
+    prune(url, token_ids=ids, ranges=[[100, 900]], keep_tokens=80)   # keep the 80 the knorm score ranks highest
 
 ``SparseEndpoint.prune`` / ``.match`` do the same in the endpoint's own method namespace (its requests' KV lives
 there, so a prune without it would look in the server's namespace and find nothing).
@@ -82,12 +83,15 @@ def _call(url_or_endpoint: str | RuntimeEndpoint, path: str, body: dict[str, Any
 def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[str, Any]] | None = None,
           token_ids: Sequence[int] | None = None, text: str | None = None,
           ranges: Sequence[Sequence[int]] | None = None, roles: Sequence[str] | None = None, lag: int = 0,
-          method: str | None = None, config: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+          keep_tokens: int = 0, policy: str | None = None, method: str | None = None,
+          config: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
     """``POST /v1/prefix_cache/prune``: hide ``ranges`` (logical ``[start, end)`` positions) or the content of
     ``roles`` messages but the ``lag`` most recent (``messages`` selector only) from the cached sequence's
-    continuations. Returns the server's result (``status`` completed | blocked | failed, ``pruned_tokens``,
-    ``freed_slots``, ...): ``blocked`` and ``failed`` are answers, not exceptions; a body the server rejects
-    raises :class:`PruneRequestError`. ``method`` / ``config`` name a per-request method's namespace."""
+    continuations; ``keep_tokens`` > 0 keeps that many of them (one budget over all the ranges), the ones the
+    ``policy``'s score ranks highest (``"knorm"``, the default then: lowest key norm). Returns the server's result
+    (``status`` completed | blocked | failed, ``pruned_tokens``, ``kept_tokens``, ``freed_slots``, ...):
+    ``blocked`` and ``failed`` are answers, not exceptions; a body the server rejects raises
+    :class:`PruneRequestError`. ``method`` / ``config`` name a per-request method's namespace."""
     body = _selector(messages, token_ids, text)
     if (ranges is None) == (roles is None):
         raise ValueError("give either ranges or roles")
@@ -95,6 +99,10 @@ def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[
         body["ranges"] = [list(r) for r in ranges]
     else:
         body["roles"], body["lag"] = list(roles or []), lag
+    if keep_tokens:
+        body["keep_tokens"] = keep_tokens
+    if policy is not None:
+        body["policy"] = policy
     return _call(url_or_endpoint, "prune", body, method, config, timeout)
 
 

@@ -77,6 +77,72 @@ def test_prune_frees_the_range_and_the_next_turn_still_matches(mixed_server: Ser
     _assert_idle_and_sound(server)
 
 
+def _reference_knorm(tiny_model: str, ids: list[int]) -> list[float]:
+    """The knorm score of every position of ``ids``, computed apart from the server: transformers' Llama forward of
+    the same weights (float32), each layer's keys ``k_proj(input_layernorm(h))`` (RoPE keeps their length), minus
+    their length summed over layers and KV heads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        total = torch.zeros(len(ids), dtype=torch.float64)
+        for layer, h in zip(model.model.layers, hidden):
+            k = layer.self_attn.k_proj(layer.input_layernorm(h))[0]
+            k = k.view(len(ids), model.config.num_key_value_heads, -1)
+            total -= k.norm(dim=-1).double().sum(dim=-1)
+    return total.tolist()
+
+
+def test_scored_keep_keeps_the_highest_knorm_tokens(mixed_server: ServerProcess, tiny_model: str) -> None:
+    """keep_tokens > 0: of the ranges' 160 tokens the 40 of highest knorm score (lowest key norm, summed over layers
+    and heads) keep their KV, the other 120 slots go back to the pool; the kept ones are the ones a reference
+    forward pass outside the server ranks highest; the next turn is still a cache hit of the whole prefix."""
+    from sgl_sparse.frontend import PruneRequestError, prune
+
+    server = mixed_server
+    base = _flush(server)
+    rng = random.Random(81)
+    prompt = _ids(rng, 400)
+    seq = prompt + _turn(server, prompt, 12)["output_ids"]
+    used = _assert_idle_and_sound(server)["kv_slots_used"] - base["kv_slots_used"]
+    ranges = [[50, 150], [200, 260]]
+    res = prune(server.base_url, token_ids=seq, ranges=ranges, keep_tokens=40)
+    assert res["status"] == "completed", res
+    assert (res["pruned_tokens"], res["kept_tokens"], res["freed_slots"]) == (160, 40, 120), res
+    assert res["resident_tokens"] == used - 120, res
+    after = _assert_idle_and_sound(server)
+    assert after["kv_slots_used"] - base["kv_slots_used"] == used - 120
+
+    insp = _post(server, "inspect", {"token_ids": seq}).json()
+    assert insp["matched_tokens"] == used and insp["hidden_tokens"] == 120, insp
+    hidden = {p for lo, hi in insp["hidden_ranges"] for p in range(lo, hi)}
+    cand = [p for lo, hi in ranges for p in range(lo, hi)]
+    assert hidden <= set(cand)
+    kept = sorted(set(cand) - hidden)
+    score = _reference_knorm(tiny_model, seq[:used])
+    ref = sorted(sorted(cand, key=lambda p: (-score[p], p))[:40])
+    # The server's keys (SGLang's CPU forward) and the reference's agree to float32 rounding, far below the gap
+    # between the 40th and 41st score here, so the sets must be equal.
+    ordered = sorted((score[p] for p in cand), reverse=True)
+    assert ordered[39] - ordered[40] > 1e-4, ordered[38:42]
+    assert kept == ref, (kept, ref)
+    assert kept != cand[:40] and kept != cand[-40:]  # the score chose, not the positions
+
+    # The next turn matches the whole prefix (the 120 hidden positions included, as holes) and keeps hiding them.
+    nxt = _turn(server, seq + _ids(rng, 20), 6)
+    assert nxt["meta_info"]["cached_tokens"] == used, nxt["meta_info"]
+    _assert_idle_and_sound(server)
+    # Bodies the server refuses name keep_tokens (no change), and policy for one it does not serve.
+    for kwargs, field in (({"keep_tokens": 160}, "keep_tokens"), ({"keep_tokens": 5, "policy": "drop"}, "keep_tokens"),
+                          ({"keep_tokens": 5, "policy": "snapkv_global"}, "policy")):
+        with pytest.raises(PruneRequestError) as e:
+            prune(server.base_url, token_ids=seq, ranges=ranges, **kwargs)
+        assert e.value.status == 400 and e.value.param == field, (kwargs, e.value)
+    _assert_idle_and_sound(server)
+
+
 def test_pruning_changes_what_the_continuation_attends_to(mixed_server: ServerProcess) -> None:
     """Dropping most of a long prompt changes the greedy continuation, and a second prune of the same sequence
     only adds to the hidden set (never resurrects KV)."""
@@ -149,6 +215,7 @@ HOSTILE: list[tuple[str, Any, str]] = [
     ("prune", {"token_ids": [5, 6, 7], "ranges": [[2, 9]]}, "ranges[0]"),
     ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 1]], "keep_tokens": 1}, "keep_tokens"),
     ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 1]], "policy": "kvzip_global"}, "policy"),
+    ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 3]], "keep_tokens": 2, "policy": "drop"}, "keep_tokens"),
     ("prune", {"token_ids": [5, 99999], "ranges": [[0, 1]]}, "token_ids[1]"),
     ("prune", {"token_ids": [5, 6], "ranges": [[0, 1]], "sgl_sparse_method": "quest"}, "sgl_sparse_method"),
     ("prune", {"token_ids": [5, 6], "roles": ["tool"]}, "roles"),
