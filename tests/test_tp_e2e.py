@@ -101,6 +101,31 @@ def test_tp2_eviction_greedy_equals_tp1(tp1: ServerProcess, tp2: ServerProcess) 
     assert "TP ranks planned different keep sets" not in tp2.log_tail(400)
 
 
+def test_tp2_scored_prune_keeps_what_tp1_keeps(tp1: ServerProcess, tp2: ServerProcess) -> None:
+    """A scored keep (POST /v1/prefix_cache/prune with keep_tokens) at --tp-size 2: each rank scores the key norms of
+    its own KV head, the sum over the TP group picks the positions, so both ranks keep the same ones (else their
+    allocators diverge: leak check, or a hang at the next collective), and they are the ones --tp-size 1 keeps."""
+    rng = random.Random(17)
+    ids = _ids(rng, 300)
+    results, hidden, nexts = {}, {}, {}
+    for name, server in (("tp1", tp1), ("tp2", tp2)):
+        seq = ids + _generate(server, ids)["output_ids"]
+        body = {"token_ids": seq, "ranges": [[20, 120], [150, 250]], "keep_tokens": 30, "policy": "knorm"}
+        r = requests.post(f"{server.base_url}/v1/prefix_cache/prune", json=body, timeout=120)
+        assert r.status_code == 202, r.text
+        results[name] = {k: v for k, v in r.json().items() if k != "prune_id"}
+        insp = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": seq}, timeout=60).json()
+        hidden[name] = insp["hidden_ranges"]
+        nexts[name] = _generate(server, seq + _ids(random.Random(18), 12))
+        _assert_idle_and_sound(server)
+    res = results["tp1"]
+    assert res["status"] == "completed" and res["kept_tokens"] == 30 and res["freed_slots"] > 0, res
+    assert res["freed_slots"] == res["pruned_tokens"] - 30, res
+    assert results["tp2"] == res and hidden["tp2"] == hidden["tp1"]
+    assert nexts["tp2"]["output_ids"] == nexts["tp1"]["output_ids"]
+    assert nexts["tp2"]["meta_info"]["cached_tokens"] == nexts["tp1"]["meta_info"]["cached_tokens"] > 300
+
+
 def test_dp2_one_tree_per_rank_and_affinity(tp1: ServerProcess, dp2: ServerProcess) -> None:
     """Each DP rank runs its own scheduler, tree and runtime; a conversation pinned to one rank
     (``routed_dp_rank``, what the X-Data-Parallel-Rank header sets) resumes there from its compacted KV."""
