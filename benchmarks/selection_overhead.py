@@ -38,7 +38,8 @@ def _time(fn, iters: int = 100) -> float:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["1x130000", "5x130000", "6x130000", "16x32768"], help="BATCHxCONTEXT")
+    p.add_argument("--shapes", nargs="+", default=["1x130000", "5x130000", "6x130000", "16x32768"],
+                   help="BATCHxCONTEXT")
     p.add_argument("--token-budget", type=int, default=2048)
     args = p.parse_args()
     k = args.token_budget // PS

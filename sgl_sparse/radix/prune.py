@@ -12,6 +12,12 @@ finishing eviction request stores its own. So it is **copy-on-write** by the sam
 * every other request never sees a hole (its match stops at the first one, as for any record it does not
   continue).
 
+``evict_branches`` (off by default) first evicts the idle cached branches that hang off the sequence's path
+at or after the first pruned position (not its continuations), as the pool's LRU would: in an agent loop the
+previous turn's reply *as generated* is such a branch whenever the template re-renders it differently, and it
+alone keeps the tool results above it shared. Its conversation only loses a cache entry (its next request
+prefills from the branch point); nothing another request reads changes.
+
 It runs in the scheduler between batches (a control request), identically on every TP rank. A path that a
 running request holds (``lock_ref > 0`` on a node the ranges touch) is ``blocked``: changing its view would
 change KV that request is reading, so nothing is done and the caller may retry.
@@ -75,15 +81,17 @@ class PruneResult:
     pruned_tokens: int = 0  # logical positions newly hidden from the sequence's continuations
     freed_slots: int = 0  # KV slots returned to the pool (exclusive nodes only: shared ones keep theirs)
     kept_tokens: int = 0  # resident positions a continuation now sees
+    evicted_branch_slots: int = 0  # KV slots of idle other branches evicted first (``evict_branches``)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
 
 def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None,
-          ranges: list[tuple[int, int]]) -> PruneResult:
+          ranges: list[tuple[int, int]], evict_branches: bool = False) -> PruneResult:
     """Hide ``ranges`` (logical ``[L, R)``, within the cached sequence) from ``token_ids``'s continuations and
-    free what only that sequence held."""
+    free what only that sequence held (after evicting the other idle branches below the first range when
+    ``evict_branches``)."""
     if not tree.evicting:
         return PruneResult(FAILED, "this server reads SGLang's stock attention lists, which cannot skip pruned "
                                    "KV: start it with an eviction method or --sparse-request-methods eviction")
@@ -112,13 +120,46 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None,
     # The record goes on the node that ends the sequence (split there if a longer branch runs through it).
     last = tree._node_ending_at(view.nodes, view.starts, n)
     path = tree._path(last)
+    evicted = _evict_branches(tree, path, min(lo for lo, _ in ranges)) if evict_branches else 0
     before = tree.token_to_kv_pool_allocator.available_size()
     tree._compact_exclusive(path, complement(kept, n), own_tail=True)
     freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
     # A payload describes a finished request's retained set; with positions removed it no longer does.
     last.chain = ChainRecord(n, kept.clone(), None, since=n)
     return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(hide.numel()), freed_slots=freed,
-                       kept_tokens=int(kept.numel()))
+                       kept_tokens=int(kept.numel()), evicted_branch_slots=evicted)
+
+
+def _evict_branches(tree: SparseRadixCache, path: list[Any], first: int) -> int:
+    """Evict the cached subtrees hanging off ``path``'s nodes that end after position ``first``, except below
+    its last node (those continue the sequence). Nothing there is locked: a lock below a pruned node locks
+    that node too, and the prune is then ``blocked`` before this runs. Returns the slots freed."""
+    on_path = {id(node) for node in path}
+    freed, end = 0, 0
+    for node in path[:-1]:
+        end += len(node.key)
+        if end <= first:
+            continue
+        for child in [c for c in node.children.values() if id(c) not in on_path]:
+            freed += _evict_subtree(tree, child)
+    return freed
+
+
+def _evict_subtree(tree: SparseRadixCache, top: Any) -> int:
+    order, stack = [], [top]
+    while stack:  # pre-order: every node before its descendants
+        node = stack.pop()
+        if node.lock_ref > 0:
+            return 0  # unreachable when the prune is not blocked; never free what a request reads
+        order.append(node)
+        stack.extend(node.children.values())
+    freed = 0
+    for node in reversed(order):  # leaves first, as the pool's LRU evicts
+        tree.token_to_kv_pool_allocator.free(tree._live_value(node))
+        freed += int(node.phys)
+        tree._delete_leaf(node)
+        tree._record_remove_event(node)
+    return freed
 
 
 def inspect(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None) -> dict[str, Any]:
