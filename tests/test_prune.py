@@ -84,6 +84,7 @@ def test_roles_and_lag_select_the_older_tool_results(tok: Any) -> None:
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "keep_tokens": -1}, "keep_tokens"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "policy": "snapkv_global"}, "policy"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "rangez": []}, "rangez"),
+    ({"token_ids": [1, 2], "ranges": [[0, 1]], "evict_branches": "yes"}, "evict_branches"),
     ({"token_ids": [1, 2], "roles": ["tool"]}, "roles"),
     ({"messages": [{"role": "tool", "content": "x"}], "roles": "tool"}, "roles"),
     ({"messages": [{"role": "tool", "content": "x"}], "roles": ["tool"], "lag": -1}, "lag"),
