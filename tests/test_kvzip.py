@@ -190,3 +190,27 @@ def test_config_defaults_and_errors() -> None:
                 {"prompt_ids": [-1]}, {"postfix_ids": "x"}, {"prev_postfix_size": -1}):
         with pytest.raises(SparseConfigError):
             create_method("kvzip", bad)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--device", "cuda"], "CPU server only"),
+    (["--device", "cpu", "--tp-size", "2"], "maxima over heads"),
+])
+def test_launcher_refuses_what_is_not_served(flags: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from sgl_sparse.integration.launch import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--sparse-method", "kvzip", *flags])
+    assert said in capsys.readouterr().err
+
+
+def test_compositions_and_per_request_choice_are_refused() -> None:
+    from sgl_sparse.request_methods import EVICTION, MethodResolver, RequestMethodError
+
+    with pytest.raises(SparseConfigError, match="replay forwards"):
+        create_method("kvzip+fp8_kv")
+    resolver = MethodResolver(create_method("snapkv"), EVICTION)
+    with pytest.raises(RequestMethodError, match="per request"):
+        resolver.resolve({"sgl_sparse_method": "kvzip"})
+    own = MethodResolver(create_method("kvzip"), EVICTION)  # the server's own config is served
+    assert own.resolve({"sgl_sparse_method": "kvzip"}).method is own.default.method
