@@ -59,6 +59,7 @@ class PruneRecord:
     pruned_tokens: int = 0
     freed_slots: int = 0
     message: str = ""
+    evicted_branch_slots: int = 0  # KV of the session's stale reply branches evicted first (``evict_branches``)
 
 
 @dataclass
@@ -148,7 +149,9 @@ def _prune_turn(base_url: str, session: Session, turn: int, messages: list[dict]
     """Prune the finished turn's prompt (``messages``, as sent): the tree holds it rendered with the generation
     prompt, followed by the reply, and the prune selector renders it without, a prefix of that sequence."""
     start = time.monotonic()
-    body = {"messages": messages, "roles": roles, "lag": lag}
+    # evict_branches: the previous reply as generated is a branch of its own beside the re-rendered history
+    # whenever the two differ; it alone would keep the pruned tool results' KV (docs/prefix-cache-pruning.md).
+    body = {"messages": messages, "roles": roles, "lag": lag, "evict_branches": True}
     try:
         r = requests.post(f"{base_url}/v1/prefix_cache/prune", json=body, timeout=60)
         res = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -158,7 +161,8 @@ def _prune_turn(base_url: str, session: Session, turn: int, messages: list[dict]
         else:
             rec = PruneRecord(session.id, turn, start - t0, time.monotonic() - t0, str(res.get("status")),
                               len(res.get("ranges") or []), int(res.get("pruned_tokens") or 0),
-                              int(res.get("freed_slots") or 0), str(res.get("message") or ""))
+                              int(res.get("freed_slots") or 0), str(res.get("message") or ""),
+                              int(res.get("evicted_branch_slots") or 0))
     except (requests.RequestException, ValueError) as e:
         rec = PruneRecord(session.id, turn, start - t0, time.monotonic() - t0, "error", message=str(e)[:200])
     result.prunes.append(rec)

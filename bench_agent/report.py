@@ -76,6 +76,7 @@ def _prune_summary(r: RunResult, ok: list[Any]) -> dict[str, Any]:
         "prunes_failed": sum(p.status in ("failed", "error") for p in r.prunes),
         "pruned_tokens": sum(p.pruned_tokens for p in done),
         "freed_slots": sum(p.freed_slots for p in done),
+        "evicted_branch_slots": sum(p.evicted_branch_slots for p in done),
         "prune_s_p50": round(latency, 4) if latency is not None else None,
         "prefix_hit_ratio_after_prune": round(sum(t.cached_tokens for t in after)
                                               / max(1, sum(t.prompt_tokens for t in after)), 4) if after else None,
@@ -86,7 +87,8 @@ ROWS = ["wall_s", "sessions", "turns", "errors", "output_tokens", "output_tok_s"
         "session_completion_s_max", "ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90",
         "tpot_s_p99", "turn_latency_s_p50", "prefix_hit_ratio", "prefix_hit_ratio_turn2plus", "peak_kv_slots",
         "kv_capacity", "max_prompt_tokens", "prune_lag", "prunes", "prunes_completed", "prunes_blocked",
-        "prunes_failed", "pruned_tokens", "freed_slots", "prune_s_p50", "prefix_hit_ratio_after_prune"]
+        "prunes_failed", "pruned_tokens", "freed_slots", "evicted_branch_slots", "prune_s_p50",
+        "prefix_hit_ratio_after_prune"]
 
 
 def _fmt(v: Any) -> str:

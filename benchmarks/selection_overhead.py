@@ -3,7 +3,7 @@ in a decode step), beside the bandwidth floors. Quest (every selecting layer): p
 (torch) or the Triton threshold select, slot-list expansion; against the summaries' and the dense KV's
 read. OmniKV (each filter layer): token scoring (reads the layer's K), top-k + sort or the Triton select.
 
-    python benchmarks/selection_overhead.py [--shapes 6x130000 16x32768] [--token-budget 2048]
+    python benchmarks/selection_overhead.py [--shapes 1x130000 5x130000 6x130000 16x32768] [--token-budget 2048]
 
 Llama-3-8B heads (8 KV heads, group 4, dim 128), bf16 summaries, 16-token pages, rows 131,072 wide (the
 scoring grid covers a row's full width, as inside a graph captured for the context length).
@@ -38,7 +38,8 @@ def _time(fn, iters: int = 100) -> float:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["6x130000", "16x32768"], help="BATCHxCONTEXT")
+    p.add_argument("--shapes", nargs="+", default=["1x130000", "5x130000", "6x130000", "16x32768"],
+                   help="BATCHxCONTEXT")
     p.add_argument("--token-budget", type=int, default=2048)
     args = p.parse_args()
     k = args.token_budget // PS

@@ -160,6 +160,9 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
             raise SparseConfigError(f"{where}: {m.name} is a dynamic selection method; a composition is one "
                                     "eviction method over one quantization method (selection over a quantized "
                                     "pool is not served yet)")
+        if type(m).replays is not SparseMethod.replays:
+            raise SparseConfigError(f"{where}: {m.name} runs replay forwards (its context reconstruction), which a "
+                                    "quantized pool does not serve yet")
         if m.store is not None and m.evicts:
             raise SparseConfigError(f"{where}: {m.name} both evicts and owns the KV layout; compose it with nothing")
         if m.store is None and not m.evicts:

@@ -28,6 +28,8 @@ no per-request Python between admission and finish::
     for each prefill chunk:
         on_prefill_chunk                       before the chunk's forward
         (the forward: selector hooks, below)
+        replays                                final chunk only: extra forwards (KVzip), each one's
+            on_replay_layer                    layers in order, as they run
         on_observation                         if wants_observation (default: final chunk)
         on_step_end                            after the forward step (may shrink the keep-set)
     for each decode step:
@@ -199,6 +201,43 @@ class StepInfo:
     # step after its K/V was written: SGLang's overlap scheduler (its default, on CPU too) appends a sampled
     # token to the request after the next forward has run. Valid during the hook call only.
     token_ids: Callable[[int, int], Sequence[int]] | None = None
+
+
+@dataclass(frozen=True)
+class Replay:
+    """An extra forward a method asks for after a prompt is complete (KVzip's context reconstruction): the
+    tokens ``token_ids`` at logical positions ``logical_len, logical_len + 1, ...`` of the request, attending
+    every retained key of the request and, causally, each other. Their K/V lives in temporary slots for that
+    forward only: the request's kept set, its length and its output are as before. ``scored``: the logical
+    range ``[lo, hi)`` of the request's keys this replay scores (the method's own bookkeeping)."""
+
+    token_ids: list[int]
+    scored: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ReplayLayer:
+    """One layer of a :class:`Replay`'s forward, after its attention: the replay's post-RoPE queries
+    ``queries`` (``[r, n_heads, head_dim]``, at logical positions ``logical_len + i``) and keys ``replay_keys``
+    (``[r, n_kv_heads, head_dim]``); the request's retained keys are rows ``key_rows`` of ``key_buffer``
+    (``[N, n_kv_heads, head_dim]``, the layer's key pool on a server) at sorted logical positions ``k_pos``
+    (CPU), as in :class:`ObservationWindow`."""
+
+    layer: int
+    queries: torch.Tensor
+    replay_keys: torch.Tensor
+    key_buffer: torch.Tensor
+    key_rows: torch.Tensor
+    k_pos: torch.Tensor
+    scale: float
+
+    def keys(self, select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The retained keys (``select``: a bool mask or indices over them) ``[n, n_kv_heads, head_dim]`` and
+        their logical positions."""
+        if select is None:
+            return self.key_buffer[self.key_rows], self.k_pos
+        rows = self.key_rows[select.to(self.key_rows.device)]
+        return self.key_buffer[rows], self.k_pos[select]
 
 
 @dataclass(frozen=True)
@@ -586,6 +625,18 @@ class SparseMethod(ABC, Generic[C]):
     def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
         """At the end of a step (all layers done), before :meth:`on_step_end`, when
         :meth:`wants_observation` said so. Score the retained K/V here (into ``state.extra``)."""
+
+    # -- replays (KVzip) ---------------------------------------------------------------------------
+    def replays(self, state: RequestState, step: StepInfo, max_tokens: int) -> list[Replay]:
+        """After the forward of a prompt's final chunk (``step.final_prefill``), before :meth:`on_step_end`:
+        extra forwards to run now, in order, each at most ``max_tokens`` tokens long (a replay starts at
+        ``state.logical_len``; the model's context length and the pool bound it). Each one's layers are handed
+        to :meth:`on_replay_layer` as they run. Default: none. Needs ``needs_token_ids()`` to read the prompt."""
+        return []
+
+    def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None:
+        """One layer of a :class:`Replay`'s forward (layer order): score the retained keys here (into
+        ``state.extra``), one layer at a time, so nothing of the replay outlives its layer."""
 
     # -- end of forward step ---------------------------------------------------------------------
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:

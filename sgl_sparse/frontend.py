@@ -84,15 +84,19 @@ def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[
           token_ids: Sequence[int] | None = None, text: str | None = None,
           ranges: Sequence[Sequence[int]] | None = None, roles: Sequence[str] | None = None, lag: int = 0,
           keep_tokens: int = 0, policy: str | None = None, method: str | None = None,
-          config: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+          config: dict[str, Any] | None = None, timeout: float = 60.0, evict_branches: bool = False) -> dict[str, Any]:
     """``POST /v1/prefix_cache/prune``: hide ``ranges`` (logical ``[start, end)`` positions) or the content of
     ``roles`` messages but the ``lag`` most recent (``messages`` selector only) from the cached sequence's
     continuations; ``keep_tokens`` > 0 keeps that many of them (one budget over all the ranges), the ones the
     ``policy``'s score ranks highest (``"knorm"``, the default then: lowest key norm). Returns the server's result
     (``status`` completed | blocked | failed, ``pruned_tokens``, ``kept_tokens``, ``freed_slots``, ...):
     ``blocked`` and ``failed`` are answers, not exceptions; a body the server rejects raises
-    :class:`PruneRequestError`. ``method`` / ``config`` name a per-request method's namespace."""
+    :class:`PruneRequestError`. ``method`` / ``config`` name a per-request method's namespace;
+    ``evict_branches`` first evicts idle cached branches below the ranges (e.g. a reply as generated beside its
+    re-rendered history), so the ranges' KV is freed rather than kept for them."""
     body = _selector(messages, token_ids, text)
+    if evict_branches:
+        body["evict_branches"] = True
     if (ranges is None) == (roles is None):
         raise ValueError("give either ranges or roles")
     if ranges is not None:

@@ -21,6 +21,8 @@ from sgl_sparse.contract import (
     KVGeometry,
     ObservationWindow,
     PrefillChunk,
+    Replay,
+    ReplayLayer,
     SelectorStep,
     SparseMethod,
     StepInfo,
@@ -152,6 +154,10 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         decoded += 0 if is_prefill else 1
         step = StepInfo(is_prefill, end - start, decoded, final_prefill=is_prefill and chunk.is_final,
                         token_ids=(lambda a, b, e=end: tokens[a:min(b, e)]) if method.needs_token_ids() else None)
+        if step.final_prefill:
+            positions = retained.nonzero().flatten()
+            for replay in method.replays(state, step, max_tokens=1 << 30):
+                _run_replay(method, model, state, replay, keys, vals, positions)
         if w and method.wants_observation(state, step):
             n_w = window_q[0].shape[0]
             positions = retained.nonzero().flatten()
@@ -170,3 +176,20 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     trace.outputs = torch.cat(outs)
     trace.state = state
     return trace
+
+
+def _run_replay(method: SparseMethod[Any], model: ToyAttentionStack, state: Any, replay: Replay,
+                keys: list[torch.Tensor], vals: list[torch.Tensor], positions: torch.Tensor) -> None:
+    """A :class:`Replay` forward: its tokens after the retained K/V (``positions``), attending those and,
+    causally, each other; each layer handed to ``on_replay_layer``; its K/V dropped afterwards."""
+    r = len(replay.token_ids)
+    h = model.embed[torch.tensor(replay.token_ids)]
+    q_pos = torch.arange(state.logical_len, state.logical_len + r)
+    kv_pos = torch.cat([positions, q_pos])
+    for layer in range(model.n_layers):
+        q, k, v = model.project(layer, h)
+        out = attend(q, torch.cat([keys[layer][positions], k]), torch.cat([vals[layer][positions], v]), q_pos,
+                     kv_pos)
+        method.on_replay_layer(state, replay, ReplayLayer(layer, q, k, keys[layer], positions, positions,
+                                                          model.head_dim**-0.5))
+        h = out.reshape(r, -1)

@@ -92,9 +92,10 @@ def test_compare_driver_on_cpu(tiny_model: str, tmp_path: Path) -> None:
 def test_replay_pruning_mode(mixed_server: ServerProcess, tiny_model: str) -> None:
     """Pruning mode on a server whose tree can prune: after each turn with a tool result older than the lag, the
     session prunes it; every prune completes and hides tokens, and the turn that continues the pruned prompt is
-    still a cache hit for the previous turn's prompt. No slot is freed here: each earlier turn's generated reply
-    (ignore_eos, then re-rendered by the template as a message) is a second branch below the tool results, which
-    copy-on-write keeps whole (docs/bench_agent.md, "Pruning mode")."""
+    still a cache hit for the previous turn's prompt. Each earlier turn's generated reply (ignore_eos, then
+    re-rendered by the template as a message) is a second branch below the tool results, which copy-on-write
+    would keep whole; the replay's prunes ask for ``evict_branches``, so those stale branches go first and the
+    pruned KV is freed (docs/bench_agent.md, "Pruning mode")."""
     import requests
     from transformers import AutoTokenizer
 
@@ -113,6 +114,8 @@ def test_replay_pruning_mode(mixed_server: ServerProcess, tiny_model: str) -> No
     assert {(p.session, p.turn) for p in result.prunes} == expected
     assert all(p.status == "completed" and p.pruned_tokens > 0 for p in result.prunes), result.prunes
     assert s["prunes_completed"] == len(expected) and s["freed_slots"] == sum(p.freed_slots for p in result.prunes)
+    # Without evict_branches every prune here freed 0 slots (the stale reply branches shared the tool results).
+    assert s["freed_slots"] > 0 and s["evicted_branch_slots"] > 0, result.prunes
     prompts = {(t.session, t.turn): t for t in result.turns}
     for p in result.prunes:
         nxt = prompts[(p.session, p.turn + 1)]

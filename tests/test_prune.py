@@ -84,6 +84,7 @@ def test_roles_and_lag_select_the_older_tool_results(tok: Any) -> None:
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "keep_tokens": -1}, "keep_tokens"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "policy": "snapkv_global"}, "policy"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "rangez": []}, "rangez"),
+    ({"token_ids": [1, 2], "ranges": [[0, 1]], "evict_branches": "yes"}, "evict_branches"),
     ({"token_ids": [1, 2], "roles": ["tool"]}, "roles"),
     ({"messages": [{"role": "tool", "content": "x"}], "roles": "tool"}, "roles"),
     ({"messages": [{"role": "tool", "content": "x"}], "roles": ["tool"], "lag": -1}, "lag"),
@@ -114,7 +115,7 @@ def test_selectors_and_namespace(tok: Any) -> None:
 def test_merge_over_dp_ranks() -> None:
     done = {"status": "completed", "matched_tokens": 90, "freed_slots": 40}
     miss = {"status": "failed", "matched_tokens": 0, "message": "not cached"}
-    assert merge([miss, done]) == {**done, "freed_slots": 40}
+    assert merge([miss, done]) == {**done, "freed_slots": 40, "evicted_branch_slots": 0}
     assert merge([miss, {"status": "blocked", "matched_tokens": 90}])["status"] == "blocked"
     assert merge([miss, {**miss, "matched_tokens": 3}])["matched_tokens"] == 3
 
@@ -165,6 +166,41 @@ def test_a_prefix_another_conversation_shares_keeps_its_kv_and_that_conversation
     assert r.status == "completed" and r.pruned_tokens == 6 and r.freed_slots == 2
     assert alloc.available_size() == free0 + 2 and _invariant(tree, alloc) == 0
     assert _holes_in(_match(tree, a + [0]).device_indices) == [2, 3, 4, 5, 21, 22]
+    mb = _match(tree, b + [0])
+    assert len(mb.device_indices) == len(b) and _holes_in(mb.device_indices) == []
+
+
+def test_evict_branches_frees_a_range_a_stale_reply_branch_shares() -> None:
+    """The agent loop: turn 1's reply as generated ([9, 9]) is a branch beside the history the template
+    re-renders ([8, 9] + a tool result), so turn 1's tool result (positions 20..24) lies on a shared node.
+    Copy-on-write frees nothing; ``evict_branches`` evicts the idle stale branch first and frees the range."""
+    for evict in (False, True):
+        tree, req_pool, alloc = _make()
+        p1 = list(range(100, 120)) + [1, 2, 3, 4]  # system + task, then turn 1's tool result at 20..24
+        _finished(tree, req_pool, alloc, "t1", p1, [9, 9, 9], 1)
+        seq = _finished(tree, req_pool, alloc, "t2", p1 + [8, 9, 5, 6], [7], 2)
+        free0 = alloc.available_size()
+        r = tree_prune.prune(tree, seq, None, [(20, 24)], evict_branches=evict)
+        assert r.status == "completed" and r.pruned_tokens == 4
+        if not evict:
+            assert (r.freed_slots, r.evicted_branch_slots) == (0, 0)
+            assert len(_match(tree, p1 + [9, 9, 9, 0]).device_indices) == 27  # the stale branch still whole
+        else:
+            assert (r.freed_slots, r.evicted_branch_slots) == (4, 3)
+            assert alloc.available_size() == free0 + 7
+            # The stale sequence now meets the hole at 20: its match stops there, it never sees one.
+            assert len(_match(tree, p1 + [9, 9, 9, 0]).device_indices) == 20
+        assert _invariant(tree, alloc) == 0
+        assert _holes_in(_match(tree, seq + [0]).device_indices) == [20, 21, 22, 23]
+
+
+def test_evict_branches_spares_a_conversation_branching_before_the_ranges() -> None:
+    tree, req_pool, alloc = _make()
+    shared = list(range(100, 120))
+    a = _finished(tree, req_pool, alloc, "a", shared + [1, 2, 3, 4], [9], 1)
+    b = _finished(tree, req_pool, alloc, "b", shared + [5, 6, 7, 8], [9], 2)
+    r = tree_prune.prune(tree, a, None, [(21, 23)], evict_branches=True)
+    assert (r.freed_slots, r.evicted_branch_slots) == (2, 0) and _invariant(tree, alloc) == 0
     mb = _match(tree, b + [0])
     assert len(mb.device_indices) == len(b) and _holes_in(mb.device_indices) == []
 

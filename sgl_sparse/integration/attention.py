@@ -123,6 +123,8 @@ class _SparseBackendMixin:
         out = super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
         if self.selector is not None:
             write_summaries(self.selector, layer, forward_batch.out_cache_loc, k)
+        if self.runtime.replay is not None:
+            self.runtime.replay.on_layer(layer, q, k)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -225,6 +225,43 @@ def with_boundary_ids(hand: handoff.Handoff, args: argparse.Namespace) -> handof
     return hand
 
 
+REPLAY_FIELDS = ("prompt_ids", "next_prompt_ids", "postfix_ids")  # kvzip's replay prompts; empty: derived here
+
+
+def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> handoff.Handoff:
+    """Fill kvzip's empty replay prompts from the served tokenizer (as :func:`with_boundary_ids` does SkipKV's
+    boundaries): KVzip's two reconstruction instructions, and as the postfix the chat template's text between a
+    user message and the assistant's reply (its generation prompt included), else the original's fallback."""
+    if hand.method != "kvzip" or not any(hand.config.get(f) == [] for f in REPLAY_FIELDS):
+        return hand
+    logger = logging.getLogger(__name__)
+    if getattr(args, "skip_tokenizer_init", False):
+        logger.warning("sgl_sparse: --skip-tokenizer-init: kvzip's replays carry no instruction unless its config "
+                       "gives prompt_ids, next_prompt_ids and postfix_ids")
+        return hand
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.methods.eviction.kvzip import FALLBACK_POSTFIX, FIRST_PROMPT, NEXT_PROMPT
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path,
+                                        trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
+    postfix = FALLBACK_POSTFIX
+    if getattr(tok, "chat_template", None):
+        mark = "\x00KVZIP\x00"
+        text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                       add_generation_prompt=True)
+        if isinstance(text, str) and mark in text:
+            postfix = text.split(mark, 1)[1]
+    texts = {"prompt_ids": FIRST_PROMPT, "next_prompt_ids": NEXT_PROMPT, "postfix_ids": postfix}
+    for f in REPLAY_FIELDS:
+        if hand.config.get(f) == []:
+            hand.config[f] = list(tok.encode(texts[f], add_special_tokens=False))
+    create_method(hand.method, hand.config)  # re-validated as the scheduler will build it
+    logger.info("sgl_sparse: kvzip replay prompts from the tokenizer: %s",
+                {f: len(hand.config[f]) for f in REPLAY_FIELDS})
+    return hand
+
+
 # Method-owned KV layouts whose GPU kernels have passed their tests/gpu file on an H200 (test_gpu_quant.py,
 # test_gpu_kivi.py, test_gpu_turboquant.py: none yet); the others need the opt-in until theirs have.
 GPU_VALIDATED_STORES: frozenset[str] = frozenset()
@@ -245,7 +282,7 @@ GPU_TP_ENV = "SGLSPARSE_GPU_TP"
 def unsupported_combinations(args: argparse.Namespace, method: Any, device: str) -> list[str]:
     """What sgl_sparse cannot serve yet, as messages for argparse errors (file:line refer to sglang/srt/ of
     SGLang 0.5.17)."""
-    from sgl_sparse.contract import served_hooks_problem
+    from sgl_sparse.contract import SparseMethod, served_hooks_problem
 
     problems = []
     if (why := served_hooks_problem(method)) is not None:
@@ -259,6 +296,16 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         problems.append(f"--sparse-method {method.name}: its GPU decode path (page selection read through "
                         "FlashInfer) has not passed the GPU tests yet; it serves on --device cpu for now "
                         f"({GPU_SELECTION_ENV}=1 starts it anyway, for those tests)")
+    if type(method).replays is not SparseMethod.replays:
+        if device != "cpu":
+            problems.append(f"--sparse-method {method.name}: its replay forwards (integration/replay.py) have run on "
+                            "the CPU server only; it serves on --device cpu for now")
+        if (args.tp_size or 1) > 1 or (args.dp_size or 1) > 1:
+            problems.append(f"--sparse-method {method.name} with --tp-size/--dp-size > 1: its scores are maxima over "
+                            "heads, and the TP reduction sums; it serves on one rank for now")
+        if method.store is not None:
+            problems.append(f"--sparse-method {method.name}: replay forwards over a method-owned KV layout are not "
+                            "served yet")
     if args.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
     if args.enable_session_radix_cache or args.enable_streaming_session:
@@ -388,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     check_registered()
     args, hand = parse_args(argv)
     hand = with_boundary_ids(hand, args)
+    hand = with_replay_prompts(hand, args)
     handoff.publish(hand)  # before ServerArgs: its __post_init__ and the spawned children read it
     from sglang.srt.entrypoints.http_server import app
 

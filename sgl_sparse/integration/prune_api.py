@@ -132,8 +132,8 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
     ``resolve(custom_params) -> Served``; ``page_size``: the pool's (a kept page is whole)."""
     if not isinstance(body, Mapping):
         raise BadPruneRequest("body", "expected a JSON object")
-    allowed = {"token_ids", "text", "messages", "ranges", "roles", "lag", "keep_tokens", "policy", METHOD_KEY,
-               CONFIG_KEY}
+    allowed = {"token_ids", "text", "messages", "ranges", "roles", "lag", "keep_tokens", "policy",
+               "evict_branches", METHOD_KEY, CONFIG_KEY}
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadPruneRequest(unknown[0], f"unknown field; known fields: {', '.join(sorted(allowed))}")
@@ -180,6 +180,10 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
         raise BadPruneRequest("keep_tokens", f"{keep} is not a multiple of the page size {page_size} (a page is "
                                              "kept or dropped whole)")
     out["keep_tokens"], out["policy"] = keep, policy
+    evict = body.get("evict_branches", False)
+    if not isinstance(evict, bool):
+        raise BadPruneRequest("evict_branches", f"expected true or false, got {evict!r}")
+    out["evict_branches"] = evict
     if body.get("roles") is not None:
         if body.get("ranges") is not None:
             raise BadPruneRequest("roles", "give either ranges or roles, not both")
@@ -202,7 +206,7 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         hit = [r for r in results if r.get("status") == status]
         if hit:
             best = max(hit, key=lambda r: r.get("matched_tokens", 0))
-            return {**best, "freed_slots": sum(r.get("freed_slots", 0) for r in results)}
+            return {**best, **{k: sum(r.get(k, 0) for r in results) for k in ("freed_slots", "evicted_branch_slots")}}
     return max(results, key=lambda r: r.get("matched_tokens", 0)) if results else {"status": "failed"}
 
 
@@ -253,7 +257,7 @@ def handle(scheduler: Any, req: SparsePruneReqInput) -> SparsePruneReqOutput:
                 score = pool_scorer(tree.token_to_kv_pool_allocator.get_kvcache(), body.get("policy", KNORM),
                                     scores_all_reduce()) if keep else None
                 result = tree_prune.prune(tree, body["token_ids"], extra_key, [tuple(r) for r in body["ranges"]],
-                                          keep, score).to_dict()
+                                          keep, score, bool(body.get("evict_branches", False))).to_dict()
             else:
                 result = tree_prune.inspect(tree, body["token_ids"], extra_key)
     except Exception as e:  # a bug must not take the scheduler down: report it

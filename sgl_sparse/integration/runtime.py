@@ -83,6 +83,9 @@ class SparseRuntime:
     # Exact live KV lengths of the decode batch about to run (CPU int32, batch order), for the graph
     # decode plan; None when unknown (the backend then lets FlashInfer read them from the device).
     decode_live_lens: torch.Tensor | None = None
+    # The replay forward running now (KVzip's reconstruction, integration/replay.py): the backend hands it each
+    # layer's queries and keys; None otherwise.
+    replay: Any = None
 
     # Whether any request may evict (the server's method, or one a request chooses): rows may then hold
     # sentinels, so attention reads compacted lists; fixed.

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, StepInfo, check_keep_plan
+from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan
+from sgl_sparse.integration import replay
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
 from sgl_sparse.slots import to_device, write_sentinels
 
@@ -53,6 +54,10 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         ids = functools.partial(_token_ids, req) if method.needs_token_ids() else None
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
                         token_ids=ids)
+        if final and type(method).replays is not SparseMethod.replays:
+            replays = method.replays(st, info, replay.room(model_runner, st.logical_len))
+            if replays:
+                replay.run(rt, batch, req, st, method, replays, model_runner)
         if method.observation_window() > 0 and method.wants_observation(st, info):
             if not is_prefill and not rt.capture.observes_decode(req.rid):
                 raise RuntimeError(f"sgl_sparse: {method.name}.wants_observation is true in decode but "

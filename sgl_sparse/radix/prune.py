@@ -12,6 +12,12 @@ finishing eviction request stores its own. So it is **copy-on-write** by the sam
 * every other request never sees a hole (its match stops at the first one, as for any record it does not
   continue).
 
+``evict_branches`` (off by default) first evicts the idle cached branches that hang off the sequence's path
+at or after the first pruned position (not its continuations), as the pool's LRU would: in an agent loop the
+previous turn's reply *as generated* is such a branch whenever the template re-renders it differently, and it
+alone keeps the tool results above it shared. Its conversation only loses a cache entry (its next request
+prefills from the branch point); nothing another request reads changes.
+
 A **scored keep** (``keep_tokens`` > 0) keeps that many of the ranges' resident positions, one budget shared over
 their union, chosen by ``score`` (the pool's keys of those positions, summed over the TP group: the policies are
 sgl_sparse/prune_keep.py); the rest of the ranges is dropped as above. The kept positions stay resident (on shared
@@ -85,6 +91,7 @@ class PruneResult:
     kept_tokens: int = 0  # of them, resident still (the scored keep; 0 with drop): pruned - kept are now hidden
     freed_slots: int = 0  # KV slots returned to the pool (exclusive nodes only: shared ones keep theirs)
     resident_tokens: int = 0  # resident positions a continuation now sees (the whole sequence)
+    evicted_branch_slots: int = 0  # KV slots of idle other branches evicted first (``evict_branches``)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -94,9 +101,10 @@ Scorer = Callable[[torch.Tensor], torch.Tensor]  # slots (pool device) -> one sc
 
 
 def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, ranges: list[tuple[int, int]],
-          keep_tokens: int = 0, score: Scorer | None = None) -> PruneResult:
+          keep_tokens: int = 0, score: Scorer | None = None, evict_branches: bool = False) -> PruneResult:
     """Hide ``ranges`` (logical ``[L, R)``, within the cached sequence) from ``token_ids``'s continuations and
-    free what only that sequence held; with ``keep_tokens`` > 0, all but the ``keep_tokens`` resident positions
+    free what only that sequence held (after evicting the other idle branches below the first range when
+    ``evict_branches``); with ``keep_tokens`` > 0, all but the ``keep_tokens`` resident positions
     of the ranges that ``score`` (called with their slots) ranks highest, ties to the earlier position."""
     if keep_tokens > 0 and score is None:
         raise ValueError("a scored keep (keep_tokens > 0) needs a scorer")
@@ -138,13 +146,46 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, r
     # The record goes on the node that ends the sequence (split there if a longer branch runs through it).
     last = tree._node_ending_at(view.nodes, view.starts, n)
     path = tree._path(last)
+    evicted = _evict_branches(tree, path, min(lo for lo, _ in ranges)) if evict_branches else 0
     before = tree.token_to_kv_pool_allocator.available_size()
     tree._compact_exclusive(path, complement(kept, n), own_tail=True)
     freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
     # A payload describes a finished request's retained set; with positions removed it no longer does.
     last.chain = ChainRecord(n, kept.clone(), None, since=n)
     return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(cand.numel()), kept_tokens=int(keep.numel()),
-                       freed_slots=freed, resident_tokens=int(kept.numel()))
+                       freed_slots=freed, resident_tokens=int(kept.numel()), evicted_branch_slots=evicted)
+
+
+def _evict_branches(tree: SparseRadixCache, path: list[Any], first: int) -> int:
+    """Evict the cached subtrees hanging off ``path``'s nodes that end after position ``first``, except below
+    its last node (those continue the sequence). Nothing there is locked: a lock below a pruned node locks
+    that node too, and the prune is then ``blocked`` before this runs. Returns the slots freed."""
+    on_path = {id(node) for node in path}
+    freed, end = 0, 0
+    for node in path[:-1]:
+        end += len(node.key)
+        if end <= first:
+            continue
+        for child in [c for c in node.children.values() if id(c) not in on_path]:
+            freed += _evict_subtree(tree, child)
+    return freed
+
+
+def _evict_subtree(tree: SparseRadixCache, top: Any) -> int:
+    order, stack = [], [top]
+    while stack:  # pre-order: every node before its descendants
+        node = stack.pop()
+        if node.lock_ref > 0:
+            return 0  # unreachable when the prune is not blocked; never free what a request reads
+        order.append(node)
+        stack.extend(node.children.values())
+    freed = 0
+    for node in reversed(order):  # leaves first, as the pool's LRU evicts
+        tree.token_to_kv_pool_allocator.free(tree._live_value(node))
+        freed += int(node.phys)
+        tree._delete_leaf(node)
+        tree._record_remove_event(node)
+    return freed
 
 
 def inspect(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None) -> dict[str, Any]:

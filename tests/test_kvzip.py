@@ -1,0 +1,216 @@
+"""KVzip against a plain-torch reference (no server): the reconstruction replays, their scores and the kept set
+written out per KV head, query head and query in float64 loops, after KVzip's ``self_task`` and ``_get_score``
+(snu-mllab/KVzip, model/wrapper.py and attention/score.py), token-shared by a max over heads and layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_sparse import SparseConfigError, create_method
+from sgl_sparse.contract import PrefillChunk, StepInfo
+from sgl_sparse.methods.eviction import kvzip
+from sgl_sparse.reference import ToyAttentionStack, attend, run_request
+
+PROMPT, NEXT, POSTFIX = [201, 202, 203], [211, 212], [221]
+IDS = {"prompt_ids": PROMPT, "next_prompt_ids": NEXT, "postfix_ids": POSTFIX}
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def dense_chunk_scores(q: torch.Tensor, k_sink: torch.Tensor, k_chunk: torch.Tensor, k_rep: torch.Tensor,
+                       scale: float) -> list[float]:
+    """Per KV head h, query head g of its group and replay query i: the softmax of ``q[i, g]`` over the sink keys,
+    the chunk keys and replay keys ``0..i``; each chunk key's score is its largest probability over (h, g, i)."""
+    r, n_heads, _ = q.shape
+    n_kv = k_chunk.shape[1]
+    group = n_heads // n_kv
+    s, c = k_sink.shape[0], k_chunk.shape[0]
+    best = [0.0] * c
+    for h in range(n_kv):
+        for g in range(group):
+            for i in range(r):
+                keys = torch.cat([k_sink[:, h], k_chunk[:, h], k_rep[:i + 1, h]]).double()
+                probs = (keys @ q[i, h * group + g].double() * scale).softmax(0)
+                for j in range(c):
+                    best[j] = max(best[j], float(probs[s + j]))
+    return best
+
+
+def reference_kvzip(model: ToyAttentionStack, tokens: list[int], prompt_len: int, cfg: dict) -> tuple[
+        list[int], torch.Tensor]:
+    """The kept set after the prompt and every token's last-layer output (teacher forcing): the prompt prefilled
+    densely, replays built as KVzip's self_task (chunks after the sink), scored per layer with
+    :func:`dense_chunk_scores`, maximised over layers, the sink + recent + best (ties: earlier) kept."""
+    n_layers, d = model.n_layers, model.head_dim
+    scale = d**-0.5
+    budget, sink, recent = cfg["budget"], cfg.get("sink_tokens", 4), cfg.get("recent_tokens", 0)
+    chunk, prev = cfg.get("chunk_size", 2048), cfg.get("prev_postfix_size", 8)
+    # Dense prefill of the prompt: K/V of every layer.
+    keys, vals, outs = [], [], []
+    h = model.embed[torch.tensor(tokens[:prompt_len])]
+    pos = torch.arange(prompt_len)
+    for layer in range(n_layers):
+        q, k, v = model.project(layer, h)
+        keys.append(k)
+        vals.append(v)
+        h = attend(q, k, v, pos, pos).reshape(prompt_len, -1)
+    outs.append(h)
+    kept = list(range(prompt_len))
+    if prompt_len > budget:
+        scores = [0.0] * prompt_len
+        starts = list(range(sink, prompt_len, chunk))
+        for a in starts:
+            b = min(a + chunk, prompt_len)
+            head = PROMPT if a == sink else NEXT + tokens[max(sink, a - prev):a]
+            replay = head + POSTFIX + tokens[a:b]
+            r = len(replay)
+            hr = model.embed[torch.tensor(replay)]
+            q_pos = torch.arange(prompt_len, prompt_len + r)
+            for layer in range(n_layers):
+                q, k, v = model.project(layer, hr)
+                layer_scores = dense_chunk_scores(q, keys[layer][:sink], keys[layer][a:b], k, scale)
+                for j, sc in enumerate(layer_scores):
+                    scores[a + j] = max(scores[a + j], sc)
+                kv_pos = torch.cat([pos, q_pos])
+                hr = attend(q, torch.cat([keys[layer], k]), torch.cat([vals[layer], v]), q_pos, kv_pos).reshape(r, -1)
+        middle = list(range(sink, prompt_len - recent))
+        best = sorted(middle, key=lambda p: (-scores[p], p))[:budget - sink - recent]
+        kept = sorted([*range(sink), *best, *range(prompt_len - recent, prompt_len)])
+    # Decode over the kept prompt plus every decoded token.
+    for t in range(prompt_len, len(tokens)):
+        kept.append(t)
+        kv_pos = torch.tensor(kept)
+        h = model.embed[torch.tensor([tokens[t]])]
+        for layer in range(n_layers):
+            q, k, v = model.project(layer, h)
+            keys[layer] = torch.cat([keys[layer], k])
+            vals[layer] = torch.cat([vals[layer], v])
+            h = attend(q, keys[layer][kv_pos], vals[layer][kv_pos], torch.tensor([t]), kv_pos).reshape(1, -1)
+        outs.append(h)
+    return kept[:len(kept) - (len(tokens) - prompt_len)], torch.cat(outs)
+
+
+@pytest.mark.parametrize("block", [1, 3, 256])
+def test_chunk_scores_equal_the_dense_loop(block: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k_sink = torch.randn(7, 4, 8, generator=g), torch.randn(2, 2, 8, generator=g)
+    k_chunk, k_rep = torch.randn(5, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)
+    got = kvzip.chunk_scores(q, k_sink, k_chunk, k_rep, 0.35, block=block)
+    assert torch.allclose(got, torch.tensor(dense_chunk_scores(q, k_sink, k_chunk, k_rep, 0.35),
+                                            dtype=torch.float32), atol=1e-6)
+    # No sink: the softmax spans the chunk and the replay only.
+    got = kvzip.chunk_scores(q, k_sink[:0], k_chunk, k_rep, 0.35, block=block)
+    assert torch.allclose(got, torch.tensor(dense_chunk_scores(q, k_sink[:0], k_chunk, k_rep, 0.35),
+                                            dtype=torch.float32), atol=1e-6)
+
+
+@pytest.mark.parametrize(("budget", "chunk", "sink", "recent", "prev", "prefill_chunk"), [
+    (24, 2048, 4, 0, 8, 16),  # the defaults but budget: one replay
+    (24, 17, 4, 0, 8, 16),  # several replays, the previous chunk's tail in each later prompt
+    (30, 20, 0, 6, 3, 64),  # no sink, a recent window, one prefill chunk
+    (20, 16, 2, 2, 0, 7),
+])
+def test_kvzip_equals_plain_reference(budget: int, chunk: int, sink: int, recent: int, prev: int,
+                                      prefill_chunk: int) -> None:
+    model, tokens, prompt_len = ToyAttentionStack(), _tokens(70, seed=3), 60
+    cfg = {"budget": budget, "chunk_size": chunk, "sink_tokens": sink, "recent_tokens": recent,
+           "prev_postfix_size": prev, **IDS}
+    method = create_method("kvzip", cfg)
+    trace = run_request(method, model, tokens, prompt_len=prompt_len, chunk_size=prefill_chunk)
+    ref_kept, ref_out = reference_kvzip(model, tokens, prompt_len, cfg)
+    n_prefill = len(range(0, prompt_len, prefill_chunk))
+    assert trace.kept_after_step[n_prefill - 1] == budget
+    assert trace.state.kept.tolist() == ref_kept + list(range(prompt_len, len(tokens)))
+    assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
+    stats = method.stats()
+    assert stats["scored_requests"] == 1 and stats["replay_forwards"] == len(range(sink, prompt_len, chunk))
+
+
+def test_ratio_keeps_a_share_of_the_prompt() -> None:
+    model, tokens = ToyAttentionStack(), _tokens(64, seed=5)
+    trace = run_request(create_method("kvzip", {"ratio": 0.3, "chunk_size": 20, **IDS}), model, tokens,
+                        prompt_len=60, chunk_size=32)
+    assert trace.kept_after_step[1] == 18  # ceil(0.3 * 60)
+    ref_kept, ref_out = reference_kvzip(model, tokens, 60, {"budget": 18, "chunk_size": 20})
+    assert trace.state.kept.tolist()[:18] == ref_kept
+    assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
+
+
+def test_budget_covering_the_context_reproduces_dense() -> None:
+    model, tokens = ToyAttentionStack(), _tokens(90)
+    dense = run_request(create_method("dense"), model, tokens, prompt_len=70, chunk_size=32)
+    method = create_method("kvzip", {"budget": 70, "chunk_size": 16, **IDS})
+    sparse = run_request(method, model, tokens, prompt_len=70, chunk_size=32)
+    assert torch.equal(sparse.outputs, dense.outputs)
+    assert sparse.kept_after_step == dense.kept_after_step
+    assert method.stats()["replay_forwards"] == 0  # nothing to compress, nothing replayed
+
+
+def test_replays_follow_self_task_and_fit_the_room() -> None:
+    cfg = create_method("kvzip", {"chunk_size": 16, "prev_postfix_size": 2, "sink_tokens": 4, **IDS}).config
+    ids = list(range(100, 150))
+    kept = torch.arange(50)
+    reps = kvzip.build_replays(ids, kept, 50, cfg, max_tokens=1 << 30)
+    assert [r.scored for r in reps] == [(4, 20), (20, 36), (36, 50)]
+    assert reps[0].token_ids == PROMPT + POSTFIX + ids[4:20]
+    assert reps[1].token_ids == NEXT + ids[18:20] + POSTFIX + ids[20:36]
+    # Room for 25 replay tokens: a 32-token chunk shrinks to 25 - overhead (max(3, 2 + 2) + 1 = 5) = 20.
+    wide = create_method("kvzip", {"chunk_size": 32, "prev_postfix_size": 2, **IDS}).config
+    reps = kvzip.build_replays(ids, kept, 50, wide, max_tokens=25)
+    assert [r.scored for r in reps] == [(4, 24), (24, 44), (44, 50)]
+    assert all(len(r.token_ids) <= 25 for r in reps)
+    assert kvzip.build_replays(ids, kept, 50, cfg, max_tokens=cfg.overhead + kvzip.MIN_CHUNK - 1) == []
+    # A Chain Cache prefix with holes: a chunk with no retained position is not replayed.
+    # Chunks start at the first retained position after the sink.
+    holes = torch.cat([torch.arange(4), torch.tensor([5]), torch.arange(40, 50)])
+    reps = kvzip.build_replays(ids, holes, 50, cfg, max_tokens=1 << 30)
+    assert [r.scored for r in reps] == [(5, 21), (37, 50)]
+    assert reps[1].token_ids == NEXT + ids[35:37] + POSTFIX + ids[37:50]
+
+
+def test_no_room_leaves_the_prompt_whole() -> None:
+    method = create_method("kvzip", {"budget": 8, "chunk_size": 16, **IDS})
+    st = method.new_state("r")
+    st.advance(40)
+    step = StepInfo(True, 40, 0, final_prefill=True, token_ids=lambda a, b: list(range(a, b)))
+    method.on_prefill_chunk(st, PrefillChunk(0, 40, 40))
+    assert method.replays(st, step, max_tokens=10) == []
+    assert method.on_step_end(st, step) is None
+    assert method.stats()["unscored_requests"] == 1
+
+
+def test_config_defaults_and_errors() -> None:
+    cfg = create_method("kvzip").config
+    assert (cfg.budget, cfg.ratio, cfg.chunk_size, cfg.prev_postfix_size, cfg.sink_tokens, cfg.recent_tokens) == (
+        4096, 0.0, 2048, 8, 4, 0)
+    for bad in ({"budget": 0}, {"ratio": 1.5}, {"chunk_size": 4}, {"sink_tokens": 10, "budget": 8},
+                {"prompt_ids": [-1]}, {"postfix_ids": "x"}, {"prev_postfix_size": -1}):
+        with pytest.raises(SparseConfigError):
+            create_method("kvzip", bad)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--device", "cuda"], "CPU server only"),
+    (["--device", "cpu", "--tp-size", "2"], "maxima over heads"),
+])
+def test_launcher_refuses_what_is_not_served(flags: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from sgl_sparse.integration.launch import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--sparse-method", "kvzip", *flags])
+    assert said in capsys.readouterr().err
+
+
+def test_compositions_and_per_request_choice_are_refused() -> None:
+    from sgl_sparse.request_methods import EVICTION, MethodResolver, RequestMethodError
+
+    with pytest.raises(SparseConfigError, match="replay forwards"):
+        create_method("kvzip+fp8_kv")
+    resolver = MethodResolver(create_method("snapkv"), EVICTION)
+    with pytest.raises(RequestMethodError, match="per request"):
+        resolver.resolve({"sgl_sparse_method": "kvzip"})
+    own = MethodResolver(create_method("kvzip"), EVICTION)  # the server's own config is served
+    assert own.resolve({"sgl_sparse_method": "kvzip"}).method is own.default.method

@@ -1,0 +1,179 @@
+"""KVzip through a real SGLang server on CPU (our launcher, tiny model): the replay prompts derived from the tokenizer
+at launch; dense token for token while the budget covers the context (no replay runs); over the budget, the replay
+forwards run inside the final prefill step and the server's greedy answer equals a plain-torch reference of the same
+model (HF transformers, fp32): the same replays, scored per head and query in float64 loops, the same kept set,
+decoded over it; KV slots bounded by the budget; Chain Cache turns; aborts without a leak; kvzip refused per
+request and on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+import torch
+
+from sgl_sparse.methods.eviction import kvzip
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+from tests.test_kvzip import dense_chunk_scores
+
+pytestmark = pytest.mark.server
+
+FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report"]
+SMALL = {"budget": 64, "chunk_size": 128}  # sink 4, recent 0, prev_postfix 8: the rest KVzip's
+
+
+def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+    extra = ["--sparse-config", json.dumps(config)] if config is not None else []
+    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
+
+
+@pytest.fixture(scope="module")
+def kvzip_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "kvzip", SMALL)}
+    with running(*procs.values()):
+        yield procs
+
+
+def _stats(before: dict, after: dict) -> dict[str, int]:
+    return {k: after["method_stats"][k] - before.get("method_stats", {}).get(k, 0) for k in after["method_stats"]}
+
+
+def test_server_info_reports_the_tokenizers_replay_prompts(kvzip_servers: dict, tiny_model: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    cfg = _state(kvzip_servers["small"])["config"]
+    assert cfg["prompt_ids"] == tok.encode(kvzip.FIRST_PROMPT, add_special_tokens=False)
+    assert cfg["next_prompt_ids"] == tok.encode(kvzip.NEXT_PROMPT, add_special_tokens=False)
+    assert tok.decode(cfg["postfix_ids"]) == "<|end|><|assistant|>"  # the tiny chat template's
+    assert {k: cfg[k] for k in SMALL} == SMALL
+
+
+def test_budget_covering_context_equals_dense(kvzip_servers: dict) -> None:
+    server = kvzip_servers["small"]
+    before = _assert_idle_and_sound(server)
+    rng = random.Random(7)
+    for n in (20, 64):
+        ids = _ids(rng, n)
+        got = {name: kvzip_servers[name].generate(input_ids=ids, max_new_tokens=40, ignore_eos=True)["output_ids"]
+               for name in ("small", "dense")}
+        assert got["small"] == got["dense"], n
+    after = _assert_idle_and_sound(server)
+    assert after["evicted_tokens_total"] == before["evicted_tokens_total"]
+    assert _stats(before, after)["replay_forwards"] == 0
+
+
+def _reference(model_dir: str, prompt: list[int], cfg: dict[str, Any], new_tokens: int) -> tuple[list[int], list[int]]:
+    """HF transformers, fp32: the prompt's cache; each replay of :func:`kvzip.build_replays` run over a copy of it
+    (post-RoPE queries and keys recorded per layer), scored by :func:`dense_chunk_scores`, maxed over layers; the sink
+    and the best kept; then greedy decoding over the kept cache. Returns (kept positions, output ids)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.models.llama import modeling_llama
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = modeling_llama.apply_rotary_pos_emb
+
+    def record(q, k, *args, **kwargs):  # type: ignore[no-untyped-def]
+        q, k = original(q, k, *args, **kwargs)
+        recorded.append((q[0].transpose(0, 1), k[0].transpose(0, 1)))  # [r, H, D], [r, Hkv, D]
+        return q, k
+
+    n = len(prompt)
+    scale = model.config.head_dim**-0.5
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        cache = out.past_key_values
+        first = int(out.logits[0, -1].argmax())
+        method_cfg = kvzip.KVzipConfig(**cfg)
+        reps = kvzip.build_replays(prompt, torch.arange(n), n, method_cfg, max_tokens=1 << 20)
+        scores = torch.zeros(n, dtype=torch.float64)
+        modeling_llama.apply_rotary_pos_emb = record
+        try:
+            for rep in reps:
+                recorded.clear()
+                r = len(rep.token_ids)
+                model(torch.tensor([rep.token_ids]), past_key_values=copy.deepcopy(cache),
+                      position_ids=torch.arange(n, n + r)[None], use_cache=True)
+                lo, hi = rep.scored
+                sink = method_cfg.sink_tokens
+                for layer, (q, k) in enumerate(recorded):
+                    keys = cache.layers[layer].keys[0].transpose(0, 1)  # [n, Hkv, D], post-RoPE
+                    s = dense_chunk_scores(q, keys[:sink], keys[lo:hi], k, scale)
+                    scores[lo:hi] = torch.maximum(scores[lo:hi], torch.tensor(s, dtype=torch.float64))
+        finally:
+            modeling_llama.apply_rotary_pos_emb = original
+        sink = method_cfg.sink_tokens
+        best = sorted(range(sink, n), key=lambda p: (-float(scores[p]), p))[:method_cfg.budget - sink]
+        kept = sorted([*range(sink), *best])
+        small = DynamicCache()
+        for layer in range(model.config.num_hidden_layers):
+            small.update(cache.layers[layer].keys[:, :, kept], cache.layers[layer].values[:, :, kept], layer)
+        outs, token = [first], first
+        for t in range(new_tokens - 1):
+            o = model(torch.tensor([[token]]), past_key_values=small, position_ids=torch.tensor([[n + t]]),
+                      use_cache=True)
+            token = int(o.logits[0, -1].argmax())
+            outs.append(token)
+    return kept, outs
+
+
+@pytest.mark.parametrize(("n", "seed"), [(300, 1), (200, 2)])
+def test_over_budget_answer_equals_the_plain_torch_reference(kvzip_servers: dict, tiny_model: str, n: int,
+                                                             seed: int) -> None:
+    server = kvzip_servers["small"]
+    before = _assert_idle_and_sound(server)
+    prompt = _ids(random.Random(seed), n)
+    out = server.generate(input_ids=prompt, max_new_tokens=12, ignore_eos=True)
+    after = _assert_idle_and_sound(server)
+    cfg = {**after["config"]}
+    kept, ref_out = _reference(tiny_model, prompt, cfg, 12)
+    assert len(kept) == SMALL["budget"]
+    assert out["output_ids"] == ref_out
+    stats = _stats(before, after)
+    reps = kvzip.build_replays(prompt, torch.arange(n), n, kvzip.KVzipConfig(**cfg), max_tokens=1 << 20)
+    assert stats["scored_requests"] == 1 and stats["replay_forwards"] == len(reps) == -(-(n - 4) // 128)
+    assert stats["replay_tokens"] == sum(len(r.token_ids) for r in reps)
+    # The prompt compacted to the budget after its final chunk; decode appends (one more forward under overlap).
+    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == n - SMALL["budget"]
+
+
+def test_chain_cache_three_turns(kvzip_servers: dict) -> None:
+    server = kvzip_servers["small"]
+    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    base = _assert_idle_and_sound(server)
+    rng = random.Random(9)
+    history, prev_len = _ids(rng, 400), None
+    for turn in range(3):
+        out = server.generate(input_ids=history, max_new_tokens=20, ignore_eos=True)
+        meta = out["meta_info"]
+        if prev_len is not None:  # the whole previous sequence matches; only the new suffix is prefilled
+            assert meta["cached_tokens"] == prev_len, (turn, meta, prev_len)
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+        st = _assert_idle_and_sound(server)
+        # Each turn: the kept set + 40 new tokens replayed and compacted to 64 at the prompt's end, then 20 decoded.
+        assert st["kv_slots_used"] - base["kv_slots_used"] == SMALL["budget"] + 20, (turn, st)
+        prev_len = len(history) + len(out["output_ids"])
+        history = history + out["output_ids"] + _ids(rng, 40)
+    st = _state(server)
+    assert st["chain_hits_total"] - base["chain_hits_total"] == 2
+    assert _stats(base, st)["scored_requests"] == 3
+
+
+def test_aborts_mid_prefill_and_mid_decode_do_not_leak(kvzip_servers: dict) -> None:
+    abort_mid_prefill_and_mid_decode(kvzip_servers["small"], random.Random(4), "kvzip")
+
+
+def test_kvzip_cannot_be_chosen_per_request(kvzip_servers: dict) -> None:
+    r = requests.post(f"{kvzip_servers['small'].base_url}/generate", timeout=60, json={
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "custom_params": {
+            "sgl_sparse_method": "kvzip", "sgl_sparse_config": json.dumps({"budget": 32})}}})
+    assert r.status_code == 400 and "sgl_sparse_method" in r.text and "per request" in r.text, r.text
