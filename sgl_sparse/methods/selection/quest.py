@@ -61,7 +61,10 @@ class QuestSelector(PageSelector):
         self.kmin: dict[int, torch.Tensor] = {}
         self.kmax: dict[int, torch.Tensor] = {}
         self.use_triton = False
-        self.triton_select = False
+        # The Triton threshold select (same lists as torch.topk + sort, tests/gpu/test_gpu_selection.py) took
+        # 17.5-20 us a layer on the H200 against 56-66 us for top-k + sort at 1-6 x 130K (2026-12-03,
+        # benchmarks/selection_overhead.py): on wherever the Triton scoring runs.
+        self.triton_select = True
 
     def selects(self, layer_id: int) -> bool:
         return layer_id >= self.config.dense_layers
@@ -97,8 +100,7 @@ class QuestSelector(PageSelector):
               self.config.sink_tokens // self.page_size, self.config.recent_tokens // self.page_size)
         if self.config.scoring == "random":
             scores = randomize_scores(scores)
-        # The Triton select reads only each row's real pages (torch's relies on the -inf past them). Off
-        # until it has compiled and been timed on the H200 (tests/gpu/test_gpu_selection.py, selection step).
+        # The Triton select reads only each row's real pages (torch's relies on the -inf past them).
         if self.use_triton and self.triton_select:
             counts = page_counts(seq_lens, self.page_size).repeat_interleave(kmin.shape[1])
             return select_pages_triton(scores, self.pages_per_row, counts)
