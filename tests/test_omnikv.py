@@ -101,7 +101,8 @@ def test_triton_scores_match_torch() -> None:
         import torch
         from sgl_sparse.kernels import omnikv
         import tests.test_omnikv as t
-        omnikv.BLOCK_TOKENS = 8; omnikv.PROGRAMS_PER_ROW = 3   # several blocks per program at small shapes
+        omnikv.BLOCK_TOKENS = 8   # several blocks per program at small shapes
+        omnikv.MIN_PROGRAMS_PER_ROW = omnikv.MAX_PROGRAMS_PER_ROW = 3
         k_cache, r2t, rpi, seq, q = t._setup(seed=7)
         for sink, recent in ((2, 3), (0, 1)):
             ref = torch.empty(len(seq), r2t.shape[1])
@@ -116,6 +117,10 @@ def test_triton_scores_match_torch() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-4000:]
+
+
+def test_programs_per_row_fill_the_gpu_at_any_batch() -> None:
+    assert [omnikv.programs_per_row(bs) for bs in (1, 2, 6, 16, 32, 64)] == [1024, 1024, 512, 128, 64, 64]
 
 
 def test_torch_scores_are_max_logits() -> None:

@@ -13,11 +13,23 @@ import triton
 import triton.language as tl
 
 INF = float("inf")
-# Programs per request: a batch of a few 130K-token requests still fills the GPU; each program loops
-# over every PROGRAMS-th block of its row's real tokens (the loop bound comes from seq_lens, so a
-# graph captured at full width does no work past a row's length).
-PROGRAMS_PER_ROW = 64
+# Programs per request, so that a batch of a few 130K-token requests still fills the GPU: each program
+# loops over every PROGRAMS-th block of its row's real tokens (the loop bound comes from seq_lens, so a
+# graph captured at full width does no work past a row's length). A fixed 64 a row read K at 0.52 TB/s
+# for one 130K request and 1.5 TB/s for six on the H200 (2026-12-03, benchmarks/selection_overhead.py:
+# 384 programs of 32 dependent block loads each hide too little latency); ~2,048 programs in all, at
+# least 64 a row, leave each a few blocks at 130K. The grid depends on the batch size only, which a
+# CUDA graph fixes anyway.
+MIN_PROGRAMS_PER_ROW = 64
+MAX_PROGRAMS_PER_ROW = 1024
+TARGET_PROGRAMS = 2048
 BLOCK_TOKENS = 64
+
+
+def programs_per_row(bs: int) -> int:
+    """Scoring programs a request gets in a batch of ``bs``: a power of two from 64 to 1,024."""
+    want = triton.next_power_of_2(max(1, -(-TARGET_PROGRAMS // max(bs, 1))))
+    return max(MIN_PROGRAMS_PER_ROW, min(MAX_PROGRAMS_PER_ROW, want))
 
 
 @triton.jit
@@ -56,10 +68,11 @@ def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Ten
         return
     assert d & (d - 1) == 0, "head_dim must be a power of two"
     assert k_cache.stride(2) == 1 and q.stride(2) == 1
-    _score_tokens_kernel[(bs, PROGRAMS_PER_ROW)](
+    programs = programs_per_row(bs)
+    _score_tokens_kernel[(bs, programs)](
         q, k_cache, req_to_token, req_pool_indices, seq_lens, out, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), req_to_token.stride(0), out.stride(0), sink, recent, HKV=hkv, G=hq // hkv, D=d,
-        BLOCK=BLOCK_TOKENS, PROGRAMS=PROGRAMS_PER_ROW)
+        BLOCK=BLOCK_TOKENS, PROGRAMS=programs)
 
 
 def score_tokens_torch(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
