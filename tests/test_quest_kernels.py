@@ -109,7 +109,7 @@ def test_triton_kernels_match_torch_paths() -> None:
         import torch
         from sgl_sparse.kernels import pages, quest
         import tests.test_quest_kernels as t
-        quest.BLOCK_PAGES = 2; quest.PROGRAMS_PER_ROW = 3   # several blocks per program at small shapes
+        quest.BLOCK_PAGES = 2; quest.PROGRAMS_PER_ROW = quest.MIN_PROGRAMS_PER_ROW = 3   # several blocks a program
         k_buf, r2t, kmin, kmax, rpi, seq, q = t._setup(seed=3)
         for num_sel, sink, recent in ((4, 1, 1), (3, 0, 2), (16, 1, 1)):
             ref = torch.empty(len(seq) * t.HKV, 20)
