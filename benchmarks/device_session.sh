@@ -20,6 +20,8 @@
 #                                                fp8_kv / kivi (4-bit) / turboquant (4-bit) at 130K x QUANT_BATCH
 #                                                (default 11 / 19 / 22, what their 1.94x / 3.2x / 3.76x pools fit)
 #                                                and x 6, ours only (table130k adds them).
+#   bash benchmarks/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
+#                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor.
 #   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's and OmniKV's selection
 #                                                cost per layer (torch top-k and the Triton select).
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
@@ -137,6 +139,10 @@ fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a qua
   SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method "$m" --sparse-config '{}' --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
+  ;;
+quantdecode)  # decode attention over the quantized pools, one layer in a CUDA graph (benchmarks/quant_decode.py), no server
+  install
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/quantdecode.txt python3 benchmarks/quant_decode.py
   ;;
 selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.py), no server
   install
@@ -260,7 +266,7 @@ quality)
   ;;
 status)
   for name in decode_throughput.py "train.py.*--out /root/train/large" "train.py.*--out /root/train/small" \
-      quality_suite.py "bench_agent compare" "pytest tests/gpu" attention_layout.py selection_overhead.py; do
+      quality_suite.py "bench_agent compare" "pytest tests/gpu" attention_layout.py selection_overhead.py quant_decode.py; do
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
   [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt
@@ -292,6 +298,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|quantdecode|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac

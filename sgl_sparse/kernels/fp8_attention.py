@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from sgl_sparse.kernels.splits import (
+    decode_splits,
     extend_rows,
     group_queries,
     merge_splits,
@@ -42,8 +43,6 @@ from sgl_sparse.kernels.splits import (
     store_rows,
     store_split,
 )
-
-SPLITS = 16
 
 
 def decode_attention_torch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
@@ -113,9 +112,10 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
 
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                      v_scale: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, splits: int = SPLITS) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
     """:func:`decode_attention_torch` as one Triton kernel over the batch, then the splits' merge.
-    Codes uint8; no host sync (fixed shapes, loop bounds from ``seq_lens`` on the device)."""
+    Codes uint8; no host sync (fixed shapes, loop bounds from ``seq_lens`` on the device). ``splits``:
+    :func:`decode_splits` of the batch and the rows' width by default (static shapes, CUDA-graph safe)."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -124,6 +124,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     assert k_codes.dtype == torch.uint8 and v_codes.stride() == k_codes.stride() and k_codes.stride(2) == 1
     assert v_scale.stride() == k_scale.stride() and k_scale.stride(1) == 1 and q.stride(2) == 1
     g = hq // hkv
+    if splits is None:  # scales per token, not per page: only the split count changes here (see kivi_attention)
+        splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,

@@ -83,6 +83,21 @@ def store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT: tl.constexpr, 
     tl.store(ws_acc + (w + gi)[:, None] * D + tl.arange(0, D)[None, :], acc, mask=gm[:, None])
 
 
+# Decode splits (programs per request x KV head): at least the 16 the kernels always had; more when rows are wide
+# and the batch is small, so that a program covers ~SPLIT_SPAN positions of a full-width row (6 x 130K at 16
+# splits gave each program 8K positions, a long serial loop with ~800 programs on 132 SMs); at most what keeps
+# the grid near SPLIT_PROGRAMS programs (each split stores G x D fp32 of state, read back by the merge).
+MIN_SPLITS, MAX_SPLITS, SPLIT_SPAN, SPLIT_PROGRAMS = 16, 64, 2048, 4096
+
+
+def decode_splits(rows: int, width: int) -> int:
+    """Splits for ``rows`` (requests x KV heads) over rows ``width`` positions wide (``req_to_token.shape[1]``):
+    from static shapes only, so a CUDA graph captured once keeps its grid; ``split_span`` bounds each program by
+    the real ``seq_lens``, and a split past a short row's end stores an empty state (max ``-inf``, weight 0)."""
+    want = min(triton.cdiv(width, SPLIT_SPAN), triton.cdiv(SPLIT_PROGRAMS, max(rows, 1)), MAX_SPLITS)
+    return max(MIN_SPLITS, want)
+
+
 def split_workspace(rows: int, splits: int, group: int, d: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Running max, denominator ``[rows, splits, group]`` and unnormalized output ``[..., d]``, fp32."""

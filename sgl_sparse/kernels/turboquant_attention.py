@@ -36,6 +36,7 @@ import triton.language as tl
 
 from sgl_sparse.kernels import fp8_attention
 from sgl_sparse.kernels.splits import (
+    decode_splits,
     extend_rows,
     group_queries,
     merge_splits,
@@ -49,7 +50,6 @@ from sgl_sparse.kernels.splits import (
     unpack_planes,
 )
 
-SPLITS = 16
 # Prefix tokens decoded per extend pass: K, V and QJL's residual in fp32 (the kernels' precision), 1.5 GB at
 # 8 KV heads x 128.
 WS_TOKENS = 1 << 17
@@ -309,17 +309,20 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    splits: int = SPLITS,
+    splits: int | None = None,
     block: int | None = None,
 ) -> torch.Tensor:
     """TurboQuant decode: one Triton kernel over the batch between torch's rotations and the splits' merge, no host
     sync (fixed grid, loop bounds from ``seq_lens`` on the device). ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``
-    (an empty row gives 0)."""
+    (an empty row gives 0). ``splits``: :func:`decode_splits` of the batch and the rows' width by default (static
+    shapes: the grid a CUDA graph captures stays valid)."""
     bs, hq, d = q.shape
     if bs == 0:
         return torch.empty_like(q)
     hkv, bits = layer.k_codes.shape[1], layer.k_codes.shape[2]
     g = hq // hkv
+    if splits is None:  # per-token norms, no per-page scale: only the split count changes here (see kivi_attention)
+        splits = decode_splits(bs * hkv, req_to_token.shape[1])
     tensors, scalars = _inputs(q, layer, scale)
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
     _decode_kernel[(bs * hkv, splits)](

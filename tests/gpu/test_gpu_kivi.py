@@ -152,3 +152,40 @@ def test_greedy_text_follows_vanilla_bf16(servers: dict[str, ServerProcess]) -> 
     same = sum(a == b for r, o in zip(ref, got) for a, b in zip(r.ids, o.ids)) / sum(len(r.ids) for r in ref)
     assert same >= 0.7, same
     assert_idle_and_sound(servers["kivi"])
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_decode_kernel_at_130k_rows_in_a_cuda_graph_matches_the_torch_path(bits: int) -> None:
+    """Rows as long as the 130K benchmark's (one ending mid-page, one on a page, one inside its first page)
+    at the full width's splits (64), the kernel replayed in a CUDA graph against the store's torch path."""
+    lens = [130017, 131040, 31]
+    width = 131072
+    pages = sum(-(-n // GS) for n in lens) + 4
+    store = create_method("kivi", {"bits": bits}).store
+    store.allocate(KVGeometry(num_layers=1, num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, page_size=GS,
+                              num_slots=pages * GS, dtype=torch.bfloat16, device=torch.device(DEV), max_requests=4))
+    gen = torch.Generator().manual_seed(20 + bits)
+    r2t = torch.zeros(4, width, dtype=torch.int32, device=DEV)
+    free = (torch.randperm(pages - 1, generator=gen) + 1).tolist()
+    for row, n in enumerate(lens, start=1):
+        pos = torch.arange(n)
+        pg = torch.tensor([free.pop() for _ in range(-(-n // GS))])
+        slots = (pg[pos // GS] * GS + pos % GS).to(DEV)
+        k = (torch.randn(n, HKV, D, generator=gen) * torch.linspace(0.1, 4, D)).to(DEV, torch.bfloat16)
+        store.write(0, slots, k, torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16),
+                    torch.full((n,), row, device=DEV), decode=False)
+        r2t[row, :n] = slots.to(torch.int32)
+    rpi = torch.tensor([1, 2, 3], device=DEV)
+    seq = torch.tensor(lens, device=DEV)
+    q = torch.randn(3, HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
+    scale = 1 / math.sqrt(D)
+    eager = store.decode(0, q, r2t, rpi, seq, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = store.decode(0, q, r2t, rpi, seq, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    store.use_triton = False
+    want = store.decode(0, q, r2t, rpi, seq, scale)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,104 @@
+"""Decode attention over the quantized KV pools on the GPU (no server): one layer's decode (the store's CUDA
+path: KIVI 2/4-bit, FP8, TurboQuant, each through its Triton kernel and the splits' merge, TurboQuant with its
+torch rotations) replayed as a CUDA graph, as inside a served decode step, beside the bytes its pool holds for
+the batch's tokens, the time to read them at the HBM rate, and the same for a bf16 pool (what vanilla reads).
+
+    python benchmarks/quant_decode.py [--shapes 6x130000 16x32768] [--methods kivi4 kivi2 fp8_kv turboquant]
+
+Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,072 wide as in a server at
+``--context-length 131072`` (the grid, its splits included, follows the width, as a graph captured for the
+context length does). ``step ms`` is 32 layers of it: the attention part of a decode step. Pool contents are
+random codes with unit scales: timing does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sgl_sparse.contract import KVGeometry, pool_page_size
+from sgl_sparse.registry import create_method
+
+HQ, HKV, D, WIDTH, LAYERS = 32, 8, 128, 131072, 32
+HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
+METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "kivi4": ("kivi", {"bits": 4}),
+    "kivi2": ("kivi", {"bits": 2}),
+    "fp8_kv": ("fp8_kv", {}),
+    "turboquant": ("turboquant", {}),
+}
+
+
+def _time(fn: Callable[[], object], iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters  # us
+
+
+def _fill(store: object) -> None:
+    """Random codes in every uint8 buffer, unit scales elsewhere (zeros would decode to a constant row)."""
+    for value in vars(store).values():
+        if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            for t in value:
+                if t.dtype == torch.uint8:
+                    t.random_(0, 256)
+                elif t.is_floating_point() and t.dim() >= 2:
+                    t.fill_(1.0)
+
+
+def _row(label: str, bs: int, n: int) -> str:
+    name, config = METHODS[label]
+    method = create_method(name, config)
+    store = method.store
+    assert store is not None
+    ps = max(1, pool_page_size(method))
+    slots = bs * WIDTH + ps  # page 0 is SGLang's padding page
+    g = KVGeometry(num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=ps, num_slots=slots,
+                   dtype=torch.bfloat16, device=torch.device("cuda"), max_requests=bs + 1)
+    store.allocate(g)
+    _fill(store)
+    r2t = torch.cat([torch.zeros(1, WIDTH, dtype=torch.int32, device="cuda"),
+                     torch.arange(bs * WIDTH, device="cuda", dtype=torch.int32).view(bs, WIDTH) + ps])
+    rpi = torch.arange(1, bs + 1, device="cuda")
+    seq = torch.full((bs,), n, device="cuda")
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(D)
+    us = _time(lambda: store.decode(0, q, r2t, rpi, seq, scale))
+    pool = bs * n * store.bytes_per_token(g)  # one layer's bytes for the batch's tokens
+    bf16 = bs * n * 2 * HKV * D * 2
+    floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
+    return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
+            f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["6x130000", "16x32768"], help="BATCHxCONTEXT")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    args = p.parse_args()
+    print("| pool | batch x context | us/layer | step ms (32 layers) | pool MB read | pool floor us | % of floor | "
+          "bf16 MB | bf16 floor us | bf16 floor / ours |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for shape in args.shapes:
+        bs, n = (int(x) for x in shape.split("x"))
+        for label in args.methods:
+            print(_row(label, bs, n), flush=True)
+
+
+if __name__ == "__main__":
+    main()
