@@ -167,9 +167,39 @@ def model_bytes(cfg: dict, dtype_bytes: int = 2) -> tuple[int, int]:
     return params * dtype_bytes, layers * kv_heads * hd * 2 * dtype_bytes
 
 
-def floor_tok_s(batch: int, weight_bytes: int, kv_bytes_per_token: int, kv_tokens: int, hbm_tbps: float) -> float:
-    step_bytes = weight_bytes + kv_tokens * kv_bytes_per_token
-    return batch / (step_bytes / (hbm_tbps * 1e12))
+def floor_tok_s(batch: int, weight_bytes: int, kv_bytes_per_token: int, kv_tokens: int, hbm_tbps: float,
+                kv_step_bytes: int | None = None) -> float:
+    """Decode tok/s at which a step reads the weights plus every KV token in use (``kv_step_bytes``: what the
+    step reads of the KV instead, for a method that reads part of it)."""
+    kv = kv_tokens * kv_bytes_per_token if kv_step_bytes is None else kv_step_bytes
+    return batch / ((weight_bytes + kv) / (hbm_tbps * 1e12))
+
+
+def selection_kv_bytes(method: str, config: dict, cfg: dict, batch: int, kv_tokens: int,
+                       dtype_bytes: int = 2) -> int | None:
+    """KV bytes one decode step of a dynamic selection method reads (all layers), from its config and the KV in
+    use (``kv_tokens`` over ``batch`` equal requests); ``None`` for a method not modelled here (RetroInfer: its
+    reads depend on the clusters). Quest: its dense layers read everything, each selecting layer its
+    ``token_budget`` tokens and every page's key min and max (a page's summary is one token's K+V in size).
+    OmniKV: the layers up to its first filter layer and the filter layers read everything, the filter layers K
+    once more to score, the others ``token_budget`` tokens."""
+    layers = cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_tok_layer = cfg["num_key_value_heads"] * hd * 2 * dtype_bytes  # K and V of one token in one layer
+    per_req = kv_tokens / max(batch, 1)
+    budget = batch * min(int(config.get("token_budget", 0)), per_req)
+    if method == "quest":
+        dense = int(config["dense_layers"])
+        pages = batch * -(-per_req // int(config["page_size"]))
+        return int(dense * kv_tokens * per_tok_layer + (layers - dense) * (budget + pages) * per_tok_layer)
+    if method == "omnikv":
+        from sgl_sparse.methods.selection.omnikv import parse_filter_layers
+
+        filters = parse_filter_layers(str(config["filter_layers"]), layers)
+        full = min(filters) + len(filters)
+        return int(full * kv_tokens * per_tok_layer + len(filters) * kv_tokens * per_tok_layer // 2
+                   + (layers - full) * budget * per_tok_layer)
+    return None
 
 
 def prompt_vocab(model_dir: Path, model_vocab: int) -> int:
@@ -215,6 +245,9 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
     except ValueError as e:
         raise RuntimeError(f"{name}: {e}; see {log}") from e
     floor = floor_tok_s(batch, weight_b, kv_b, w.kv_tokens_in_use, args.hbm_tbps)
+    if ours and ours.get("family") == "selection":
+        read = selection_kv_bytes(ours["method"], ours.get("config") or {}, cfg, batch, w.kv_tokens_in_use)
+        floor = floor_tok_s(batch, weight_b, kv_b, w.kv_tokens_in_use, args.hbm_tbps, read) if read else 0.0
     last_prefill = _parse_ts(w.last_prefill_ts)
     return Result(
         name, backend, batch, w.median_tok_s, w.steps, w.kv_tokens_in_use, capacity, wall, floor,

@@ -107,6 +107,25 @@ def test_floor() -> None:
     assert floor == pytest.approx(4 / ((weight_b + 10_000 * kv_b) / 4.3e12))
 
 
+def test_selection_floor_counts_what_a_step_reads() -> None:
+    """Quest and OmniKV read part of the KV: their floor counts it by hand here (Llama-3-8B's shape: 32 layers,
+    8 KV heads x 128, 4,096 bytes a token and layer), not every token in use."""
+    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}
+    tok = 8 * 128 * 2 * 2
+    n, b = 6 * 130_000, 6
+    quest = {"token_budget": 2048, "page_size": 16, "dense_layers": 2}
+    want = 2 * n * tok + 30 * (b * 2048 + b * -(-130_000 // 16)) * tok
+    assert dt.selection_kv_bytes("quest", quest, cfg, b, n) == want
+    omni = {"token_budget": 2048, "filter_layers": "2,8,18"}
+    # layers 0-1 and the filter layers 2, 8, 18 read all, the filters K again, 27 layers the budget
+    assert dt.selection_kv_bytes("omnikv", omni, cfg, b, n) == 5 * n * tok + 3 * n * tok // 2 + 27 * b * 2048 * tok
+    assert dt.selection_kv_bytes("retroinfer", {}, cfg, b, n) is None
+    # A budget above the context reads the context (no more).
+    assert dt.selection_kv_bytes("omnikv", {**omni, "token_budget": 10**6}, cfg, b, n) == \
+        5 * n * tok + 3 * n * tok // 2 + 27 * n * tok
+    assert dt.floor_tok_s(b, 16 * 10**9, tok * 32, n, 4.3, want) > dt.floor_tok_s(b, 16 * 10**9, tok * 32, n, 4.3)
+
+
 def _row(**kw):  # type: ignore[no-untyped-def]
     base = dict(server="vanilla", attention_backend="flashinfer", batch=4, decode_tok_s=100.0,
                 decode_steps_at_full_batch=40, kv_tokens_in_use=65760, kv_token_capacity=788603, wall_s=10.0,
