@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="pruning mode (openai client): after each turn prune the session's tool results but the "
                         "N most recent through POST /v1/prefix_cache/prune")
     r.add_argument("--prune-roles", default="tool", help="comma-separated roles pruned in pruning mode")
+    r.add_argument("--prune-keep-ratio", type=float, default=0.0,
+                   help="pruning mode: keep this fraction of each prune's tokens, scored by key norm (policy knorm)")
 
     c = sub.add_parser("compare", help="start vanilla SGLang, replay, stop; then sgl_sparse; print side by side")
     c.add_argument("--model-path", required=True)
@@ -62,7 +64,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="pruning mode (openai client): after each turn prune the session's tool results but the "
                         "N most recent through POST /v1/prefix_cache/prune; each method runs twice, without and with")
     c.add_argument("--prune-roles", default="tool", help="comma-separated roles pruned in pruning mode")
+    c.add_argument("--prune-keep-ratio", type=float, default=0.0,
+                   help="pruning mode: keep this fraction of each prune's tokens, scored by key norm (policy knorm)")
     args = p.parse_args(argv)
+    if args.cmd in ("replay", "compare") and not 0 <= args.prune_keep_ratio < 1:
+        p.error(f"--prune-keep-ratio {args.prune_keep_ratio}: expected a number in [0, 1)")
 
     if args.cmd == "generate":
         data = {}
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         tok = _tokenizer(args.tokenizer)
         result = replay(args.url, trace, tok, client=args.client, label=args.label or args.url,
                         time_scale=args.time_scale, prune_lag=args.prune_lag,
-                        prune_roles=args.prune_roles.split(","))
+                        prune_roles=args.prune_roles.split(","), prune_keep_ratio=args.prune_keep_ratio)
         summaries = report.save([result], args.out)
     else:
         from bench_agent.compare import compare
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                           client=args.client, cpu=args.cpu, server_args=args.server_args.split(),
                           out_dir=args.out, time_scale=args.time_scale, skip_vanilla=args.skip_vanilla,
                           vanilla_backend=args.vanilla_backend, prune_lag=args.prune_lag,
-                          prune_roles=args.prune_roles.split(","))
+                          prune_roles=args.prune_roles.split(","), prune_keep_ratio=args.prune_keep_ratio)
         summaries = report.save(results, args.out)
     print(report.table(summaries))
     print(json.dumps(summaries), file=sys.stderr)

@@ -60,6 +60,7 @@ class PruneRecord:
     freed_slots: int = 0
     message: str = ""
     evicted_branch_slots: int = 0  # KV of the session's stale reply branches evicted first (``evict_branches``)
+    kept_tokens: int = 0  # of the ranges, kept by the scored keep (``--prune-keep-ratio``)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class RunResult:
     errors: list[str] = field(default_factory=list)
     prunes: list[PruneRecord] = field(default_factory=list)
     prune_lag: int | None = None
+    prune_keep_ratio: float = 0.0
 
 
 def kv_slots_in_use(base_url: str) -> tuple[int, int] | None:
@@ -145,13 +147,15 @@ def _openai_turn(base_url: str, model: str, messages: list[dict], max_tokens: in
 
 
 def _prune_turn(base_url: str, session: Session, turn: int, messages: list[dict], roles: list[str], lag: int,
-                t0: float, result: RunResult) -> None:
+                t0: float, result: RunResult, keep_ratio: float = 0.0) -> None:
     """Prune the finished turn's prompt (``messages``, as sent): the tree holds it rendered with the generation
     prompt, followed by the reply, and the prune selector renders it without, a prefix of that sequence."""
     start = time.monotonic()
     # evict_branches: the previous reply as generated is a branch of its own beside the re-rendered history
     # whenever the two differ; it alone would keep the pruned tool results' KV (docs/prefix-cache-pruning.md).
-    body = {"messages": messages, "roles": roles, "lag": lag, "evict_branches": True}
+    body: dict[str, Any] = {"messages": messages, "roles": roles, "lag": lag, "evict_branches": True}
+    if keep_ratio:
+        body["keep_ratio"] = keep_ratio  # the server takes it over the ranges it finds, in whole pages
     try:
         r = requests.post(f"{base_url}/v1/prefix_cache/prune", json=body, timeout=60)
         res = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -162,7 +166,7 @@ def _prune_turn(base_url: str, session: Session, turn: int, messages: list[dict]
             rec = PruneRecord(session.id, turn, start - t0, time.monotonic() - t0, str(res.get("status")),
                               len(res.get("ranges") or []), int(res.get("pruned_tokens") or 0),
                               int(res.get("freed_slots") or 0), str(res.get("message") or ""),
-                              int(res.get("evicted_branch_slots") or 0))
+                              int(res.get("evicted_branch_slots") or 0), int(res.get("kept_tokens") or 0))
     except (requests.RequestException, ValueError) as e:
         rec = PruneRecord(session.id, turn, start - t0, time.monotonic() - t0, "error", message=str(e)[:200])
     result.prunes.append(rec)
@@ -172,7 +176,7 @@ def _prune_turn(base_url: str, session: Session, turn: int, messages: list[dict]
 
 def _run_openai_session(base_url: str, model: str, session: Session, texts: _Materialiser, t0: float,
                         result: RunResult, timeout: float, time_scale: float, prune_lag: int | None = None,
-                        prune_roles: list[str] | None = None) -> None:
+                        prune_roles: list[str] | None = None, prune_keep_ratio: float = 0.0) -> None:
     messages = [{"role": "system", "content": texts.system}, {"role": "user", "content": texts.task}]
     for i, turn in enumerate(session.turns):
         start = time.monotonic()
@@ -191,7 +195,8 @@ def _run_openai_session(base_url: str, model: str, session: Session, texts: _Mat
         if prune_lag is not None and turn.tool_tokens and n_tools > prune_lag:
             # The prune runs while the tool "executes", as an agent framework would do it: off the critical path.
             p0 = time.monotonic()
-            _prune_turn(base_url, session, i, list(messages), prune_roles or ["tool"], prune_lag, t0, result)
+            _prune_turn(base_url, session, i, list(messages), prune_roles or ["tool"], prune_lag, t0, result,
+                        prune_keep_ratio)
             wait_left = turn.wait_s * time_scale - (time.monotonic() - p0)
         else:
             wait_left = turn.wait_s * time_scale
@@ -241,7 +246,8 @@ def _run_frontend_session(backend: Any, program: Any, session: Session, texts: _
 
 def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", label: str = "",
            model: str = "default", request_timeout: float = 3600.0, time_scale: float = 1.0,
-           progress: bool = True, prune_lag: int | None = None, prune_roles: list[str] | None = None) -> RunResult:
+           progress: bool = True, prune_lag: int | None = None, prune_roles: list[str] | None = None,
+           prune_keep_ratio: float = 0.0) -> RunResult:
     """Replay every session of ``trace``; ``time_scale`` multiplies arrival and wait times. ``prune_lag``:
     pruning mode (module docstring), sparing that many most recent ``prune_roles`` (default ``["tool"]``)
     messages."""
@@ -252,7 +258,8 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
                          f"text) and prune_lag >= 0; got client {client!r}, prune_lag {prune_lag}")
     source = TextSource(tokenizer)
     texts = {s.id: _Materialiser(source, s) for s in trace.sessions}
-    result = RunResult(label=label or base_url, client=client, prune_lag=prune_lag)
+    result = RunResult(label=label or base_url, client=client, prune_lag=prune_lag,
+                       prune_keep_ratio=prune_keep_ratio if prune_lag is not None else 0.0)
     t0 = time.monotonic()
     monitor = KVMonitor(base_url, t0, result)
     monitor.start()
@@ -269,7 +276,7 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
             time.sleep(delay)
         if client == "openai":
             _run_openai_session(base_url, model, session, texts[session.id], t0, result, request_timeout, time_scale,
-                                prune_lag, prune_roles)
+                                prune_lag, prune_roles, prune_keep_ratio)
         else:
             _run_frontend_session(backend, program, session, texts[session.id], t0, result, time_scale)
         if bar is not None:

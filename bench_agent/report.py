@@ -70,6 +70,7 @@ def _prune_summary(r: RunResult, ok: list[Any]) -> dict[str, Any]:
     latency = percentile([p.end_s - p.start_s for p in r.prunes], 0.5)
     return {
         "prune_lag": r.prune_lag,
+        "prune_keep_ratio": r.prune_keep_ratio,
         "prunes": len(r.prunes),
         "prunes_completed": len(done),
         "prunes_blocked": sum(p.status == "blocked" for p in r.prunes),
@@ -77,6 +78,7 @@ def _prune_summary(r: RunResult, ok: list[Any]) -> dict[str, Any]:
         "pruned_tokens": sum(p.pruned_tokens for p in done),
         "freed_slots": sum(p.freed_slots for p in done),
         "evicted_branch_slots": sum(p.evicted_branch_slots for p in done),
+        "prune_kept_tokens": sum(p.kept_tokens for p in done),
         "prune_s_p50": round(latency, 4) if latency is not None else None,
         "prefix_hit_ratio_after_prune": round(sum(t.cached_tokens for t in after)
                                               / max(1, sum(t.prompt_tokens for t in after)), 4) if after else None,
@@ -86,9 +88,9 @@ def _prune_summary(r: RunResult, ok: list[Any]) -> dict[str, Any]:
 ROWS = ["wall_s", "sessions", "turns", "errors", "output_tokens", "output_tok_s", "session_completion_s_p50",
         "session_completion_s_max", "ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90",
         "tpot_s_p99", "turn_latency_s_p50", "prefix_hit_ratio", "prefix_hit_ratio_turn2plus", "peak_kv_slots",
-        "kv_capacity", "max_prompt_tokens", "prune_lag", "prunes", "prunes_completed", "prunes_blocked",
-        "prunes_failed", "pruned_tokens", "freed_slots", "evicted_branch_slots", "prune_s_p50",
-        "prefix_hit_ratio_after_prune"]
+        "kv_capacity", "max_prompt_tokens", "prune_lag", "prune_keep_ratio", "prunes", "prunes_completed",
+        "prunes_blocked", "prunes_failed", "pruned_tokens", "prune_kept_tokens", "freed_slots", "evicted_branch_slots",
+        "prune_s_p50", "prefix_hit_ratio_after_prune"]
 
 
 def _fmt(v: Any) -> str:

@@ -84,7 +84,8 @@ def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[
           token_ids: Sequence[int] | None = None, text: str | None = None,
           ranges: Sequence[Sequence[int]] | None = None, roles: Sequence[str] | None = None, lag: int = 0,
           keep_tokens: int = 0, policy: str | None = None, method: str | None = None,
-          config: dict[str, Any] | None = None, timeout: float = 60.0, evict_branches: bool = False) -> dict[str, Any]:
+          config: dict[str, Any] | None = None, timeout: float = 60.0, evict_branches: bool = False,
+          keep_ratio: float | None = None) -> dict[str, Any]:
     """``POST /v1/prefix_cache/prune``: hide ``ranges`` (logical ``[start, end)`` positions) or the content of
     ``roles`` messages but the ``lag`` most recent (``messages`` selector only) from the cached sequence's
     continuations; ``keep_tokens`` > 0 keeps that many of them (one budget over all the ranges), the ones the
@@ -93,7 +94,8 @@ def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[
     ``blocked`` and ``failed`` are answers, not exceptions; a body the server rejects raises
     :class:`PruneRequestError`. ``method`` / ``config`` name a per-request method's namespace;
     ``evict_branches`` first evicts idle cached branches below the ranges (e.g. a reply as generated beside its
-    re-rendered history), so the ranges' KV is freed rather than kept for them."""
+    re-rendered history), so the ranges' KV is freed rather than kept for them; ``keep_ratio`` (instead of
+    ``keep_tokens``) keeps that fraction of the ranges' tokens, which the server finds (e.g. by ``roles``)."""
     body = _selector(messages, token_ids, text)
     if evict_branches:
         body["evict_branches"] = True
@@ -105,6 +107,8 @@ def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[
         body["roles"], body["lag"] = list(roles or []), lag
     if keep_tokens:
         body["keep_tokens"] = keep_tokens
+    if keep_ratio is not None:
+        body["keep_ratio"] = keep_ratio
     if policy is not None:
         body["policy"] = policy
     return _call(url_or_endpoint, "prune", body, method, config, timeout)

@@ -125,6 +125,33 @@ def test_replay_pruning_mode(mixed_server: ServerProcess, tiny_model: str) -> No
     _assert_idle_and_sound(mixed_server)
 
 
+@pytest.mark.server
+def test_replay_pruning_mode_with_a_scored_keep(mixed_server: ServerProcess, tiny_model: str) -> None:
+    """``prune_keep_ratio``: each prune keeps that fraction of its tool tokens (the server takes it over the ranges
+    it finds, by key norm), hides and frees the rest, and the continuing turn is still a hit."""
+    import requests
+    from transformers import AutoTokenizer
+
+    from tests.test_eviction_e2e import _assert_idle_and_sound
+
+    assert requests.post(f"{mixed_server.base_url}/flush_cache", timeout=30).status_code == 200
+    trace = generate(WorkloadConfig.from_toml(CONFIGS / "tiny.toml"))
+    result = replay(mixed_server.base_url, trace, AutoTokenizer.from_pretrained(tiny_model), client="openai",
+                    label="keep", progress=False, prune_lag=1, prune_keep_ratio=0.25)
+    s = report.summarize(result)
+    assert s["errors"] == 0, result.errors
+    assert result.prunes and all(p.status == "completed" for p in result.prunes), result.prunes
+    for p in result.prunes:  # a quarter of each prune's range tokens stays (rounded down), the rest is freed
+        assert p.kept_tokens == p.pruned_tokens // 4 and p.freed_slots == p.pruned_tokens - p.kept_tokens, p
+    assert s["prune_keep_ratio"] == 0.25 and s["prune_kept_tokens"] > 0 and s["freed_slots"] > 0
+    prompts = {(t.session, t.turn): t for t in result.turns}
+    for p in result.prunes:
+        nxt = prompts[(p.session, p.turn + 1)]
+        assert nxt.cached_tokens >= 0.9 * prompts[(p.session, p.turn)].prompt_tokens, (p, nxt)
+    assert "| prune_kept_tokens |" in report.table([s])
+    _assert_idle_and_sound(mixed_server)
+
+
 def test_pruning_mode_needs_the_openai_client(tiny_model: str) -> None:
     trace = generate(WorkloadConfig.from_toml(CONFIGS / "tiny.toml"))
     with pytest.raises(ValueError, match="openai client"):

@@ -124,6 +124,21 @@ def test_keep_tokens_and_policy_in_the_body() -> None:
         assert e.value.field == field and words in str(e.value), (body, e.value)
 
 
+def test_keep_ratio_is_a_fraction_of_the_ranges_union_in_whole_pages() -> None:
+    base = {"token_ids": list(range(1, 41)), "ranges": [[0, 10], [5, 12], [20, 30]]}  # union: 22 tokens
+    assert (_parse({**base, "keep_ratio": 0.5})["keep_tokens"], _parse({**base, "keep_ratio": 0.5})["policy"]) \
+        == (11, "knorm")
+    assert _parse({**base, "keep_ratio": 0.5}, page_size=4)["keep_tokens"] == 8  # rounded down to whole pages
+    assert _parse({**base, "keep_ratio": 0})["keep_tokens"] == 0
+    for body, words in (({**base, "keep_ratio": 1.0}, "[0, 1)"), ({**base, "keep_ratio": "half"}, "[0, 1)"),
+                        ({**base, "keep_ratio": True}, "[0, 1)"),
+                        ({**base, "keep_ratio": 0.5, "keep_tokens": 4}, "not both"),
+                        ({**base, "keep_ratio": 0.5, "policy": "drop"}, "keeps nothing")):
+        with pytest.raises(BadPruneRequest) as e:
+            _parse(body)
+        assert e.value.field == "keep_ratio" and words in str(e.value), (body, e.value)
+
+
 # -- the tree surgery over a real KV pool ------------------------------------------------------------
 
 def _make_with_pool() -> tuple[SparseRadixCache, ReqToTokenPool, TokenToKVPoolAllocator, MHATokenToKVPool]:

@@ -132,7 +132,7 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
     ``resolve(custom_params) -> Served``; ``page_size``: the pool's (a kept page is whole)."""
     if not isinstance(body, Mapping):
         raise BadPruneRequest("body", "expected a JSON object")
-    allowed = {"token_ids", "text", "messages", "ranges", "roles", "lag", "keep_tokens", "policy",
+    allowed = {"token_ids", "text", "messages", "ranges", "roles", "lag", "keep_tokens", "keep_ratio", "policy",
                "evict_branches", METHOD_KEY, CONFIG_KEY}
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -164,26 +164,6 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
     out: dict[str, Any] = {"token_ids": token_ids, "fingerprint": served.fingerprint}
     if not need_ranges:
         return out
-    keep = body.get("keep_tokens", 0)
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-        raise BadPruneRequest("keep_tokens", f"expected an integer >= 0, got {keep!r}")
-    policy = body.get("policy")
-    if policy is None:
-        policy = KNORM if keep else DROP
-    if policy not in POLICIES:
-        raise BadPruneRequest("policy", f"{policy!r}: expected one of {', '.join(POLICIES)} (SnapKV's and KVzip's "
-                                        "scores need queries of a forward pass, which a prune does not have)")
-    if keep and policy not in SCORED:
-        raise BadPruneRequest("keep_tokens", f"policy {policy!r} keeps nothing: give keep_tokens 0, or a scored "
-                                             f"policy ({', '.join(SCORED)})")
-    if keep % page_size:
-        raise BadPruneRequest("keep_tokens", f"{keep} is not a multiple of the page size {page_size} (a page is "
-                                             "kept or dropped whole)")
-    out["keep_tokens"], out["policy"] = keep, policy
-    evict = body.get("evict_branches", False)
-    if not isinstance(evict, bool):
-        raise BadPruneRequest("evict_branches", f"expected true or false, got {evict!r}")
-    out["evict_branches"] = evict
     if body.get("roles") is not None:
         if body.get("ranges") is not None:
             raise BadPruneRequest("roles", "give either ranges or roles, not both")
@@ -194,6 +174,36 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
     else:
         out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
     size = sum(hi - lo for lo, hi in out["ranges"])
+    keep = body.get("keep_tokens", 0)
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise BadPruneRequest("keep_tokens", f"expected an integer >= 0, got {keep!r}")
+    ratio = body.get("keep_ratio")
+    if ratio is not None:
+        # SparseEngine's agent harness keeps a fraction of the tool tokens; with roles the client does not know
+        # the ranges' size, so the fraction is taken here, over their union, rounded down to whole pages.
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
+            raise BadPruneRequest("keep_ratio", f"expected a number in [0, 1), got {ratio!r}")
+        if "keep_tokens" in body:
+            raise BadPruneRequest("keep_ratio", "give keep_tokens or keep_ratio, not both")
+        keep = int(ratio * size) // page_size * page_size
+    policy = body.get("policy")
+    if policy is None:
+        policy = KNORM if keep or ratio else DROP
+    if policy not in POLICIES:
+        raise BadPruneRequest("policy", f"{policy!r}: expected one of {', '.join(POLICIES)} (SnapKV's and KVzip's "
+                                        "scores need queries of a forward pass, which a prune does not have)")
+    if (keep or ratio) and policy not in SCORED:
+        field = "keep_ratio" if ratio else "keep_tokens"
+        raise BadPruneRequest(field, f"policy {policy!r} keeps nothing: give {field} 0, or a scored "
+                                     f"policy ({', '.join(SCORED)})")
+    if keep % page_size:
+        raise BadPruneRequest("keep_tokens", f"{keep} is not a multiple of the page size {page_size} (a page is "
+                                             "kept or dropped whole)")
+    out["keep_tokens"], out["policy"] = keep, policy
+    evict = body.get("evict_branches", False)
+    if not isinstance(evict, bool):
+        raise BadPruneRequest("evict_branches", f"expected true or false, got {evict!r}")
+    out["evict_branches"] = evict
     if keep and size and keep >= size:
         raise BadPruneRequest("keep_tokens", f"{keep} must be less than the ranges' size, {size} tokens (their "
                                              "union): keeping them all prunes nothing")
