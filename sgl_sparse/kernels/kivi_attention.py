@@ -38,11 +38,13 @@ from sgl_sparse.kernels.splits import (
     merge_splits,
     online_step,
     online_step_weighted,
+    pass_starts,
     prefix_passes,
     split_workspace,
     store_rows,
     store_split,
     unpack_planes,
+    workspace_span,
 )
 
 WS_TOKENS = 1 << 18  # prefix tokens dequantized per pass (K and V: 1 GB at 8 KV heads x 128 in bf16)
@@ -81,12 +83,7 @@ def _dequant_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, r
                     GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Request ``program_id(0)``'s cached prefix, KV head ``program_id(1)``, positions of block ``program_id(2)``:
     dequantized into the workspace from row ``ws_start[i]`` (``-1``: not in this pass)."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    n = tl.load(prefix_lens + i)
-    base = tl.load(ws_start + i).to(tl.int64)
-    pos = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    ok = (pos < n) & (base >= 0)
+    i, h, n, base, pos, ok = workspace_span(prefix_lens, ws_start, BLOCK)
     whole = n // GS * GS
     row = tl.load(req_pool_indices + i).to(tl.int64)
     row_ptr = req_to_token + row * stride_r2t
@@ -274,11 +271,7 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     g = hq // hkv
     passes = prefix_passes(lens, ws_tokens)
     for members in passes:
-        starts = [-1] * len(lens)
-        at = 0
-        for i in members:
-            starts[i], at = at, at + lens[i]
-        ws_start = torch.tensor(starts, dtype=torch.int64).to(q.device, non_blocking=True)
+        ws_start, at = pass_starts(lens, members, q.device)
         wk = torch.empty(at, hkv, d, dtype=q.dtype, device=q.device)
         wv = torch.empty_like(wk)
         longest = max(lens[i] for i in members)

@@ -63,6 +63,18 @@ def split_span(seq_lens, HKV: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.cons
 
 
 @triton.jit
+def workspace_span(prefix_lens, ws_start, BLOCK: tl.constexpr):
+    """A prefix-dequantizing program (grid: request x KV head x position block, one pass of
+    :func:`prefix_passes`): request ``i``, KV head ``h``, the prefix length ``n``, the request's first workspace
+    row ``base`` (``-1``: not in this pass), the block's positions and which of them it writes."""
+    i = tl.program_id(0)
+    n = tl.load(prefix_lens + i)
+    base = tl.load(ws_start + i).to(tl.int64)
+    pos = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    return i, tl.program_id(1), n, base, pos, (pos < n) & (base >= 0)
+
+
+@triton.jit
 def group_queries(q, i, h, stride_qb, stride_qh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
     """Request ``i``'s queries of KV head ``h``'s group, ``[GP, D]`` fp32 (the rows past ``G`` are 0)."""
     gi = tl.arange(0, GP)
@@ -158,3 +170,13 @@ def prefix_passes(prefix_lens: list[int], limit: int) -> list[list[int]]:
         groups[-1].append(i)
         total += n
     return groups
+
+
+def pass_starts(prefix_lens: list[int], members: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """One pass of :func:`prefix_passes`: each request's first workspace row (``-1``: not in this pass), on
+    ``device``, and the rows the pass needs."""
+    starts = [-1] * len(prefix_lens)
+    at = 0
+    for i in members:
+        starts[i], at = at, at + prefix_lens[i]
+    return torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True), at

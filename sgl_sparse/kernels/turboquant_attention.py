@@ -42,12 +42,14 @@ from sgl_sparse.kernels.splits import (
     merge_splits,
     online_step,
     online_step_weighted,
+    pass_starts,
     prefix_passes,
     split_span,
     split_workspace,
     store_rows,
     store_split,
     unpack_planes,
+    workspace_span,
 )
 
 # Prefix tokens decoded per extend pass: K, V and QJL's residual in fp32 (the kernels' precision), 1.5 GB at
@@ -206,12 +208,7 @@ def _dequant_kernel(
     """Request ``program_id(0)``'s cached prefix, KV head ``program_id(1)``, positions of block ``program_id(2)``,
     decoded into the workspace from row ``ws_start[i]`` (``-1``: not in this pass), in the rotated basis: the keys
     and values (codebook levels x norm) and, with QJL, the key residual's signs x its norm."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    n = tl.load(prefix_lens + i)
-    base = tl.load(ws_start + i).to(tl.int64)
-    pos = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    ok = (pos < n) & (base >= 0)
+    i, h, n, base, pos, ok = workspace_span(prefix_lens, ws_start, BLOCK)
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
     slot = tl.load(row_ptr + pos, mask=ok, other=0).to(tl.int64)
     d = tl.arange(0, D)
@@ -380,11 +377,7 @@ def prefix_attention(
     lens = prefix_lens_host if prefix_lens_host is not None else prefix_lens.tolist()
     passes = prefix_passes(lens, ws_tokens)
     for members in passes:
-        starts = [-1] * len(lens)
-        at = 0
-        for i in members:
-            starts[i], at = at, at + lens[i]
-        ws_start = torch.tensor(starts, dtype=torch.int64).to(q.device, non_blocking=True)
+        ws_start, at = pass_starts(lens, members, q.device)
         wk = torch.empty(at, hkv, d, dtype=torch.float32, device=q.device)
         wv = torch.empty_like(wk)
         wj = torch.empty_like(wk) if qjl else wk  # never read without QJL
