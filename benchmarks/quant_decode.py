@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from graph_timing import graph_us
 
 from sgl_sparse.contract import KVGeometry, pool_page_size
 from sgl_sparse.registry import create_method
@@ -31,23 +31,6 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "fp8_kv": ("fp8_kv", {}),
     "turboquant": ("turboquant", {}),
 }
-
-
-def _time(fn: Callable[[], object], iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters  # us
 
 
 def _fill(store: object) -> None:
@@ -78,7 +61,7 @@ def _row(label: str, bs: int, n: int) -> str:
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
-    us = _time(lambda: store.decode(0, q, r2t, rpi, seq, scale))
+    us = graph_us(lambda: store.decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     pool = bs * n * store.bytes_per_token(g)  # one layer's bytes for the batch's tokens
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6

@@ -14,26 +14,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from graph_timing import graph_us
 
 from sgl_sparse.kernels import omnikv, pages, quest
 
 PS, HKV, GROUP, D, WIDTH = 16, 8, 4, 128, 131072
 HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
-
-
-def _time(fn, iters: int = 100) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(5):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters  # us
 
 
 def main() -> None:
@@ -67,9 +53,9 @@ def _omnikv_row(bs: int, n: int, budget: int) -> str:
     q = torch.randn(bs, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
     scores = torch.full((bs, WIDTH), float("-inf"), device=dev)
     omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512)
-    t_score = _time(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512))
-    t_topk = _time(lambda: pages.select_pages(scores, budget))
-    t_tri = _time(lambda: pages.select_pages_triton(scores, budget, seq))
+    t_score = graph_us(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512))
+    t_topk = graph_us(lambda: pages.select_pages(scores, budget))
+    t_tri = graph_us(lambda: pages.select_pages_triton(scores, budget, seq))
     same = torch.equal(pages.select_pages(scores, budget), pages.select_pages_triton(scores, budget, seq))
     return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_tri:.1f} (same lists: {same}) | "
             f"{bs * n * HKV * D * 2 / HBM * 1e6:.1f} |")
@@ -92,12 +78,12 @@ def _row(bs: int, n: int, k: int) -> str:
     out = torch.empty(int(indptr[-1]), dtype=torch.int32, device=dev)
     quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32)
     sel = pages.select_pages(scores, k)
-    t_score = _time(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32))
-    t_topk = _time(lambda: pages.select_pages(scores, k))
+    t_score = graph_us(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32))
+    t_topk = graph_us(lambda: pages.select_pages(scores, k))
     counts = pages.page_counts(seq, PS).repeat_interleave(HKV)
     same = torch.equal(sel, pages.select_pages_triton(scores, k, counts))
-    t_tri = _time(lambda: pages.select_pages_triton(scores, k, counts))
-    t_expand = _time(lambda: pages.expand_pages(sel, r2t, rpi, seq, indptr, out, PS))
+    t_tri = graph_us(lambda: pages.select_pages_triton(scores, k, counts))
+    t_expand = graph_us(lambda: pages.expand_pages(sel, r2t, rpi, seq, indptr, out, PS))
     summaries = bs * -(-n // PS) * HKV * D * 2 * 2
     dense = bs * n * HKV * D * 2 * 2
     return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_tri:.1f} (same lists: {same}) | {t_expand:.1f} | "
