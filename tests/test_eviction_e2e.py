@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -74,6 +74,29 @@ def _assert_idle_and_sound(server: ServerProcess, timeout: float = 60.0) -> dict
 
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(8, 2048) for _ in range(n)]
+
+
+def _flush(server: ServerProcess) -> dict:
+    """Empty the server's prefix cache; its state once idle and leak-free."""
+    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    return _assert_idle_and_sound(server)
+
+
+def covering_budget_equals_dense(servers: dict, cases: Sequence[tuple[int, int]]) -> tuple[dict, dict]:
+    """Random prompts of ``cases`` (prompt tokens, new tokens) on ``servers["small"]`` (a method whose budget covers
+    them) and ``servers["dense"]``: the same greedy tokens, and nothing evicted. Returns the small server's state
+    after a flush and after the prompts (for checks of its own)."""
+    server = servers["small"]
+    before = _flush(server)
+    rng = random.Random(7)
+    for n, out in cases:
+        ids = _ids(rng, n)
+        got = {name: servers[name].generate(input_ids=ids, max_new_tokens=out, ignore_eos=True)["output_ids"]
+               for name in ("small", "dense")}
+        assert got["small"] == got["dense"], n
+    after = _assert_idle_and_sound(server)
+    assert after["evicted_tokens_total"] == before["evicted_tokens_total"]
+    return before, after
 
 
 @pytest.mark.parametrize("method", ["streamingllm", "snapkv"])

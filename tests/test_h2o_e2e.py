@@ -12,10 +12,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+from tests.test_eviction_e2e import (
+    _assert_idle_and_sound,
+    _flush,
+    _ids,
+    _state,
+    abort_mid_prefill_and_mid_decode,
+    covering_budget_equals_dense,
+)
 
 pytestmark = pytest.mark.server
 
@@ -37,11 +43,6 @@ def h2o_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
         yield procs
 
 
-def _flush(server: ServerProcess) -> dict:
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
-    return _assert_idle_and_sound(server)
-
-
 def test_server_info_reports_h2o(h2o_servers: dict) -> None:
     st = _state(h2o_servers["small"])
     assert st["method"] == "h2o" and st["family"] == "eviction"
@@ -51,16 +52,7 @@ def test_server_info_reports_h2o(h2o_servers: dict) -> None:
 def test_budget_covering_context_equals_dense(h2o_servers: dict) -> None:
     """Contexts within the budget: prompts longer than the 128-query window (several 128-token chunks), a decode
     past a window: every score is computed, nothing is evicted, the tokens are dense's."""
-    server = h2o_servers["small"]
-    before = _flush(server)
-    rng = random.Random(7)
-    for n, out in ((40, 24), (200, 150), (450, 60)):
-        ids = _ids(rng, n)
-        got = {name: h2o_servers[name].generate(input_ids=ids, max_new_tokens=out, ignore_eos=True)["output_ids"]
-               for name in ("small", "dense")}
-        assert got["small"] == got["dense"], n
-    st = _assert_idle_and_sound(server)
-    assert st["evicted_tokens_total"] == before["evicted_tokens_total"]
+    covering_budget_equals_dense(h2o_servers, ((40, 24), (200, 150), (450, 60)))
 
 
 def test_small_budget_bounds_kv_slots_while_decoding(h2o_servers: dict) -> None:

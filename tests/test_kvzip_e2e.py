@@ -19,7 +19,13 @@ import torch
 
 from sgl_sparse.methods.eviction import kvzip
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+from tests.test_eviction_e2e import (
+    _assert_idle_and_sound,
+    _ids,
+    _state,
+    abort_mid_prefill_and_mid_decode,
+    covering_budget_equals_dense,
+)
 from tests.test_kvzip import dense_chunk_scores
 
 pytestmark = pytest.mark.server
@@ -56,16 +62,7 @@ def test_server_info_reports_the_tokenizers_replay_prompts(kvzip_servers: dict, 
 
 
 def test_budget_covering_context_equals_dense(kvzip_servers: dict) -> None:
-    server = kvzip_servers["small"]
-    before = _assert_idle_and_sound(server)
-    rng = random.Random(7)
-    for n in (20, 64):
-        ids = _ids(rng, n)
-        got = {name: kvzip_servers[name].generate(input_ids=ids, max_new_tokens=40, ignore_eos=True)["output_ids"]
-               for name in ("small", "dense")}
-        assert got["small"] == got["dense"], n
-    after = _assert_idle_and_sound(server)
-    assert after["evicted_tokens_total"] == before["evicted_tokens_total"]
+    before, after = covering_budget_equals_dense(kvzip_servers, ((20, 40), (64, 40)))
     assert _stats(before, after)["replay_forwards"] == 0
 
 

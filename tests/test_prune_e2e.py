@@ -17,18 +17,13 @@ import pytest
 import requests
 
 from sgl_sparse.server_process import ServerProcess
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state
+from tests.test_eviction_e2e import _assert_idle_and_sound, _flush, _ids, _state
 
 pytestmark = pytest.mark.server
 
 
 def _post(server: ServerProcess, path: str, body: Any) -> requests.Response:
     return requests.post(f"{server.base_url}/v1/prefix_cache/{path}", json=body, timeout=60)
-
-
-def _flush(server: ServerProcess) -> dict:
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
-    return _assert_idle_and_sound(server)
 
 
 def _turn(server: ServerProcess, ids: list[int], n: int) -> dict:

@@ -21,7 +21,14 @@ import requests
 
 from sgl_sparse.methods.eviction.pyramidkv import layer_budgets
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+from tests.test_eviction_e2e import (
+    _assert_idle_and_sound,
+    _flush,
+    _ids,
+    _state,
+    abort_mid_prefill_and_mid_decode,
+    covering_budget_equals_dense,
+)
 
 pytestmark = pytest.mark.server
 
@@ -46,11 +53,6 @@ def pyramid_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
         yield procs
 
 
-def _flush(server: ServerProcess) -> dict:
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
-    return _assert_idle_and_sound(server)
-
-
 def _generate_with_logprobs(server: ServerProcess, ids: list[int], n_out: int) -> dict:
     body = {"input_ids": ids, "return_logprob": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": n_out, "ignore_eos": True}}
@@ -72,16 +74,7 @@ def test_server_info_reports_pyramidkv(pyramid_servers: dict) -> None:
 def test_budget_covering_context_equals_dense(pyramid_servers: dict) -> None:
     """Contexts within the budget: prompts longer than the window and than a 128-token chunk, decode after: no
     layer drops anything, the tokens are dense's."""
-    server = pyramid_servers["small"]
-    before = _flush(server)
-    rng = random.Random(7)
-    for n, out in ((40, 24), (200, 150), (450, 60)):
-        ids = _ids(rng, n)
-        got = {name: pyramid_servers[name].generate(input_ids=ids, max_new_tokens=out, ignore_eos=True)["output_ids"]
-               for name in ("small", "dense")}
-        assert got["small"] == got["dense"], n
-    st = _assert_idle_and_sound(server)
-    assert st["evicted_tokens_total"] == before["evicted_tokens_total"]
+    before, st = covering_budget_equals_dense(pyramid_servers, ((40, 24), (200, 150), (450, 60)))
     assert st.get("method_stats", {}).get("selections", 0) == before.get("method_stats", {}).get("selections", 0)
 
 

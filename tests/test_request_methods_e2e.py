@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state
+from tests.test_eviction_e2e import _assert_idle_and_sound, _flush, _ids, _state
 
 pytestmark = pytest.mark.server
 
@@ -43,11 +43,6 @@ def rm_servers(tiny_model: str, servers: dict[str, ServerProcess],
 def _gen(server: ServerProcess, ids: list[int], n: int, custom: dict[str, Any] | None = None) -> dict:
     extra = {"custom_params": custom} if custom is not None else {}
     return server.generate(input_ids=ids, max_new_tokens=n, ignore_eos=True, **extra)
-
-
-def _flush(server: ServerProcess) -> dict:
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
-    return _assert_idle_and_sound(server)
 
 
 def test_server_info_reports_the_policy(rm_servers: dict) -> None:

@@ -12,10 +12,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+from tests.test_eviction_e2e import (
+    _assert_idle_and_sound,
+    _flush,
+    _ids,
+    _state,
+    abort_mid_prefill_and_mid_decode,
+    covering_budget_equals_dense,
+)
 
 pytestmark = pytest.mark.server
 
@@ -35,11 +41,6 @@ def rkv_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
         yield procs
 
 
-def _flush(server: ServerProcess) -> dict:
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
-    return _assert_idle_and_sound(server)
-
-
 def test_server_info_reports_rkv(rkv_servers: dict) -> None:
     st = _state(rkv_servers["small"])
     assert st["method"] == "rkv" and st["family"] == "eviction"
@@ -50,16 +51,7 @@ def test_server_info_reports_rkv(rkv_servers: dict) -> None:
 def test_budget_covering_context_equals_dense(rkv_servers: dict) -> None:
     """Contexts within the budget (multi-chunk prompts, decode past many intervals): queries are captured every
     step, nothing is compressed, the tokens are dense's."""
-    server = rkv_servers["small"]
-    before = _flush(server)
-    rng = random.Random(7)
-    for n, out in ((40, 24), (200, 150), (450, 62)):
-        ids = _ids(rng, n)
-        got = {name: rkv_servers[name].generate(input_ids=ids, max_new_tokens=out, ignore_eos=True)["output_ids"]
-               for name in ("small", "dense")}
-        assert got["small"] == got["dense"], n
-    st = _assert_idle_and_sound(server)
-    assert st["evicted_tokens_total"] == before["evicted_tokens_total"]
+    covering_budget_equals_dense(rkv_servers, ((40, 24), (200, 150), (450, 62)))
 
 
 def test_small_budget_bounds_kv_slots_while_decoding(rkv_servers: dict) -> None:

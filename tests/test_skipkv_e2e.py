@@ -12,11 +12,17 @@ import random
 from collections.abc import Iterator
 
 import pytest
-import requests
 
 from sgl_sparse.methods.eviction.skipkv import boundary_ids
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+from tests.test_eviction_e2e import (
+    _assert_idle_and_sound,
+    _flush,
+    _ids,
+    _state,
+    abort_mid_prefill_and_mid_decode,
+    covering_budget_equals_dense,
+)
 
 pytestmark = pytest.mark.server
 
@@ -34,11 +40,6 @@ def skipkv_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
     procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "skipkv", SMALL)}
     with running(*procs.values()):
         yield procs
-
-
-def _flush(server: ServerProcess) -> dict:
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
-    return _assert_idle_and_sound(server)
 
 
 def _closed_sentences(ids: list[int], boundaries: set[int], min_tokens: int = 4, max_tokens: int = 256) -> int:
@@ -65,16 +66,7 @@ def test_server_info_reports_skipkv_with_the_tokenizers_boundaries(skipkv_server
 def test_budget_covering_context_equals_dense(skipkv_servers: dict) -> None:
     """Contexts within the budget (multi-chunk prompts, decode past many intervals): queries and token ids are
     collected every step, nothing is compressed, the tokens are dense's."""
-    server = skipkv_servers["small"]
-    before = _flush(server)
-    rng = random.Random(7)
-    for n, out in ((40, 24), (200, 150), (450, 62)):
-        ids = _ids(rng, n)
-        got = {name: skipkv_servers[name].generate(input_ids=ids, max_new_tokens=out, ignore_eos=True)["output_ids"]
-               for name in ("small", "dense")}
-        assert got["small"] == got["dense"], n
-    st = _assert_idle_and_sound(server)
-    assert st["evicted_tokens_total"] == before["evicted_tokens_total"]
+    covering_budget_equals_dense(skipkv_servers, ((40, 24), (200, 150), (450, 62)))
 
 
 def test_small_budget_bounds_kv_slots_and_sentences_follow_the_ids(skipkv_servers: dict) -> None:
