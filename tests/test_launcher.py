@@ -387,17 +387,19 @@ def test_quest_is_served_with_its_page_size(capsys: pytest.CaptureFixture[str]) 
 
 def test_selection_on_gpu_needs_a_validated_gpu_path(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quest's FlashInfer path passed the GPU tests: it launches on CUDA. OmniKV's has not: a launch error
-    naming the opt-in, which starts it."""
+    """Quest's and OmniKV's FlashInfer paths passed the GPU tests: they launch on CUDA. RetroInfer's servers
+    have not: a launch error naming the opt-in, which starts it."""
     monkeypatch.delenv("SGLSPARSE_GPU_SELECTION", raising=False)
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "quest"])
     assert hand.method == "quest" and args.page_size == 16
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "omnikv"])
-    assert "GPU decode path" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_SELECTION", "1")
     _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "omnikv"])
     assert hand.method == "omnikv"
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "retroinfer"])
+    assert "GPU decode path" in capsys.readouterr().err
+    monkeypatch.setenv("SGLSPARSE_GPU_SELECTION", "1")
+    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "retroinfer"])
+    assert hand.method == "retroinfer"
 
 
 def test_a_quantized_layout_on_gpu_needs_validated_kernels(capsys: pytest.CaptureFixture[str],

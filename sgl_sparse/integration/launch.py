@@ -280,9 +280,10 @@ GPU_STORE_ENV = "SGLSPARSE_GPU_QUANT"
 # --max-running-requests for a store with per-request buffers when the flag is not given.
 DEFAULT_STORE_RUNNING_REQUESTS = 64
 
-# Selection methods whose FlashInfer decode path has passed tests/gpu/test_gpu_selection.py on an H200
-# (quest: 3 passed at a12aa19, 2026-12-02); the others need the opt-in until theirs has.
-GPU_VALIDATED_SELECTION = frozenset({"quest"})
+# Selection methods whose FlashInfer decode path has passed its GPU tests on an H200 (quest: tests/gpu/
+# test_gpu_selection.py, 3 passed at a12aa19, 2026-12-02; omnikv: test_gpu_omnikv.py, 2 passed at 555b5cc,
+# 2026-12-03); the others need the opt-in until theirs has.
+GPU_VALIDATED_SELECTION = frozenset({"quest", "omnikv"})
 GPU_SELECTION_ENV = "SGLSPARSE_GPU_SELECTION"
 
 # Eviction with --tp-size > 1 on CUDA: opt-in until a multi-GPU run passes (docs/parallelism.md).

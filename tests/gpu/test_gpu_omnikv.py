@@ -14,7 +14,6 @@ from sgl_sparse.server_process import ServerProcess, running
 
 pytestmark = pytest.mark.gpu
 
-GPU = {"SGLSPARSE_GPU_SELECTION": "1"}  # the launcher's opt-in until this file passes
 # The 6-layer model: layers 1 and 3 filter; 2, 4 and 5 read their selections.
 COVERING = {"token_budget": 16384, "sink_tokens": 64, "recent_tokens": 512, "filter_layers": "1,3"}
 SMALL = {"token_budget": 1024, "sink_tokens": 64, "recent_tokens": 256, "filter_layers": "1,3"}
@@ -22,7 +21,7 @@ SMALL = {"token_budget": 1024, "sink_tokens": 64, "recent_tokens": 256, "filter_
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
-    procs = selection_servers("omnikv", COVERING, SMALL, env=GPU)
+    procs = selection_servers("omnikv", COVERING, SMALL)
     with running(*procs.values()):
         yield procs
 
