@@ -28,6 +28,8 @@
 #                                                24), ours only, on HEADLINE_GPU (the vanilla row: headline's).
 #   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
 #                                                reaches at SnapKV 8,192's per-request KV (its % of the floor).
+#   bash benchmarks/device_session.sh questdiag  profiled Quest decode steps (32,768 in x QDIAG_BATCH, default 5); summary in
+#                                                /root/bench/questdiag-profile.txt (~3 min).
 #   bash benchmarks/device_session.sh diag       profiled decode steps, ours (SnapKV 8192 on 16K prompts) and vanilla
 #                                                (8,448) x DIAG_BATCH (52), same live KV; summaries in
 #                                                /root/bench/diag-profile.txt (~6 min: run it as `queue diag`,
@@ -171,6 +173,19 @@ layout)  # FlashInfer decode on contiguous vs SnapKV-like vs random slot layouts
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/layout.txt python3 benchmarks/attention_layout.py \
       --batch "${LAYOUT_BATCH:-60}" --kept 8448 --region 130000
   ;;
+questdiag)  # decode-step profile of Quest (default config) at 32,768 in x QDIAG_BATCH (default 5), ~3 min: where
+  install     # a step's time goes beyond the weights and the selected reads (kernels per layer, their count)
+  export CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}"
+  rm -rf /root/bench/questdiag
+  SGLSPARSE_SYNC_DEBUG=warn PYTHONWARNINGS=always::UserWarning python3 benchmarks/decode_throughput.py --model-path $MODEL \
+      --input-len 32768 --batch "${QDIAG_BATCH:-5}" --output-len 128 --only sgl_sparse --sparse-method quest --sparse-config '{}' \
+      --profile-dir /root/bench/questdiag/prof --log-dir /root/bench/questdiag --json /root/bench/questdiag/ours.json \
+      > /root/bench/questdiag.txt 2>&1 || true
+  python3 benchmarks/profile_summary.py $(find /root/bench/questdiag/prof -name '*.trace.json.gz' | sort) \
+      > /root/bench/questdiag-profile.txt 2>&1 || true
+  { echo "synchronizing-op warnings (every occurrence): $(grep -c 'synchronizing' /root/bench/questdiag/*quest*.log)";
+    grep -m1 -B2 -A12 'synchronizing' /root/bench/questdiag/*quest*.log; } >> /root/bench/questdiag-profile.txt 2>&1 || true
+  ;;
 diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill: ours SnapKV 8192 on 16,384-token
   install  # prompts and vanilla on 8,448 (both 8,448 live tokens a request) x DIAG_BATCH (default 52), ~6 min;
            # our list build scans 16K-position rows here, not 130K (the layout step times the 130K build)
@@ -270,7 +285,7 @@ status)
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
   [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt
-  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,snapkv130k6,quest130k,omnikv130k,fp8kv130k,fp8kv130k6,kivi130k,kivi130k6,turboquant130k,turboquant130k6,streamingllm,floorref-*}/*.log; do
+  for f in /root/bench/{headline,vanilla130k,dense130k,snapkv130k,snapkv130k6,quest130k,omnikv130k,retroinfer130k,questdiag,fp8kv130k,fp8kv130k6,kivi130k,kivi130k6,turboquant130k,turboquant130k6,streamingllm,floorref-*}/*.log; do
     [ -e "$f" ] && echo "$f: $(grep -E 'Prefill batch|Decode batch' "$f" | tail -n 1 | cut -c1-160)"
   done
   (tail -n 2 /root/bench/*.txt /root/train/*.txt 2>/dev/null || true) | cut -c1-300  # some may not exist yet
@@ -298,6 +313,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|quantdecode|selection|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|quantdecode|selection|questdiag|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
