@@ -44,6 +44,9 @@
 #                                                runs only those.
 #   bash benchmarks/device_session.sh gpukernels  the kernel-level tests of GPU_TESTS only (no servers), ~2 min.
 #   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
+#   bash benchmarks/device_session.sh quality16ksel | quality16kquant   quality-large at 16K for the selection methods
+#                                                (quest, omnikv, retroinfer) / the quantized pools (fp8_kv, kivi 4
+#                                                and 2 bits, turboquant), default configs, each ~1 min a method.
 #   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
 #                                                (e.g. `queue gputests headline floorref`); its progress
 #                                                and each step's failure, if any, in /root/bench/queue.txt.
@@ -234,6 +237,15 @@ quality16k)  # quality-large at 16K under QUALITY_METHODS (default: dense, snapk
   QUALITY_METHODS="${QUALITY_METHODS:-$eviction}" QUALITY_TAG="${QUALITY_TAG:-eviction}" \
       QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
+quality16ksel)  # quality-large at 16K: quest, omnikv, retroinfer at their default configs (~1 min a method)
+  QUALITY_METHODS="${QUALITY_METHODS:-quest omnikv retroinfer}" QUALITY_TAG="${QUALITY_TAG:-selection}" \
+      SGLSPARSE_GPU_SELECTION=1 QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
+  ;;
+quality16kquant)  # quality-large at 16K: fp8_kv, kivi 4 and 2 bits, turboquant 4 bits (~1 min a method)
+  quant='fp8_kv kivi kivi:{"bits":2} turboquant'
+  QUALITY_METHODS="${QUALITY_METHODS:-$quant}" QUALITY_TAG="${QUALITY_TAG:-quant}" \
+      SGLSPARSE_GPU_QUANT=1 QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
+  ;;
 queue)  # queue STEP...: run the steps one after another, detached; progress in /root/bench/queue.txt
   shift
   install
@@ -313,6 +325,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|quantdecode|selection|questdiag|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac

@@ -268,12 +268,15 @@ def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> hand
 # tok/s (vanilla bf16: 216): each needs a 130K run at or above vanilla before it is served by default.
 GPU_VALIDATED_STORES: frozenset[str] = frozenset()
 GPU_STORE_STATUS = {
-    "kivi": "its GPU kernels pass the GPU tests, but its decode kernel ran at 6.9 tok/s at 130K x 6 on an H200 "
-            "(vanilla bf16 FlashInfer: 216; 2026-12-03)",
-    "fp8_kv": "its GPU kernels pass the GPU tests (2026-12-03), but its decode speed at long context has not been "
-              "measured yet (KIVI's decode kernel, of the same design, was 30x slower than vanilla at 130K)",
-    "turboquant": "its GPU kernels pass the GPU tests (2026-12-03), but its decode speed at long context has not "
-                  "been measured yet (KIVI's decode kernel, of the same design, was 30x slower than vanilla at 130K)",
+    "kivi": "its GPU kernels pass the GPU tests, but its decode kernel took 3.3 ms a layer at 130K x 6 on an H200 "
+            "(4-bit; 2.7 ms at 2 bits), 4.5x the 0.74 ms floor of reading that KV in bf16 "
+            "(benchmarks/quant_decode.py, 2026-12-03)",
+    "fp8_kv": "its decode kernel took 0.98 ms a layer at 130K x 6 on an H200, slower than the 0.74 ms floor of reading "
+              "that KV in bf16 (benchmarks/quant_decode.py, 2026-12-03); changed since, not "
+              "re-measured",
+    "turboquant": "its GPU kernels pass the GPU tests, but its decode kernel took 17.9 ms a layer at 130K x 6 on an "
+                  "H200, 24x the 0.74 ms floor of reading that KV in bf16 (benchmarks/quant_decode.py, "
+                  "2026-12-03)",
 }
 GPU_STORE_ENV = "SGLSPARSE_GPU_QUANT"
 
