@@ -113,7 +113,9 @@ class RetroInferSelector(PageSelector):
 
     def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
         if layer_id == self._first_layer and self.stamps is not None:
-            self.stamps[loc.long() // self.page_size] = 0  # new content: no index covers the page any more
+            # New content: no index covers the page any more. index_fill_ (not ``stamps[idx] = 0``, which copies
+            # the 0 from the host and fails inside a CUDA-graph capture: tests/gpu, 2026-12-03).
+            self.stamps.index_fill_(0, loc.long() // self.page_size, 0)
 
     # -- decode -------------------------------------------------------------------------------------
     def _max_segments(self, req_to_token: torch.Tensor) -> int:
