@@ -63,21 +63,51 @@ def _keys(row, start, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_ge(row, n, keys, mid, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """Entries of the row whose key is ``>= mid``."""
+def _digit_hist(row, n, keys, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """Histogram (256 bins) of the key byte at ``SHIFT`` over the row's selectable entries (above -inf) whose
+    higher bytes equal ``prefix``'s; the top byte (``SHIFT`` 24) as a signed byte moved to 0..255, so that
+    bin order is key order."""
     if ONE_BLOCK:
-        c = tl.sum((keys >= mid).to(tl.int32), axis=0)
+        hist = _hist_block(keys, prefix, SHIFT)
     else:
-        acc = tl.zeros((BLOCK,), tl.int32)
+        hist = tl.zeros((256,), tl.int32)
         for start in range(0, n, BLOCK):
-            acc += (_keys(row, start, n, BLOCK) >= mid).to(tl.int32)
-        c = tl.sum(acc, axis=0)
-    return c
+            hist += _hist_block(_keys(row, start, n, BLOCK), prefix, SHIFT)
+    return hist
+
+
+@triton.jit
+def _hist_block(keys, prefix, SHIFT: tl.constexpr):
+    cand = keys > _KEY_NEG_INF
+    if SHIFT == 24:
+        digit = (keys >> 24) + 128
+    else:
+        cand = cand & ((keys >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        digit = (keys >> SHIFT) & 255
+    return tl.histogram(digit, 256, mask=cand)
+
+
+@triton.jit
+def _radix_pass(row, n, keys, prefix, need, above, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+                ONE_BLOCK: tl.constexpr):
+    """One byte of the k-th largest key: the largest bin ``b`` with at least ``need`` candidates at or above
+    it; the candidates above ``b`` are taken (``above``), ``need`` shrinks by them, ``b`` joins ``prefix``."""
+    hist = _digit_hist(row, n, keys, prefix, SHIFT, BLOCK, ONE_BLOCK)
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    b = tl.maximum(tl.max(tl.where(at_or_above >= need, bins, -1), axis=0), 0)
+    gt = tl.sum(tl.where(bins > b, hist, 0), axis=0)
+    if SHIFT == 24:
+        prefix = (b - 128) << 24
+    else:
+        prefix = prefix | (b << SHIFT)
+    return prefix, need - gt, above + gt
 
 
 @triton.jit
 def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """One program per row: bisect the k-th largest key, then write the chosen positions in order."""
+    """One program per row: the k-th largest key by radix select (4 passes of one byte), then the chosen
+    positions written in order."""
     r = tl.program_id(0)
     row = scores + r.to(tl.int64) * stride_s
     out_row = out + r.to(tl.int64) * k
@@ -86,24 +116,21 @@ def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr,
         keys = _keys(row, 0, n, BLOCK)
     else:
         keys = tl.zeros((BLOCK,), tl.int32)  # unused: each pass re-reads the row
-    kmin = _KEY_NEG_INF + 1
-    m = _count_ge(row, n, keys, kmin, BLOCK, ONE_BLOCK)  # selectable entries: real, above -inf
-    # Invariants: count(key >= lo) >= k and count(key > hi) == above; the threshold t lies in [lo, hi].
-    # A row of at most k selectable entries starts done, at t = key(-inf): it takes all of them (and none
-    # of its ties, the -inf entries).
+    # Each pass: a 256-bin histogram of one key byte among the entries that share the bytes chosen so far.
+    # The first version bisected the key range instead (up to 32 counting passes): 45 us a layer for 5 x 32K
+    # Quest rows on the H200 (benchmarks/results/2026-12-03-device-d/questdiag-profile.txt).
+    prefix = n * 0
+    need = n * 0 + k
+    above = n * 0
+    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 24, BLOCK, ONE_BLOCK)
+    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 16, BLOCK, ONE_BLOCK)
+    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 8, BLOCK, ONE_BLOCK)
+    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 0, BLOCK, ONE_BLOCK)
+    m = tl.sum(_digit_hist(row, n, keys, prefix, 24, BLOCK, ONE_BLOCK), axis=0)  # selectable: real, above -inf
+    # A row of at most k selectable entries takes all of them (t = key(-inf), no ties: -inf is never taken).
     small = m <= k
-    lo = tl.where(small, kmin - 1, kmin).to(tl.int64)
-    hi = tl.where(small, kmin - 1, 2147483647).to(tl.int64)
-    above = tl.where(small, m, 0)
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2  # in (lo, hi]: every pass shrinks the interval
-        c = _count_ge(row, n, keys, mid.to(tl.int32), BLOCK, ONE_BLOCK)
-        # c == k: the entries >= mid are the selection; stop at t = mid - 1 with no ties to take.
-        lo = tl.where(c > k, mid, tl.where(c == k, mid - 1, lo))
-        hi = tl.where(c > k, hi, mid - 1)
-        above = tl.where(c > k, above, c)
-    t = lo.to(tl.int32)
-    need = tl.where(small, 0, k - above)  # entries equal to t to take, earliest first
+    t = tl.where(small, _KEY_NEG_INF, prefix)
+    need = tl.where(small, 0, need)  # entries equal to t to take, earliest first
     taken = tl.minimum(m, k)
     carry = taken * 0
     ties = taken * 0
@@ -129,9 +156,9 @@ def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tens
     score is not tied with an unselected one; on ties, the earliest positions win.
 
     ``torch.topk`` + ``torch.sort`` spends most of its time sorting; a selection needs neither. The row's
-    ``k``-th largest score ``t`` is found by bisection on the scores' int32 keys (ordered like the floats):
-    each pass counts the entries ``>= mid`` (at most 32 passes; it stops early once exactly ``k`` are),
-    over a row held in registers up to ``SELECT_MAX_BLOCK`` entries, re-read in chunks past it. The
+    ``k``-th largest score ``t`` is found by radix select on the scores' int32 keys (ordered like the
+    floats): four passes, each a 256-bin histogram of one key byte among the entries sharing the bytes
+    chosen so far, over a row held in registers up to ``SELECT_MAX_BLOCK`` entries, re-read in chunks past it. The
     entries ``> t`` and the first ties ``== t`` are then written in position order by a running prefix
     count, so no sort is needed. ``-inf`` entries are never selected (as :func:`select_pages` maps them to
     the unused value). Static shapes, no host sync (CUDA-graph safe)."""
