@@ -337,8 +337,11 @@ class PageSelector(ABC):
         """Allocate the metadata buffers (once, after the KV pool, before CUDA-graph capture)."""
         return None
 
-    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
-        """K (post-RoPE, ``[n, Hkv, D]``) was written at slots ``loc`` (``[n]``) of a selecting layer."""
+    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
+        """K (post-RoPE, ``[n, Hkv, D]``) was written at slots ``loc`` (``[n]``) of a selecting layer.
+        ``decode``: a decode step's write, one new token per request, so no two slots of ``loc`` share a page
+        but SGLang's padding page 0 (CUDA-graph padding rows): per-page metadata may be updated in place
+        without a reduction over the slots."""
         return None
 
     def observes(self, layer_id: int) -> bool:

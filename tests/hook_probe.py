@@ -74,7 +74,7 @@ class ProbeSelector(PageSelector):
         self.num_kv_heads = g.num_kv_heads
         self.log("allocate", layers=g.num_layers)
 
-    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
         self.log("on_kv_write", layer=layer_id, n=int(loc.shape[0]))
 
     def observe(self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,

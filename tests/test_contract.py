@@ -76,7 +76,7 @@ class _RecordingSelector(PageSelector):
     def pages_per_row(self) -> int:
         return 64
 
-    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
         assert k.shape == (loc.shape[0], 2, 16)
         self.calls.append(f"kv{layer_id}")
 

@@ -222,3 +222,40 @@ def test_quest_selector_triton_path_matches_torch_path() -> None:
         print("ok")
     """)
     _run_interpreted(code)
+
+
+def test_decode_summary_kernel_equals_page_min_max() -> None:
+    """Decode-step writes (one token per request a step, plus two CUDA-graph padding rows at slot 0) through
+    the in-place Triton kernel give every real page its keys' exact min and max, over stale garbage, and
+    equal the general path's summaries."""
+    code = textwrap.dedent("""
+        import torch
+        from sgl_sparse.kernels import quest
+        import tests.test_quest_kernels as t
+        g = torch.Generator().manual_seed(7)
+        lens = [13, 9, 1, 16]
+        num_pages = 24
+        k_buf = torch.randn(num_pages * t.PS, t.HKV, t.D, generator=g).to(torch.bfloat16)
+        free = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+        slots = []
+        for n in lens:
+            pg = torch.tensor([free.pop() for _ in range(-(-n // t.PS))])
+            pos = torch.arange(n)
+            slots.append(pg[pos // t.PS] * t.PS + pos % t.PS)
+        stale = torch.randn(num_pages, t.HKV, t.D, generator=g).to(torch.bfloat16)
+        kmin, kmax = stale.clone(), stale.clone()
+        rmin, rmax = stale.clone(), stale.clone()
+        for step in range(max(lens)):
+            loc = torch.tensor([int(s[step]) for s in slots if step < len(s)] + [0, 0])
+            quest.update_decode_summaries(kmin, kmax, loc, k_buf[loc], t.PS)
+            quest.update_page_summaries(rmin, rmax, loc, k_buf[loc], t.PS)
+        for s in slots:
+            for p in range(0, len(s), t.PS):
+                page = s[p:p + t.PS]
+                phys = int(page[0]) // t.PS
+                assert torch.equal(kmin[phys], k_buf[page].min(0).values), phys
+                assert torch.equal(kmax[phys], k_buf[page].max(0).values), phys
+                assert torch.equal(kmin[phys], rmin[phys]) and torch.equal(kmax[phys], rmax[phys])
+        print("ok")
+    """)
+    _run_interpreted(code)

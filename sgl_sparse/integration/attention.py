@@ -136,7 +136,7 @@ class _SparseBackendMixin:
                                 kwargs.get("save_kv_cache", args[0] if args else True))
         self._capture(q, layer, forward_batch, is_decode=True)
         if self.selector is not None and self.selector.selects(layer.layer_id) and not layer.is_cross_attention:
-            write_summaries(self.selector, layer, forward_batch.out_cache_loc, k)
+            write_summaries(self.selector, layer, forward_batch.out_cache_loc, k, decode=True)
             return self._forward_decode_selected(q, k, v, layer, forward_batch, *args, **kwargs)
         out = super().forward_decode(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
         if self.selector is not None and self.selector.observes(layer.layer_id) and not layer.is_cross_attention:

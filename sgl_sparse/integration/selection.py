@@ -46,10 +46,11 @@ def allocate_once(selector: PageSelector, model_runner: Any) -> None:
                 g.page_size, selector.metadata_bytes_per_token(g) * g.num_slots / 2**20)
 
 
-def write_summaries(selector: PageSelector, layer: Any, loc: torch.Tensor, k: torch.Tensor | None) -> None:
+def write_summaries(selector: PageSelector, layer: Any, loc: torch.Tensor, k: torch.Tensor | None,
+                    decode: bool = False) -> None:
     if k is None or getattr(layer, "is_cross_attention", False) or not selector.selects(layer.layer_id):
         return
-    selector.on_kv_write(layer.layer_id, loc, k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim))
+    selector.on_kv_write(layer.layer_id, loc, k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim), decode=decode)
 
 
 def _no_sliding_window(layer: Any) -> None:

@@ -48,6 +48,17 @@ def test_quest_kernels_at_a_serving_shape_match_torch_and_do_not_sync() -> None:
         sel = pages.select_pages(got, 128)
     ref = torch.empty_like(got)
     quest.score_pages_torch(q, kmin, kmax, r2t, rpi, seq, ref, ps, 4, 32)
+    # A decode step's write (the next position of each request, two padding rows at slot 0) through the
+    # in-place kernel equals the general path's, without a sync.
+    nxt = torch.tensor([int(r2t[r, n - 1]) + 1 if n % ps else 0 for r, n in zip(range(1, 7), lens[:6])] + [0, 0],
+                       device=DEV)
+    knew = torch.randn(len(nxt), hkv, d, generator=g).to(DEV, torch.bfloat16)
+    dmin, dmax = kmin.clone(), kmax.clone()
+    with sync_debug("error"):
+        quest.update_decode_summaries(dmin, dmax, nxt, knew, ps)
+    rmin, rmax = kmin.clone(), kmax.clone()
+    quest.update_page_summaries(rmin, rmax, nxt, knew, ps)
+    assert torch.equal(dmin[1:], rmin[1:]) and torch.equal(dmax[1:], rmax[1:])
     finite = ref.isfinite()
     assert torch.equal(finite, got.isfinite()) and torch.equal(ref[~finite], got[~finite])
     assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-2)

@@ -87,8 +87,11 @@ class QuestSelector(PageSelector):
             self.kmax[i] = torch.full(shape, float("-inf"), dtype=g.dtype, device=g.device)
         self.use_triton = g.device.type == "cuda"
 
-    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
-        quest.update_page_summaries(self.kmin[layer_id], self.kmax[layer_id], loc, k, self.page_size)
+    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
+        if decode and self.use_triton:
+            quest.update_decode_summaries(self.kmin[layer_id], self.kmax[layer_id], loc, k, self.page_size)
+        else:
+            quest.update_page_summaries(self.kmin[layer_id], self.kmax[layer_id], loc, k, self.page_size)
 
     def select(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor) -> torch.Tensor:

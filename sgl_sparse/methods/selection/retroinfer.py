@@ -111,7 +111,7 @@ class RetroInferSelector(PageSelector):
         self.stamps = torch.zeros(g.num_pages, dtype=torch.int32, device=g.device)
         self.use_triton = g.device.type == "cuda"
 
-    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+    def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
         if layer_id == self._first_layer and self.stamps is not None:
             # New content: no index covers the page any more. index_fill_ (not ``stamps[idx] = 0``, which copies
             # the 0 from the host and fails inside a CUDA-graph capture: tests/gpu, 2026-12-03).
