@@ -1,7 +1,8 @@
 """Selection cost per layer on the GPU, stage by stage (no server), each stage replayed as a CUDA graph (as
 in a decode step), beside the bandwidth floors. Quest (every selecting layer): page scoring, top-k + sort
-(torch) or the Triton threshold select, slot-list expansion; against the summaries' and the dense KV's
-read. OmniKV (each filter layer): token scoring (reads the layer's K), top-k + sort or the Triton select.
+(torch) or the Triton radix select, slot-list expansion, the decode step's summary update (the general path
+and the in-place decode kernel); against the summaries' and the dense KV's read. OmniKV (each filter layer):
+token scoring (reads the layer's K), top-k + sort or the Triton select.
 
     python benchmarks/selection_overhead.py [--shapes 1x130000 5x130000 6x130000 16x32768] [--token-budget 2048]
 
@@ -29,9 +30,10 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=2048)
     args = p.parse_args()
     k = args.token_budget // PS
-    print("| batch x context | score us | top-k + sort us | Triton select us | expand us | total us/layer (torch "
-          "top-k) | summaries read at floor us | dense KV read at floor us |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| batch x context | score us | top-k + sort us | Triton select us | expand us | summary update us "
+          "(general / decode kernel) | total us/layer (Triton select, decode update) | summaries read at floor us | "
+          "dense KV read at floor us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for shape in args.shapes:
         bs, n = (int(x) for x in shape.split("x"))
         print(_row(bs, n, k))
@@ -80,14 +82,19 @@ def _row(bs: int, n: int, k: int) -> str:
     sel = pages.select_pages(scores, k)
     t_score = graph_us(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32))
     t_topk = graph_us(lambda: pages.select_pages(scores, k))
-    counts = pages.page_counts(seq, PS).repeat_interleave(HKV)
-    same = torch.equal(sel, pages.select_pages_triton(scores, k, counts))
-    t_tri = graph_us(lambda: pages.select_pages_triton(scores, k, counts))
+    # As the server calls it: the sequence lengths, one per KV head's row, in pages.
+    same = torch.equal(sel, pages.select_pages_triton(scores, k, seq, HKV, PS))
+    t_tri = graph_us(lambda: pages.select_pages_triton(scores, k, seq, HKV, PS))
     t_expand = graph_us(lambda: pages.expand_pages(sel, r2t, rpi, seq, indptr, out, PS))
+    # A decode step's K write: each request's next position (its open page), as one token per request.
+    loc = r2t[rpi, n].long()
+    knew = torch.randn(bs, HKV, D, device=dev, dtype=torch.bfloat16)
+    t_sum = graph_us(lambda: quest.update_page_summaries(kmin, kmax, loc, knew, PS))
+    t_sum_dec = graph_us(lambda: quest.update_decode_summaries(kmin, kmax, loc, knew, PS))
     summaries = bs * -(-n // PS) * HKV * D * 2 * 2
     dense = bs * n * HKV * D * 2 * 2
     return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_tri:.1f} (same lists: {same}) | {t_expand:.1f} | "
-            f"{t_score + t_topk + t_expand:.1f} | "
+            f"{t_sum:.1f} / {t_sum_dec:.1f} | {t_score + t_tri + t_expand + t_sum_dec:.1f} | "
             f"{summaries / HBM * 1e6:.1f} | {dense / HBM * 1e6:.1f} |")
 
 

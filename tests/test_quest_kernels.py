@@ -197,6 +197,16 @@ def test_triton_select_matches_torch_and_takes_earliest_ties() -> None:
                     torch.randint(0, 6, scores.shape, generator=g)]
                 got = pages.select_pages_triton(ties, k, counts)
                 assert torch.equal(got, t._stable_topk(ties, k, counts)), (ties, k, counts, got)
+        # Counts as sequence lengths shared by rows_per_count rows, in pages of 4 positions.
+        pages.SELECT_MAX_BLOCK, pages.SELECT_CHUNK = 16384, 4096
+        for scores, k, counts in t._select_cases(seed=6):
+            if scores.shape[0] % 2:
+                continue
+            pair = counts.view(-1, 2).min(dim=1).values  # both rows of a pair: the smaller count (no garbage read)
+            lens = (pair * 4 - 3).clamp(min=0)  # ceil(lens / 4) == pair
+            want = pair.repeat_interleave(2)
+            got = pages.select_pages_triton(scores, k, lens, rows_per_count=2, page_size=4)
+            assert torch.equal(got, t._stable_topk(scores, k, want)), (scores, k, lens, got)
         print("ok")
     """)
     _run_interpreted(code)

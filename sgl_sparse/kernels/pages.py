@@ -105,13 +105,14 @@ def _radix_pass(row, n, keys, prefix, need, above, SHIFT: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                   ROWS_PER_COUNT: tl.constexpr, PAGE: tl.constexpr):
     """One program per row: the k-th largest key by radix select (4 passes of one byte), then the chosen
     positions written in order."""
     r = tl.program_id(0)
     row = scores + r.to(tl.int64) * stride_s
     out_row = out + r.to(tl.int64) * k
-    n = tl.minimum(tl.load(counts + r).to(tl.int32), width)
+    n = tl.minimum(tl.cdiv(tl.load(counts + r // ROWS_PER_COUNT).to(tl.int32), PAGE), width)
     if ONE_BLOCK:
         keys = _keys(row, 0, n, BLOCK)
     else:
@@ -150,10 +151,13 @@ def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr,
         tl.store(out_row + offs, tl.full((BLOCK,), 0, tl.int64) + width, mask=(offs >= taken) & (offs < k))
 
 
-def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tensor) -> torch.Tensor:
-    """:func:`select_pages` as one Triton program per row, for rows whose first ``counts[r]`` entries are
-    real (the rest is neither read nor selected): the same output when the row's ``num_pages``-th largest
-    score is not tied with an unselected one; on ties, the earliest positions win.
+def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tensor, rows_per_count: int = 1,
+                        page_size: int = 1) -> torch.Tensor:
+    """:func:`select_pages` as one Triton program per row, for rows whose first
+    ``ceil(counts[r // rows_per_count] / page_size)`` entries are real (the rest is neither read nor selected;
+    Quest passes the sequence lengths, its KV heads' rows and its page size, so that no kernel computes page
+    counts per layer): the same output when the row's ``num_pages``-th largest score is not tied with an
+    unselected one; on ties, the earliest positions win.
 
     ``torch.topk`` + ``torch.sort`` spends most of its time sorting; a selection needs neither. The row's
     ``k``-th largest score ``t`` is found by radix select on the scores' int32 keys (ordered like the
@@ -172,7 +176,7 @@ def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tens
     one_block = width <= SELECT_MAX_BLOCK
     block = triton.next_power_of_2(width) if one_block else SELECT_CHUNK
     _select_kernel[(rows,)](scores, counts, out, width, scores.stride(0), k, BLOCK=block, ONE_BLOCK=one_block,
-                            num_warps=max(1, min(16, block // 512)))
+                            ROWS_PER_COUNT=rows_per_count, PAGE=page_size, num_warps=max(1, min(16, block // 512)))
     return out
 
 

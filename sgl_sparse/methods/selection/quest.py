@@ -16,7 +16,7 @@ import torch
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SparseMethod
 from sgl_sparse.kernels import quest
-from sgl_sparse.kernels.pages import page_counts, randomize_scores, select_pages, select_pages_triton
+from sgl_sparse.kernels.pages import randomize_scores, select_pages, select_pages_triton
 from sgl_sparse.registry import register_method
 
 
@@ -105,8 +105,7 @@ class QuestSelector(PageSelector):
             scores = randomize_scores(scores)
         # The Triton select reads only each row's real pages (torch's relies on the -inf past them).
         if self.use_triton and self.triton_select:
-            counts = page_counts(seq_lens, self.page_size).repeat_interleave(kmin.shape[1])
-            return select_pages_triton(scores, self.pages_per_row, counts)
+            return select_pages_triton(scores, self.pages_per_row, seq_lens, kmin.shape[1], self.page_size)
         return select_pages(scores, self.pages_per_row)
 
 
