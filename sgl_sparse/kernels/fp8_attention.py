@@ -93,7 +93,7 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
     d = tl.arange(0, D)
     qv = group_queries(q, i, h, stride_qb, stride_qh, G, GP, D)
-    qv = qv.to(tl.bfloat16) if NATIVE else qv
+    qv = qv.to(q.dtype.element_ty) if NATIVE else qv  # the model dtype (E4M3 is exact in bf16 and fp16)
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
