@@ -11,7 +11,8 @@ program walks its share of the row's ``seq_lens`` tokens (a graph captured at fu
 past a row's real length), keeps the online-softmax state of the group's query heads, and the splits
 are merged in torch. The key scale multiplies the logits (``q . (s_k c) = s_k (q . c)``: one multiply
 per token and query head, not one per element); the value scale multiplies the probabilities. On the GPU
-both dots take the raw codes in bf16 on the tensor cores (E4M3 is exact in bf16), accumulating in fp32.
+both dots take the raw codes in the model dtype on the tensor cores (E4M3 is exact in bf16 and fp16),
+accumulating in fp32.
 
 On the GPU the codes are converted by the hardware (a bitcast to ``float8e4nv``); under
 ``TRITON_INTERPRET=1``, which has no fp8 types, E4M3 is decoded from its bits by arithmetic (sign, 4-bit
@@ -105,10 +106,10 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
         vc = tl.load(v_codes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], mask=ok[:, None], other=0)
         ks = tl.load(k_scale + slot * stride_ss + h, mask=ok, other=0.0)
         vs = tl.load(v_scale + slot * stride_ss + h, mask=ok, other=0.0)
-        # As the extend kernel: raw E4M3 codes (exact in bf16) into bf16 dots on the GPU, the key scale on the
-        # logits and the value scale on the probabilities, fp32 accumulation. The first version decoded to fp32
-        # and scaled every value element (TF32 dots): 976 us a layer at 6 x 130K on the H200, 39% of its
-        # HBM floor (benchmarks/quant_decode.py, 2026-12-03).
+        # As the extend kernel: raw E4M3 codes (exact in bf16 and fp16) into dots in the model dtype on the
+        # GPU, the key scale on the logits and the value scale on the probabilities, fp32 accumulation. The
+        # first version decoded to fp32 and scaled every value element (TF32 dots): 976 us a layer at 6 x 130K
+        # on the H200, 39% of its HBM floor (benchmarks/quant_decode.py, 2026-12-03).
         s = tl.dot(qv, tl.trans(_decode_codes(kc, NATIVE).to(qv.dtype))) * (ks * scale)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = online_step_weighted(m, den, acc, s, _decode_codes(vc, NATIVE).to(qv.dtype), vs)
