@@ -11,6 +11,18 @@ import triton.language as tl
 
 
 @triton.jit
+def softmax_step(m, lse_sum, logits):
+    """The online softmax's bookkeeping for ``logits`` ``[G, N]``: (new max, new denominator, the probabilities
+    ``[G, N]``, the factor ``[G]`` that rescales what was accumulated so far), for kernels that keep their output
+    in several pieces (``kernels/chunks.py``)."""
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    return m_new, lse_sum * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def online_step(m, lse_sum, acc, logits, vals):
     """One online-softmax step: ``logits`` ``[G, N]``, ``vals`` ``[N, D]`` (fp32)."""
     m_new = tl.maximum(m, tl.max(logits, 1))
