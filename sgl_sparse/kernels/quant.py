@@ -185,26 +185,3 @@ def unpack_chunks(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(p, device=packed.device, dtype=torch.int32)[:, None] * lane
     chunks = (packed.to(torch.int32)[..., None, :] >> shifts) & ((1 << lane) - 1)  # [..., P, W]
     return chunks.flatten(-2).to(torch.uint8)
-
-
-# -- bit planes -------------------------------------------------------------------------------------
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes ``[..., D]`` (values < ``2**bits``, ``D`` a multiple of 8) -> uint8 ``[..., bits, D / 8]``:
-    plane ``b`` holds bit ``b`` of every code, 8 codes a byte, the first code in the lowest bit."""
-    d = codes.shape[-1]
-    if d % 8:
-        raise ValueError(f"the last dimension ({d}) must be a multiple of 8")
-    c = codes.to(torch.int32)
-    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32))
-    planes = [(((c >> b) & 1).view(*c.shape[:-1], d // 8, 8) * weights).sum(dim=-1) for b in range(bits)]
-    return torch.stack(planes, dim=-2).to(torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of :func:`pack_bits`."""
-    p = packed.to(torch.int32)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    bitsof = (p[..., None] >> shifts) & 1  # [..., bits, D/8, 8]
-    planes = bitsof.flatten(-2)  # [..., bits, D]
-    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32))[:, None]
-    return (planes * weights).sum(dim=-2).to(torch.uint8)
