@@ -6,9 +6,9 @@ byte tile once (contiguous per slot) and takes chunk ``c`` from it with a mask: 
 ``[c W, (c + 1) W)``, already in channel order (no reshape). It works on ``P`` chunks (``[rows, W]`` tiles, kept
 in tuples) instead of ``[rows, D]`` tiles:
 
-* :func:`code_bytes` loads a byte tile, :func:`chunk_float` turns chunk ``c`` into exact fp32 codes with two
-  integer ops and a float add (the int -> float convert is slower), :func:`chunk_code` into integer codes for a
-  codebook gather;
+* :func:`code_bytes` loads a byte tile; :func:`chunk_float` turns chunk ``c`` into exact fp32 codes with an AND
+  and a float add an element, after one OR a byte for all its chunks (the int -> float convert is slower);
+  :func:`chunk_code` into integer codes (a shift and a mask) for a codebook gather;
 * :func:`query_chunks` splits the queries into the same chunks once per program, :func:`dot_nt` is the logits
   of one chunk, :func:`store_split_chunks` stores the split state from ``[GP, U]`` pieces of the output.
 """
