@@ -30,11 +30,12 @@ a ``[GS, D / 8, 8] -> [GS, D]`` reshape a page, plus a multiply-add per element 
 KIVI-2 2,725 us, against their pools' HBM floors of 232 and 139 us and bf16's 743 us (which reads twice KIVI-4's
 bytes). Per element now, K or V: an AND and a float add, plus the byte's extraction and OR shared by its ``P``
 codes: 2 integer ops and 1 float at 4 bits, 1.5 and 1 at 2 bits (was ~16 and ~8 integer ops, plus a multiply-add to
-dequantize); nothing per element for the scales. In the compiled loop (Triton 3.6 for sm_90, compiled without a
-GPU; one page of Llama-3-8B heads at ``GS`` 32; SASS instructions of the loop body x threads / elements): 8.9 an
-element at 4 bits, 9.0 at 2 bits, against 26.2 and 16.9 for the bit-plane kernel (integer: 3.9 and 4.1, against
-15.9 and 8.7); registers 172 and 157, against 254 and 255. Not yet timed on a GPU: ``benchmarks/quant_decode.py``
-will say whether that reaches the goal (under bf16's 743 us, ideally within twice the pool's floor).
+dequantize); nothing per element for the scales. In the compiled loop (``benchmarks/sass_counts.py``: Triton 3.6
+for sm_90, compiled without a GPU; one page of Llama-3-8B heads at ``GS`` 32; SASS instructions of the loop body x
+threads / elements): 8.9 an element at 4 bits, 9.0 at 2 bits, against 26.2 and 16.9 for the bit-plane kernel
+(integer: 4.2 and 4.4, against 15.9 and 8.7); registers 172 and 157, against 254 and 255. Not yet timed on a GPU:
+``benchmarks/quant_decode.py`` will say whether that reaches the goal (under bf16's 743 us, ideally within twice
+the pool's floor).
 
 Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
 the model dtype (``[prefix tokens, Hkv, D]`` for K and V, a chunk at a time, at most ``WS_TOKENS`` prefix
