@@ -4,23 +4,28 @@ torch rotations) replayed as a CUDA graph, as inside a served decode step, besid
 the batch's tokens, the time to read them at the HBM rate, and the same for a bf16 pool (what vanilla reads).
 
     python benchmarks/quant_decode.py [--shapes 6x130000 16x32768] [--methods kivi4 kivi2 fp8_kv turboquant]
+                                      [--warps 2 4]
 
 Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,072 wide as in a server at
 ``--context-length 131072`` (the grid, its splits included, follows the width, as a graph captured for the
 context length does). ``step ms`` is 32 layers of it: the attention part of a decode step. Pool contents are
-random codes with unit scales: timing does not depend on them.
+random codes with unit scales: timing does not depend on them. ``--warps``: also time KIVI's and TurboQuant's
+kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
+choice), one row each.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from graph_timing import graph_us
 
 from sgl_sparse.contract import KVGeometry, pool_page_size
+from sgl_sparse.kernels import kivi_attention, turboquant_attention
 from sgl_sparse.registry import create_method
 
 HQ, HKV, D, WIDTH, LAYERS = 32, 8, 128, 131072, 32
@@ -44,7 +49,17 @@ def _fill(store: object) -> None:
                     t.fill_(1.0)
 
 
-def _row(label: str, bs: int, n: int) -> str:
+def _decode(label: str, store: Any, warps: int | None) -> Callable[..., torch.Tensor]:
+    """The store's CUDA decode, or its kernel called with ``warps``."""
+    if warps is None:
+        return store.decode
+    if label.startswith("kivi"):
+        return lambda layer, q, *rest: kivi_attention.decode_attention(q, *store._buffers(layer), *rest, store.bits,
+                                                                        store.group, warps=warps)
+    return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, warps=warps)
+
+
+def _row(label: str, bs: int, n: int, warps: int | None = None) -> str:
     name, config = METHODS[label]
     method = create_method(name, config)
     store = method.store
@@ -61,10 +76,13 @@ def _row(label: str, bs: int, n: int) -> str:
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
-    us = graph_us(lambda: store.decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
+    decode = _decode(label, store, warps)
+    us = graph_us(lambda: decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     pool = bs * n * store.bytes_per_token(g)  # one layer's bytes for the batch's tokens
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
+    if warps is not None:
+        label = f"{label} ({warps} warps)"
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} |")
 
@@ -73,6 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["6x130000", "16x32768"], help="BATCHxCONTEXT")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--warps", nargs="*", type=int, default=[], help="also time KIVI and TurboQuant at these warps")
     args = p.parse_args()
     print("| pool | batch x context | us/layer | step ms (32 layers) | pool MB read | pool floor us | % of floor | "
           "bf16 MB | bf16 floor us | bf16 floor / ours |")
@@ -81,6 +100,8 @@ def main() -> None:
         bs, n = (int(x) for x in shape.split("x"))
         for label in args.methods:
             print(_row(label, bs, n), flush=True)
+            for w in args.warps if label != "fp8_kv" else []:
+                print(_row(label, bs, n, w), flush=True)
 
 
 if __name__ == "__main__":

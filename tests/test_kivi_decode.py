@@ -1,7 +1,9 @@
 """KIVI's page-aligned decode kernel (``kernels/kivi_attention.py::decode_attention``) at page sizes that take
 each of its paths (8: two pages an iteration; 16, 32: one page, its key scale read once), over rows that end
 mid-page, exactly on a page, inside their first page, empty, and a batch whose rows leave most splits empty;
-against the store's torch path and against KIVI quantize-dequantize-attend written here in plain torch."""
+against the store's torch path and against KIVI quantize-dequantize-attend written here in plain torch. The
+head dims put a chunk (``D * bits / 8`` channels) under 16 (the logits' broadcast path), at 16 or more
+(``tl.dot``), within one value group, and across two or four of them (4 bits at 16 x 64 and 8 x 32; 8 x 64)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize(("gs", "d"), [(8, 16), (16, 32), (32, 64)])
+@pytest.mark.parametrize(("gs", "d"), [(8, 16), (16, 32), (32, 64), (16, 64), (8, 32), (8, 64)])
 def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int) -> None:
     if not INTERPRETED:
         pytest.skip("the kernel runs in the interpreted re-run")

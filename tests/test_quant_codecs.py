@@ -109,13 +109,33 @@ def test_qjl_residual_makes_the_one_bit_inner_product_unbiased() -> None:
     assert abs(sum(plain) / draws - truth) > 0.1 * scale
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
-def test_bit_planes_round_trip_every_width(bits: int) -> None:
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_chunk_packing_round_trips_every_width(bits: int) -> None:
     torch.manual_seed(bits)
     codes = torch.randint(0, 2**bits, (3, 2, 128), dtype=torch.uint8)
-    packed = quant.pack_bits(codes, bits)
-    assert packed.shape == (3, 2, bits, 16) and packed.dtype == torch.uint8
-    assert torch.equal(quant.unpack_bits(packed, bits), codes)
-    assert packed.numel() * 8 == codes.numel() * bits
-    with pytest.raises(ValueError, match="multiple of 8"):
-        quant.pack_bits(codes[..., :12], bits)
+    lane = quant.lane_bits(bits)
+    packed = quant.pack_chunks(codes, bits)
+    assert packed.shape == (3, 2, 128 * lane // 8) and packed.dtype == torch.uint8
+    assert torch.equal(quant.unpack_chunks(packed, bits), codes)
+    assert packed.numel() * 8 == codes.numel() * lane  # 3-bit codes take 4-bit lanes
+    with pytest.raises(ValueError, match="multiple of"):
+        quant.pack_chunks(codes[..., :(8 // lane) * 3 - 1], bits)
+    with pytest.raises(ValueError, match="bits"):
+        quant.pack_chunks(codes, 5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_chunk_c_of_a_byte_row_is_a_contiguous_channel_range(bits: int) -> None:
+    """``(byte >> c * bits) & mask`` over a vector's ``W`` bytes is channels ``[c W, (c + 1) W)``, in order:
+    what the kernels read as one ``[tokens, W]`` tile per chunk."""
+    d, p = 64, 8 // bits
+    w = d // p
+    torch.manual_seed(10 + bits)
+    codes = torch.randint(0, 2**bits, (5, d), dtype=torch.uint8)
+    packed = quant.pack_chunks(codes, bits).to(torch.int32)
+    assert packed.shape == (5, w)
+    for c in range(p):
+        assert torch.equal((packed >> (c * bits)) & (2**bits - 1), codes[:, c * w:(c + 1) * w].to(torch.int32))
+    one = torch.zeros(1, d, dtype=torch.uint8)
+    one[0, w + 3] = 1  # channel W + 3: chunk 1, byte 3
+    assert quant.pack_chunks(one, bits)[0].tolist() == [0, 0, 0, 1 << bits] + [0] * (w - 4)

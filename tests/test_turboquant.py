@@ -34,6 +34,8 @@ def test_config_and_sizes() -> None:
             g = KVGeometry(num_layers=LAYERS, num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, page_size=1,
                            num_slots=SLOTS, dtype=torch.float32, device=torch.device("cpu"))
             assert taken == store.bytes_per_token(g) * SLOTS
+    # 3-bit codes are stored in 4-bit lanes (chunk-major packing): 3 bits cost 4 bits' bytes, and say so
+    assert _store(3).bytes_per_token(g) == _store(4).bytes_per_token(g) == LAYERS * 2 * HKV * (D // 2 + 4)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -25,7 +25,7 @@ NEW = [3, 0, 2, 1, 4]  # an extend step's new tokens per request (one with none,
 GRID = [(bits, qjl) for bits in (2, 3, 4) for qjl in (False, True)]
 
 
-def _filled(bits: int, qjl: bool, group: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0):
+def _filled(bits: int, qjl: bool, group: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0, d: int = D):
     """A store with layer 1 holding ``LENS`` rows at random slots (slot 0, SGLang's padding slot, unused)."""
     store = create_method("turboquant", {"bits": bits, "qjl": qjl, "seed": 3}).store
     store.allocate(
@@ -33,7 +33,7 @@ def _filled(bits: int, qjl: bool, group: int = 2, dtype: torch.dtype = torch.flo
             num_layers=LAYERS,
             num_q_heads=HKV * group,
             num_kv_heads=HKV,
-            head_dim=D,
+            head_dim=d,
             page_size=1,
             num_slots=SLOTS,
             dtype=dtype,
@@ -47,8 +47,8 @@ def _filled(bits: int, qjl: bool, group: int = 2, dtype: torch.dtype = torch.flo
     for row, n in LENS.items():
         slots = free[at : at + n]
         at += n
-        k = torch.randn(n, HKV, D, generator=gen) * torch.linspace(0.2, 3, D)  # uneven channels: the rotation evens
-        v = torch.randn(n, HKV, D, generator=gen)
+        k = torch.randn(n, HKV, d, generator=gen) * torch.linspace(0.2, 3, d)  # uneven channels: the rotation evens
+        v = torch.randn(n, HKV, d, generator=gen)
         store.write(1, slots, k.to(dtype), v.to(dtype), torch.full((n,), row), decode=False)
         r2t[row, :n] = slots.to(torch.int32)
     return store, r2t, gen
@@ -123,6 +123,33 @@ def test_prefix_kernel_equals_the_store_reference(bits: int, qjl: bool) -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
         assert torch.isinf(got_lse[3:5]).all() and not got[3:5].any()  # request 2's new tokens: no prefix
+
+
+@pytest.mark.parametrize(("bits", "qjl", "d"), [(4, False, 64), (2, True, 128)])
+def test_kernels_at_head_dims_whose_chunks_take_tl_dot(bits: int, qjl: bool, d: int) -> None:
+    """At ``D = 16`` every chunk is under 16 channels (the logits' broadcast path); here 4-bit chunks of 32 channels
+    (``D = 64``) and 2-bit chunks of 32 with QJL's 1-bit chunks of 16 (``D = 128``) take ``tl.dot``, as at serving
+    shapes: decode and extend against the store's torch path."""
+    if not INTERPRETED:
+        pytest.skip("the kernel runs in the interpreted re-run")
+    from sgl_sparse.kernels import fp8_attention, turboquant_attention
+
+    store, r2t, gen = _filled(bits, qjl, seed=3, d=d)
+    assert store.k_codes[1].shape[2] == d * bits // 8 and (not qjl or store.k_signs[1].shape[2] == d // 8)
+    rpi, seq = _rows()
+    scale = 1 / math.sqrt(d)
+    q = torch.randn(len(LENS), HKV * 2, d, generator=gen)
+    want = store.decode(1, q, r2t, rpi.long(), seq.long(), scale)
+    got = turboquant_attention.decode_attention(q, store.layer(1), r2t, rpi, seq, scale, splits=3)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    qo = torch.tensor([0, *torch.tensor(NEW).cumsum(0).tolist()], dtype=torch.int32)
+    qe = torch.randn(sum(NEW), HKV * 2, d, generator=gen)
+    want_o, want_lse = store.prefix(1, qe, qo, r2t, rpi.long(), seq.long(), NEW, scale)
+    bm = fp8_attention.prefix_block_m(2, False, 4)
+    got_o, got_lse = turboquant_attention.prefix_attention(qe, store.layer(1), qo, r2t, rpi, seq, scale, NEW, bm,
+                                                           block_n=16)
+    torch.testing.assert_close(got_o, want_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("group", [1, 3])

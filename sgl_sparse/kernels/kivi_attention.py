@@ -1,23 +1,47 @@
 """Decode and extend attention over KIVI's layout (``methods/quantization/kivi.py``), dequantized in registers.
 
 Not served on CUDA without the launcher's opt-in until these kernels have run on a GPU. Layout, per
-layer: K and V codes ``[slots, Hkv, bits, D / 8]`` uint8 bit planes (plane ``b`` holds bit ``b`` of 8
-channels a byte, the first channel in the lowest bit); K scale and zero ``[pages, Hkv, D]`` (one page
-= one key group), V scale and zero ``[slots, Hkv, D / G]``, fp16; the residual ``[rows, G, Hkv, D]``
-holds each request's positions past its last whole page, in the model dtype.
+layer: K and V codes ``[slots, Hkv, W]`` uint8, chunk-major (``kernels/quant.py::pack_chunks``, read through
+``kernels/chunks.py``): ``W = D * bits / 8`` bytes a token and head, ``P = 8 / bits`` chunks, byte ``j`` holding
+channel ``c * W + j`` in its ``c``-th lane; K scale and zero ``[pages, Hkv, D]`` (one page = one key group),
+V scale and zero ``[slots, Hkv, D / GS]``, fp16; the residual ``[rows, GS, Hkv, D]`` holds each request's
+positions past its last whole page, in the model dtype.
 
 Decode grid: request x KV head x ``splits`` (``splits.decode_splits``: more for wide rows and small batches),
-merged in torch. Each program walks whole pages of its row (the pool's page size is the group size), a page
-an iteration: one ``req_to_token`` read gives the page's ``G`` contiguous slots, its key scale and zero are read
-once as ``[D]`` vectors, each code plane as ``[G, D / 8]`` bytes; the row's open page (the residual) is read once,
-by the last split. The first version walked 16 positions at a time and read per position a slot, the page's key
-scale and zero as ``[16, D]`` gathers (32-fold redundant), every code byte 8 times and a masked residual tile:
-~27 ms a layer at 6 x 130K on the H200 (6.9 tok/s, 2026-12-03), against ~0.25 ms to read the 4-bit pool.
+merged in torch. Each program walks whole pages of its row (the pool's page size is the group size ``GS``), a
+page an iteration (two under 16 slots): one ``req_to_token`` read gives the page's ``GS`` contiguous slots; the
+row's open page (the residual) is read once, by the last split. The queries are read once, as ``P`` chunks
+``[G, W]`` (scaled). Per page:
+
+* keys: the ``[GS, W]`` byte tile is read once (contiguous), :data:`chunks.MAGIC` OR'd in once a byte, and
+  each chunk ``c`` taken with one AND and one float add (``chunks.chunk_float``, no int -> float convert, no
+  reshape); the page's key scale is folded into the query chunk (``q_c * ks_c``: ``G x W`` multiplies a page,
+  not ``GS x W``) and its zero point into one constant a query row (``q . kz``); logits ``+= dot(q'_c, k_c^T)``
+  on the tensor cores;
+* values: per piece (``U = min(W, GS)`` channels of one chunk in one value group: ``D / U`` pieces, each its
+  own ``[G, U]`` accumulator, stored at its channels), the tokens' scale is folded into the probabilities
+  (``p * vs``, ``G x GS`` a piece) and their zero point into a row sum (``p . vz``); the codes are taken as for
+  keys and enter ``dot(p', v_c)`` as they are.
+
+Why: on the bit-plane layout this replaced (``bits`` planes of ``D / 8`` bytes, plane ``b`` holding bit ``b`` of 8
+channels a byte), the decode was ALU-bound, ~4 integer ops per bit and element to gather a code (16 at 4 bits) and
+a ``[GS, D / 8, 8] -> [GS, D]`` reshape a page, plus a multiply-add per element for each of K and V.
+``benchmarks/quant_decode.py`` on the H200 (2026-12-03, per layer at 6 x 130K, Llama-3-8B heads): KIVI-4 3,340 us,
+KIVI-2 2,725 us, against their pools' HBM floors of 232 and 139 us and bf16's 743 us (which reads twice KIVI-4's
+bytes). Per element now, K or V: an AND and a float add, plus the byte's extraction and OR shared by its ``P``
+codes: 2 integer ops and 1 float at 4 bits, 1.5 and 1 at 2 bits (was ~16 and ~8 integer ops, plus a multiply-add to
+dequantize); nothing per element for the scales. In the compiled loop (``benchmarks/sass_counts.py``: Triton 3.6
+for sm_90, compiled without a GPU; one page of Llama-3-8B heads at ``GS`` 32; SASS instructions of the loop body x
+threads / elements): 8.9 an element at 4 bits, 9.0 at 2 bits, against 26.2 and 16.9 for the bit-plane kernel
+(integer: 4.2 and 4.4, against 15.9 and 8.7); registers 172 and 157, against 254 and 255. Not yet timed on a GPU:
+``benchmarks/quant_decode.py`` will say whether that reaches the goal (under bf16's 743 us, ideally within twice
+the pool's floor).
+
 Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
-the model dtype (``[prefix tokens, Hkv, D]`` for K and V, at most ``WS_TOKENS`` prefix tokens at a time: a
-130K prefix takes 0.5 GB a layer), then blocks of ``BLOCK_M`` new tokens of one request x KV head (the
-group's query heads as rows of one tile) attend over it with the tensor cores in that dtype; output and
-natural log-sum-exp, merged by the caller with the new tokens' own attention. Why a workspace: an extend
+the model dtype (``[prefix tokens, Hkv, D]`` for K and V, a chunk at a time, at most ``WS_TOKENS`` prefix
+tokens a pass: a 130K prefix takes 0.5 GB a layer), then blocks of ``BLOCK_M`` new tokens of one request x KV
+head (the group's query heads as rows of one tile) attend over it with the tensor cores in that dtype; output
+and natural log-sum-exp, merged by the caller with the new tokens' own attention. Why a workspace: an extend
 tile that dequantized the prefix itself (the first version) did so once per block of new tokens, i.e.
 1,024 times for a 16K chunk, and ran at ~4 TFLOP/s on the H200 (a 130K prompt took minutes to prefill,
 BENCHMARKS.md 2026-12-03); the workspace dequantizes each prefix token once per layer and chunk. The
@@ -31,19 +55,26 @@ import triton
 import triton.language as tl
 
 from sgl_sparse.kernels import fp8_attention
+from sgl_sparse.kernels.chunks import (
+    MAGIC,
+    chunk_float,
+    chunk_width,
+    code_bytes,
+    dot_nt,
+    query_chunks,
+    store_split_chunks,
+    zero_pieces,
+)
 from sgl_sparse.kernels.splits import (
     decode_splits,
     extend_rows,
-    group_queries,
     merge_splits,
-    online_step,
     online_step_weighted,
     pass_starts,
     prefix_passes,
+    softmax_step,
     split_workspace,
     store_rows,
-    store_split,
-    unpack_planes,
     workspace_span,
 )
 
@@ -52,25 +83,25 @@ DEQUANT_BLOCK = 64
 
 
 @triton.jit
-def _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row_ptr, row, h, pos, ok, whole,
-              stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh,
+def _kv_chunk(kb, vb, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row, h, pos, slot, quant, res, whole,
+              stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, c: tl.constexpr,
               BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr):
-    """K and V ``[BLOCK, D]`` (fp32) of a row's positions ``pos``: dequantized codes below ``whole``, the
-    residual from there."""
-    d = tl.arange(0, D)
-    quant = ok & (pos < whole)
-    res = ok & (pos >= whole)
-    slot = tl.load(row_ptr + pos, mask=quant, other=0).to(tl.int64)
-    page = slot // GS
-    kso = page[:, None] * stride_ksp + h * stride_ksh + d[None, :]
-    ks = tl.load(k_scale + kso, mask=quant[:, None], other=0.0).to(tl.float32)
+    """K and V chunk ``c`` (channels ``[c W, (c + 1) W)``, fp32 ``[BLOCK, W]``) of a row's positions ``pos``, from
+    their byte tiles ``kb`` / ``vb`` (MAGIC OR'd in): dequantized where ``quant``, the residual where ``res``. The
+    scales are gathered per element (each position's page for K, each channel's group for V): the extend's
+    workspace pass, once per prefix token and layer, not the decode loop."""
+    W: tl.constexpr = D * BITS // 8
+    ch = c * W + tl.arange(0, W)
+    lane = 1.0 / (1 << (c * BITS))  # chunk_float gives code * 2**(c * BITS)
+    kso = (slot // GS)[:, None] * stride_ksp + h * stride_ksh + ch[None, :]
+    ks = tl.load(k_scale + kso, mask=quant[:, None], other=0.0).to(tl.float32) * lane
     kz = tl.load(k_zero + kso, mask=quant[:, None], other=0.0).to(tl.float32)
-    vso = slot[:, None] * stride_vss + h * stride_vsh + (d // GS)[None, :]
-    vs = tl.load(v_scale + vso, mask=quant[:, None], other=0.0).to(tl.float32)
+    vso = slot[:, None] * stride_vss + h * stride_vsh + (ch // GS)[None, :]
+    vs = tl.load(v_scale + vso, mask=quant[:, None], other=0.0).to(tl.float32) * lane
     vz = tl.load(v_zero + vso, mask=quant[:, None], other=0.0).to(tl.float32)
-    kq = unpack_planes(k_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D).to(tl.float32) * ks + kz
-    vq = unpack_planes(v_codes, slot, h, stride_cs, stride_ch, quant, BLOCK, BITS, D).to(tl.float32) * vs + vz
-    roff = row * stride_rr + (pos - whole).to(tl.int64)[:, None] * stride_rt + h * stride_rh + d[None, :]
+    kq = chunk_float(kb, c, BITS) * ks + kz
+    vq = chunk_float(vb, c, BITS) * vs + vz
+    roff = row * stride_rr + (pos - whole).to(tl.int64)[:, None] * stride_rt + h * stride_rh + ch[None, :]
     kr = tl.load(res_k + roff, mask=res[:, None], other=0.0).to(tl.float32)
     vr = tl.load(res_v + roff, mask=res[:, None], other=0.0).to(tl.float32)
     return tl.where(res[:, None], kr, kq), tl.where(res[:, None], vr, vq)
@@ -82,18 +113,23 @@ def _dequant_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, r
                     stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t, stride_wt, stride_wh, D: tl.constexpr,
                     GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Request ``program_id(0)``'s cached prefix, KV head ``program_id(1)``, positions of block ``program_id(2)``:
-    dequantized into the workspace from row ``ws_start[i]`` (``-1``: not in this pass)."""
+    dequantized into the workspace from row ``ws_start[i]`` (``-1``: not in this pass), a chunk at a time."""
+    W: tl.constexpr = D * BITS // 8
     i, h, n, base, pos, ok = workspace_span(prefix_lens, ws_start, BLOCK)
     whole = n // GS * GS
     row = tl.load(req_pool_indices + i).to(tl.int64)
-    row_ptr = req_to_token + row * stride_r2t
-    kk, vv = _kv_block(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row_ptr, row, h, pos, ok,
-                       whole, stride_cs, stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr,
-                       stride_rt, stride_rh, BLOCK, D, GS, BITS)
-    d = tl.arange(0, D)
-    off = (base + pos.to(tl.int64))[:, None] * stride_wt + h * stride_wh + d[None, :]
-    tl.store(wk + off, kk.to(wk.dtype.element_ty), mask=ok[:, None])
-    tl.store(wv + off, vv.to(wv.dtype.element_ty), mask=ok[:, None])
+    quant = ok & (pos < whole)
+    res = ok & (pos >= whole)
+    slot = tl.load(req_to_token + row * stride_r2t + pos, mask=quant, other=0).to(tl.int64)
+    kb = code_bytes(k_codes, slot, h, stride_cs, stride_ch, quant, 0, BLOCK, W) | MAGIC
+    vb = code_bytes(v_codes, slot, h, stride_cs, stride_ch, quant, 0, BLOCK, W) | MAGIC
+    off = (base + pos.to(tl.int64))[:, None] * stride_wt + h * stride_wh + tl.arange(0, W)[None, :]
+    for c in tl.static_range(8 // BITS):
+        kk, vv = _kv_chunk(kb, vb, k_scale, k_zero, v_scale, v_zero, res_k, res_v, row, h, pos, slot, quant, res,
+                           whole, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, c,
+                           BLOCK, D, GS, BITS)
+        tl.store(wk + off + c * W, kk.to(wk.dtype.element_ty), mask=ok[:, None])
+        tl.store(wv + off + c * W, vv.to(wv.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -121,29 +157,74 @@ def _prefix_kernel(q, wk, wv, qo_indptr, prefix_lens, ws_start, blk_req, blk_sta
 
 
 @triton.jit
-def _page_codes(codes, slot, h, stride_cs, stride_ch, ok, BLOCK: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
-    """int32 codes ``[BLOCK, D]`` of ``slot`` x channel, KV head ``h``: each plane read once as ``[BLOCK, D / 8]``
-    bytes (contiguous per slot, so vector loads; :func:`unpack_planes` gathers every byte 8 times, once per
-    channel), its 8 bits spread on a new last axis and folded into channels by a reshape (channel ``8 j + t``
-    is bit ``t`` of byte ``j``, so the row-major reshape of ``[BLOCK, D / 8, 8]`` is the channel order)."""
-    j = tl.arange(0, D // 8)
-    t = tl.arange(0, 8)
-    base = codes + slot[:, None] * stride_cs + h * stride_ch + j[None, :]
-    val = tl.zeros([BLOCK, D // 8, 8], tl.int32)
-    for b in tl.static_range(BITS):
-        byte = tl.load(base + b * (D // 8), mask=ok[:, None], other=0).to(tl.int32)
-        val += ((byte[:, :, None] >> t[None, None, :]) & 1) << b
-    return tl.reshape(val, [BLOCK, D])
+def _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_ch, stride_ksp, stride_ksh,
+            GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
+            PPI: tl.constexpr):
+    """Logits ``[GP, BLOCK]`` of the query chunks ``qs`` (scaled) over the keys at ``slot``: the byte tile read once,
+    each chunk's codes as floats (:func:`chunk_float`) against the query chunk. One page (``PPI == 1``): its key
+    scale is folded into the query chunk (``q_c * ks_c``, ``[GP, W]`` a page, not ``[BLOCK, W]``) and its zero
+    point into one constant a query row (``q . kz``); several pages (``GS < 16``), dequantized per element."""
+    W: tl.constexpr = D * BITS // 8
+    j = tl.arange(0, W)
+    kb = code_bytes(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W) | MAGIC
+    s = tl.zeros([GP, BLOCK], tl.float32)
+    qkz = tl.zeros([GP], tl.float32)
+    for c in tl.static_range(8 // BITS):
+        lane = 1.0 / (1 << (c * BITS))  # chunk_float gives code * 2**(c * BITS)
+        if PPI == 1:
+            kso = page * stride_ksp + h * stride_ksh + c * W + j
+            ks = tl.load(k_scale + kso).to(tl.float32) * lane
+            kz = tl.load(k_zero + kso).to(tl.float32)
+            s += dot_nt(qs[c] * ks[None, :], chunk_float(kb, c, BITS))
+            qkz += tl.sum(qs[c] * kz[None, :], 1)
+        else:
+            kso = (slot // GS)[:, None] * stride_ksp + h * stride_ksh + c * W + j[None, :]
+            ks = tl.load(k_scale + kso, mask=ok[:, None], other=0.0).to(tl.float32) * lane
+            kz = tl.load(k_zero + kso, mask=ok[:, None], other=0.0).to(tl.float32)
+            s += dot_nt(qs[c], chunk_float(kb, c, BITS) * ks + kz)
+    return s + qkz[:, None]
 
 
 @triton.jit
-def _value_groups(ptr, slot, h, stride_vss, stride_vsh, ok, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr):
-    """V scale or zero ``[BLOCK, D]`` fp32: the ``D / GS`` per-slot values read once and repeated over their
-    ``GS`` channels by a broadcast and reshape (not ``GS`` gathers of the same address per channel)."""
-    NG: tl.constexpr = D // GS
-    x = tl.load(ptr + slot[:, None] * stride_vss + h * stride_vsh + tl.arange(0, NG)[None, :], mask=ok[:, None],
-                other=0.0).to(tl.float32)
-    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK, NG, GS]), [BLOCK, D])
+def _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss, stride_vsh,
+            BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr):
+    """The output pieces ``acc`` (``D / U`` pieces ``[GP, U]``, ``U = min(W, GS)``: each piece one chunk's channels
+    in one value group) rescaled by ``alpha`` plus ``p`` times the values at ``slot``. A piece's scale and zero are
+    ``[BLOCK]`` vectors (one group a token): one multiply-add an element, no per-element scale gather."""
+    W: tl.constexpr = D * BITS // 8
+    U: tl.constexpr = W if W < GS else GS
+    NS: tl.constexpr = W // U
+    vb = ()
+    for sub in tl.static_range(NS):
+        vb = vb + (code_bytes(v_codes, slot, h, stride_cs, stride_ch, ok, sub * U, BLOCK, U) | MAGIC,)
+    out = ()
+    for k in tl.static_range(D // U):
+        c = k // NS
+        vso = slot * stride_vss + h * stride_vsh + (k * U) // GS
+        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * (1.0 / (1 << (c * BITS)))
+        vz = tl.load(v_zero + vso, mask=ok, other=0.0).to(tl.float32)
+        pv = tl.dot(p * vs[None, :], chunk_float(vb[k % NS], c, BITS)) + tl.sum(p * vz[None, :], 1)[:, None]
+        out = out + (acc[k] * alpha[:, None] + pv,)
+    return out
+
+
+@triton.jit
+def _residual(qs, acc, m, den, res_k, res_v, row, h, n_open, stride_rr, stride_rt, stride_rh, GP: tl.constexpr,
+              BLOCK: tl.constexpr, D: tl.constexpr, W: tl.constexpr, U: tl.constexpr):
+    """The row's open page (its first ``n_open`` residual positions, full precision) into the softmax state."""
+    o = tl.arange(0, BLOCK)
+    ok = o < n_open
+    base = row * stride_rr + o.to(tl.int64)[:, None] * stride_rt + h * stride_rh
+    s = tl.zeros([GP, BLOCK], tl.float32)
+    for c in tl.static_range(D // W):
+        kr = tl.load(res_k + base + c * W + tl.arange(0, W)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s += dot_nt(qs[c], kr)
+    m, den, p, alpha = softmax_step(m, den, tl.where(ok[None, :], s, float("-inf")))
+    out = ()
+    for k in tl.static_range(D // U):
+        vr = tl.load(res_v + base + k * U + tl.arange(0, U)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        out = out + (acc[k] * alpha[:, None] + tl.dot(p, vr),)
+    return out, m, den
 
 
 @triton.jit
@@ -155,8 +236,10 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
     """Program (request x KV head, split): its share of the row's whole pages, ``PPI`` pages an iteration (one
     unless a page is under ``tl.dot``'s 16 rows), then, in the last split, the row's open page (the residual).
     The server's page size is ``GS`` (``KIVIStore._check``), so a row's page ``p`` is the ``GS`` contiguous
-    slots from ``req_to_token[row, p * GS]``: one slot read per page, and the page's key scale and zero
-    read once as ``[D]`` vectors when an iteration is one page."""
+    slots from ``req_to_token[row, p * GS]``: one slot read per page. The queries are read once, as chunks;
+    the output is kept as ``D / U`` pieces (:func:`_values`)."""
+    W: tl.constexpr = D * BITS // 8
+    U: tl.constexpr = W if W < GS else GS
     BLOCK: tl.constexpr = PPI * GS
     rh = tl.program_id(0)
     pid = tl.program_id(1)
@@ -169,56 +252,44 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
     hi = tl.minimum(lo + per, npages)
     row = tl.load(req_pool_indices + i).to(tl.int64)
     row_ptr = req_to_token + row * stride_r2t
-    qv = group_queries(q, i, h, stride_qb, stride_qh, G, GP, D)
-    d = tl.arange(0, D)
+    qs = query_chunks(q, i, h, stride_qb, stride_qh, scale, G, GP, W, 8 // BITS)
     o = tl.arange(0, BLOCK)
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    acc = zero_pieces(GP, D, U)
     for pg in range(lo, hi, PPI):
         if PPI == 1:
             slot0 = tl.load(row_ptr + pg * GS).to(tl.int64)
             page = slot0 // GS
             ok = o < BLOCK
             slot = slot0 + o
-            ks = tl.load(k_scale + page * stride_ksp + h * stride_ksh + d).to(tl.float32)
-            kz = tl.load(k_zero + page * stride_ksp + h * stride_ksh + d).to(tl.float32)
-            kk = _page_codes(k_codes, slot, h, stride_cs, stride_ch, ok, BLOCK, BITS, D).to(tl.float32) * ks[None, :]
-            kk += kz[None, :]
         else:  # pages under 16 slots: several a block, each position's page scale gathered (GS-fold, GS <= 8)
             pp = pg + o // GS
             ok = pp < hi
+            page = 0  # unused: each position's page is its slot's
             slot = tl.load(row_ptr + pp * GS, mask=ok, other=0).to(tl.int64) + o % GS
-            kso = (slot // GS)[:, None] * stride_ksp + h * stride_ksh + d[None, :]
-            ks2 = tl.load(k_scale + kso, mask=ok[:, None], other=0.0).to(tl.float32)
-            kz2 = tl.load(k_zero + kso, mask=ok[:, None], other=0.0).to(tl.float32)
-            kk = _page_codes(k_codes, slot, h, stride_cs, stride_ch, ok, BLOCK, BITS, D).to(tl.float32) * ks2 + kz2
-        s = tl.dot(qv, tl.trans(kk)) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        vv = _page_codes(v_codes, slot, h, stride_cs, stride_ch, ok, BLOCK, BITS, D).to(tl.float32)
-        vv = vv * _value_groups(v_scale, slot, h, stride_vss, stride_vsh, ok, BLOCK, D, GS)
-        vv += _value_groups(v_zero, slot, h, stride_vss, stride_vsh, ok, BLOCK, D, GS)
-        m, den, acc = online_step(m, den, acc, s, vv)
+        s = _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_ch, stride_ksp,
+                    stride_ksh, GP, BLOCK, D, GS, BITS, PPI)
+        m, den, p, alpha = softmax_step(m, den, tl.where(ok[None, :], s, float("-inf")))
+        acc = _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
+                      stride_vsh, BLOCK, D, GS, BITS)
     whole = npages * GS
     if (pid == NSPLIT - 1) & (n > whole):  # the open page, once per row (positions whole..n-1 < whole + GS)
-        ok = o < n - whole
-        roff = row * stride_rr + o.to(tl.int64)[:, None] * stride_rt + h * stride_rh + d[None, :]
-        kr = tl.load(res_k + roff, mask=ok[:, None], other=0.0).to(tl.float32)
-        vr = tl.load(res_v + roff, mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.where(ok[None, :], tl.dot(qv, tl.trans(kr)) * scale, float("-inf"))
-        m, den, acc = online_step(m, den, acc, s, vr)
-    store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D)
+        acc, m, den = _residual(qs, acc, m, den, res_k, res_v, row, h, n - whole, stride_rr, stride_rt, stride_rh,
+                                GP, BLOCK, D, W, U)
+    store_split_chunks(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D, U)
 
 
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
                      k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
                      res_v: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, bits: int, group: int,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, warps: int | None = None) -> torch.Tensor:
     """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
     ``seq_lens`` on the device; grid and ``splits`` from static shapes, :func:`decode_splits` by default).
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
-    the kernel reads a page as the ``group`` slots following its first."""
+    the kernel reads a page as the ``group`` slots following its first. ``warps``: the kernel's warps (by
+    default from the block, see below), for timing other choices."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -226,7 +297,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     assert d & (d - 1) == 0 and d % group == 0 and group & (group - 1) == 0, \
         "head_dim and group must be powers of two, head_dim whole value groups"
     assert k_scale.shape[0] * group >= k_codes.shape[0], "one key scale per group-sized page"
-    assert k_codes.shape[2:] == (bits, d // 8) and k_codes.stride(3) == 1 and k_codes.stride(2) == d // 8
+    assert k_codes.shape[2:] == (chunk_width(d, bits),) and k_codes.stride(2) == 1, "codes [slots, Hkv, D * bits / 8]"
     assert v_codes.stride() == k_codes.stride() and k_zero.stride() == k_scale.stride() and k_scale.stride(2) == 1
     assert v_zero.stride() == v_scale.stride() and v_scale.stride(2) == 1
     assert res_v.stride() == res_k.stride() and res_k.stride(3) == 1 and res_k.shape[1] == group
@@ -234,17 +305,21 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     if splits is None:
         splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
-    ppi = max(1, 16 // group)  # tl.dot's 16-row minimum, on the GPU
+    ppi = max(1, 16 // group)  # p @ V reduces over the block's positions: tl.dot needs 16 of them on a GPU
+    block = ppi * group
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
         seq_lens, ws_m, ws_l, ws_acc, q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), res_k.stride(0),
         res_k.stride(1), res_k.stride(2), req_to_token.stride(0), scale, HKV=hkv, G=g,
-        GP=max(16, triton.next_power_of_2(g)), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits,
-        # [BLOCK, D] fp32 tiles (codes, K, V, V's scale and zero): 32 registers each per thread at 4 warps and a
-        # 32-slot page; 8 warps from 64-slot blocks so they stay in registers. Two stages: the next page's
-        # slot and codes can be in flight while this one is computed.
-        num_warps=4 if ppi * group <= 32 else 8, num_stages=2)
+        # The group's query heads as the rows of the logits and output tiles, padded to a power of two only (Triton
+        # pads a dot's rows to the tensor cores' 16 itself): every per-page op on the query side (the key scale's
+        # fold, the softmax, the rescale) scales with these rows.
+        GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits,
+        # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
+        # other's decode: twice the instructions per element in the compiled code for sm_90); 4 and 8 for 64- and
+        # 128-slot pages. Two stages: the next page's slot and codes can be in flight while this one is computed.
+        num_warps=warps or max(2, block // 16), num_stages=2)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 

@@ -14,8 +14,12 @@ the formats and their math, and are the CPU path's quantize/dequantize:
   vector ~ N(0, 1/D); a Lloyd-Max codebook for N(0, 1) (:func:`lloyd_max_gaussian`) then quantizes each
   coordinate at ``bits`` bits, and the vector's norm is kept in fp32. The optional 1-bit QJL residual
   (:func:`qjl_encode`, :func:`qjl_inner`) makes inner products with the key unbiased.
-* **Bit planes** (:func:`pack_bits`): ``bits``-bit codes stored as ``bits`` planes of D/8 bytes each, so
-  every width (3 included) packs without padding and a kernel reads one plane with one load.
+* **Chunk-major packing** (:func:`pack_chunks`): ``P = 8 / lane`` codes a byte, ``W = D / P`` bytes a
+  vector; byte ``j`` holds in bits ``[c * lane, (c + 1) * lane)`` the code of channel ``c * W + j``. So one
+  shift and mask over a vector's ``W`` bytes is the contiguous channel chunk ``[c * W, (c + 1) * W)``: a
+  kernel reads the bytes once and decodes chunk ``c`` with ~2 integer ops an element, no reshape. Lanes are
+  1, 2 or 4 bits (:func:`lane_bits`): 3-bit codes take a 4-bit lane (a third more bytes than 3 bits
+  packed), which the stores' declared sizes count.
 """
 
 from __future__ import annotations
@@ -151,24 +155,33 @@ def qjl_inner(q: torch.Tensor, signs: torch.Tensor, rnorm: torch.Tensor, proj: t
     return math.sqrt(math.pi / 2) / m * rnorm * ((q.to(torch.float32) @ proj.T) * s).sum(dim=-1)
 
 
-# -- bit planes -------------------------------------------------------------------------------------
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes ``[..., D]`` (values < ``2**bits``, ``D`` a multiple of 8) -> uint8 ``[..., bits, D / 8]``:
-    plane ``b`` holds bit ``b`` of every code, 8 codes a byte, the first code in the lowest bit."""
+# -- chunk-major packing ----------------------------------------------------------------------------
+def lane_bits(bits: int) -> int:
+    """The bits a ``bits``-bit code takes in :func:`pack_chunks`'s layout: 1, 2 or 4 (3-bit codes a 4-bit lane)."""
+    if not 1 <= bits <= 4:
+        raise ValueError(f"bits must be in 1..4, got {bits}")
+    return 4 if bits == 3 else bits
+
+
+def pack_chunks(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., D]`` (values < ``2**bits``) -> uint8 ``[..., W]``, ``W = D / P`` with ``P = 8 / lane``
+    codes a byte (``lane = lane_bits(bits)``): byte ``j`` holds the code of channel ``c * W + j`` in its bits
+    ``[c * lane, (c + 1) * lane)``, so ``(byte >> c * lane) & mask`` over the ``W`` bytes is channels
+    ``[c * W, (c + 1) * W)``."""
+    lane = lane_bits(bits)
+    p = 8 // lane
     d = codes.shape[-1]
-    if d % 8:
-        raise ValueError(f"the last dimension ({d}) must be a multiple of 8")
-    c = codes.to(torch.int32)
-    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32))
-    planes = [(((c >> b) & 1).view(*c.shape[:-1], d // 8, 8) * weights).sum(dim=-1) for b in range(bits)]
-    return torch.stack(planes, dim=-2).to(torch.uint8)
+    if d % p:
+        raise ValueError(f"the last dimension ({d}) must be a multiple of {p} ({bits}-bit codes, {p} a byte)")
+    c = codes.to(torch.int32).view(*codes.shape[:-1], p, d // p)
+    shifts = torch.arange(p, device=codes.device, dtype=torch.int32)[:, None] * lane
+    return (c << shifts).sum(dim=-2).to(torch.uint8)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of :func:`pack_bits`."""
-    p = packed.to(torch.int32)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    bitsof = (p[..., None] >> shifts) & 1  # [..., bits, D/8, 8]
-    planes = bitsof.flatten(-2)  # [..., bits, D]
-    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32))[:, None]
-    return (planes * weights).sum(dim=-2).to(torch.uint8)
+def unpack_chunks(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack_chunks`: uint8 ``[..., W]`` -> codes ``[..., P * W]``."""
+    lane = lane_bits(bits)
+    p = 8 // lane
+    shifts = torch.arange(p, device=packed.device, dtype=torch.int32)[:, None] * lane
+    chunks = (packed.to(torch.int32)[..., None, :] >> shifts) & ((1 << lane) - 1)  # [..., P, W]
+    return chunks.flatten(-2).to(torch.uint8)

@@ -1,13 +1,25 @@
 """Pieces shared by the attention kernels (FP8, KIVI, TurboQuant, RetroInfer): the online-softmax step, the
-split-KV decode's per-split state (stored by each program, merged in torch), the extend kernels' rows (a
-block of query tokens x the group's heads) with their output and log-sum-exp, and the reading of bit-plane
-codes (``kernels/quant.py::pack_bits``, KIVI's and TurboQuant's layout)."""
+split-KV decode's per-split state (stored by each program, merged in torch), and the extend kernels' rows (a
+block of query tokens x the group's heads) with their output and log-sum-exp. Reading KIVI's and TurboQuant's
+packed codes: ``kernels/chunks.py``."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def softmax_step(m, lse_sum, logits):
+    """The online softmax's bookkeeping for ``logits`` ``[G, N]``: (new max, new denominator, the probabilities
+    ``[G, N]``, the factor ``[G]`` that rescales what was accumulated so far), for kernels that keep their output
+    in several pieces (``kernels/chunks.py``)."""
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    return m_new, lse_sum * alpha + tl.sum(p, 1), p, alpha
 
 
 @triton.jit
@@ -31,20 +43,6 @@ def online_step_weighted(m, lse_sum, acc, logits, vals, weights):
     p = tl.exp(logits - m_safe[:, None])
     acc = acc * alpha[:, None] + tl.dot((p * weights[None, :]).to(vals.dtype), vals)
     return m_new, lse_sum * alpha + tl.sum(p, 1), acc
-
-
-@triton.jit
-def unpack_planes(codes, slot, h, stride_cs, stride_ch, ok, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                  D: tl.constexpr):
-    """int32 codes ``[BLOCK, D]`` of ``slot`` x channel, KV head ``h``, from ``BITS`` bit planes of ``D / 8``
-    bytes each (one load per plane; rows not ``ok`` read 0)."""
-    d = tl.arange(0, D)
-    base = codes + slot[:, None] * stride_cs + h * stride_ch + (d // 8)[None, :]
-    val = tl.zeros([BLOCK, D], tl.int32)
-    for b in tl.static_range(BITS):
-        byte = tl.load(base + b * (D // 8), mask=ok[:, None], other=0).to(tl.int32)
-        val += ((byte >> (d % 8)[None, :]) & 1) << b
-    return val
 
 
 @triton.jit

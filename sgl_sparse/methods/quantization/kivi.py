@@ -10,7 +10,8 @@ Layout, per layer (``--page-size group_size``, set by the launcher, so a key gro
 page: groups never straddle two owners and pages shared through the radix tree are whole, quantized
 groups):
 
-* K and V codes ``[slots, Hkv, bits, D / 8]`` uint8, bit planes (``kernels/quant.py::pack_bits``);
+* K and V codes ``[slots, Hkv, D * bits / 8]`` uint8, chunk-major (``kernels/quant.py::pack_chunks``: byte ``j``
+  holds channel ``c * W + j`` in its ``c``-th ``bits``-wide lane, ``W = D * bits / 8``);
 * K scale and zero per page and channel ``[pages, Hkv, D]``, V scale and zero per token and channel
   group ``[slots, Hkv, D / group_size]``, fp16 as in KIVI;
 * the residual: each running request's open page in the model dtype, ``[max requests, group_size,
@@ -88,7 +89,7 @@ class KIVIStore(KVStore):
             raise ValueError("kivi: the residual needs the number of request rows (KVGeometry.max_requests)")
         dev, h, d, gs = g.device, g.num_kv_heads, g.head_dim, self.group
         pages = -(-g.num_slots // gs)
-        codes = (g.num_slots, h, self.bits, d // 8)
+        codes = (g.num_slots, h, d * self.bits // 8)
         self.k_codes = [torch.zeros(codes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
         self.v_codes = [torch.zeros(codes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
         self.k_scale = [torch.zeros(pages, h, d, dtype=torch.float16, device=dev) for _ in range(g.num_layers)]
@@ -159,8 +160,8 @@ class KIVIStore(KVStore):
         kc, ks, kz = quant.kivi_keys(k.reshape(p * gs, h, d), self.bits, gs)
         vc, vs, vz = quant.kivi_values(v.reshape(p * gs, h, d), self.bits, gs)
         slots = (pages[:, None] * gs + torch.arange(gs, device=pages.device)).reshape(-1)
-        self.k_codes[layer_id][slots] = quant.pack_bits(kc, self.bits)
-        self.v_codes[layer_id][slots] = quant.pack_bits(vc, self.bits)
+        self.k_codes[layer_id][slots] = quant.pack_chunks(kc, self.bits)
+        self.v_codes[layer_id][slots] = quant.pack_chunks(vc, self.bits)
         self.k_scale[layer_id][pages] = ks.to(torch.float16)
         self.k_zero[layer_id][pages] = kz.to(torch.float16)
         self.v_scale[layer_id][slots] = vs.to(torch.float16)
@@ -170,10 +171,10 @@ class KIVIStore(KVStore):
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V of slots in whole (quantized) pages; the open page's tokens are in the residual."""
         gs = self.group
-        kc = quant.unpack_bits(self.k_codes[layer_id][slots], self.bits).float()
+        kc = quant.unpack_chunks(self.k_codes[layer_id][slots], self.bits).float()
         pg = slots // gs
         k = kc * self.k_scale[layer_id][pg].float() + self.k_zero[layer_id][pg].float()
-        vc = quant.unpack_bits(self.v_codes[layer_id][slots], self.bits).float()
+        vc = quant.unpack_chunks(self.v_codes[layer_id][slots], self.bits).float()
         n, h, d = vc.shape
         vs = self.v_scale[layer_id][slots].float().repeat_interleave(gs, dim=-1)
         vz = self.v_zero[layer_id][slots].float().repeat_interleave(gs, dim=-1)

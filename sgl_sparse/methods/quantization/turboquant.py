@@ -8,9 +8,12 @@ residual ``r`` is kept as ``sign(S r)`` (``S`` a seeded Gaussian ``D x D``) and 
 scores add QJL's unbiased estimate of ``q . r`` (SparseEngine's port has no QJL). Defaults: 4 bits (2
 and 3 also), QJL off, seed 0.
 
-Layout, per layer: K and V codes ``[slots, Hkv, bits, D / 8]`` uint8 bit planes, K and V norms ``[slots,
-Hkv]`` fp32; with QJL, the residual's signs ``[slots, Hkv, 1, D / 8]`` and norms ``[slots, Hkv]``. At 4 bits
-a Llama-3-8B layer costs 1,088 bytes per token (3.76x bf16's tokens; QJL adds 160). Per-token, so no
+Layout, per layer: K and V codes ``[slots, Hkv, D * lane / 8]`` uint8, chunk-major (``kernels/quant.py::
+pack_chunks``: byte ``j`` holds channel ``c * W + j`` in its ``c``-th lane, ``W = D * lane / 8``), K and V norms
+``[slots, Hkv]`` fp32; with QJL, the residual's signs ``[slots, Hkv, D / 8]`` (1-bit lanes) and norms ``[slots,
+Hkv]``. The lane is the code's width at 2 and 4 bits; 3-bit codes take 4-bit lanes (a byte holds whole codes
+only at 1, 2 and 4 bits), so 3 bits cost 4 bits' bytes for a coarser codebook. At 4 bits a
+Llama-3-8B layer costs 1,088 bytes per token (3.76x bf16's tokens; QJL adds 160). Per-token, so no
 residual and no page constraint. The torch path here serves the CPU server and is the kernels' reference;
 on CUDA decode and extend are Triton kernels (``kernels/turboquant_attention.py``: queries rotated once,
 keys and values read as codebook levels in the rotated basis, the output rotated back once), behind the
@@ -33,8 +36,8 @@ from sgl_sparse.registry import register_method
 
 @dataclass(frozen=True)
 class TurboQuantConfig(MethodConfig):
-    """``bits`` per coordinate of keys and values; ``qjl`` adds the keys' 1-bit residual; ``seed`` draws the
-    rotation (and QJL's projection)."""
+    """``bits`` per coordinate of keys and values (3 stored in 4-bit lanes: 4 bits' bytes); ``qjl`` adds the keys'
+    1-bit residual; ``seed`` draws the rotation (and QJL's projection)."""
 
     method_name = "turboquant"
     bits: int = 4
@@ -59,7 +62,7 @@ class TurboQuantStore(KVStore):
         self._blocks = fp8_attention.StepBlocks()
 
     def bytes_per_token(self, g: KVGeometry) -> int:
-        per_layer = 2 * g.num_kv_heads * (g.head_dim * self.bits // 8 + 4)
+        per_layer = 2 * g.num_kv_heads * (g.head_dim * quant.lane_bits(self.bits) // 8 + 4)  # 3 bits: 4-bit lanes
         if self.qjl:
             per_layer += g.num_kv_heads * (g.head_dim // 8 + 4)
         return g.num_layers * per_layer
@@ -72,15 +75,15 @@ class TurboQuantStore(KVStore):
         levels, bounds = quant.lloyd_max_gaussian(self.bits)
         self.levels, self.bounds = levels.to(dev), bounds.to(dev)
         self.unit_levels = self.levels / math.sqrt(d)  # the kernels' codebook: coordinates of a unit vector
-        planes = (n, h, self.bits, d // 8)
-        self.k_codes = [torch.zeros(planes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
-        self.v_codes = [torch.zeros(planes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+        codes = (n, h, d * quant.lane_bits(self.bits) // 8)
+        self.k_codes = [torch.zeros(codes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+        self.v_codes = [torch.zeros(codes, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
         self.k_norm = [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(g.num_layers)]
         self.v_norm = [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(g.num_layers)]
         if self.qjl:
             gen = torch.Generator().manual_seed(self.seed + 1)
             self.proj = torch.randn(d, d, generator=gen).to(dev)
-            self.k_signs = [torch.zeros(n, h, 1, d // 8, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
+            self.k_signs = [torch.zeros(n, h, d // 8, dtype=torch.uint8, device=dev) for _ in range(g.num_layers)]
             self.k_rnorm = [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(g.num_layers)]
         self.dtype = g.dtype
         self.use_triton = dev.type == "cuda"
@@ -97,20 +100,20 @@ class TurboQuantStore(KVStore):
               decode: bool) -> None:
         kc, kn = quant.turboquant_quantize(k, self.rot, self.bounds)
         vc, vn = quant.turboquant_quantize(v, self.rot, self.bounds)
-        self.k_codes[layer_id][loc] = quant.pack_bits(kc, self.bits)
-        self.v_codes[layer_id][loc] = quant.pack_bits(vc, self.bits)
+        self.k_codes[layer_id][loc] = quant.pack_chunks(kc, self.bits)
+        self.v_codes[layer_id][loc] = quant.pack_chunks(vc, self.bits)
         self.k_norm[layer_id][loc] = kn
         self.v_norm[layer_id][loc] = vn
         if self.qjl:
             residual = k.float() - quant.turboquant_dequantize(kc, kn, self.rot, self.levels, torch.float32)
             signs, rnorm = quant.qjl_encode(residual, self.proj)
-            self.k_signs[layer_id][loc] = quant.pack_bits(signs.to(torch.uint8), 1)
+            self.k_signs[layer_id][loc] = quant.pack_chunks(signs.to(torch.uint8), 1)
             self.k_rnorm[layer_id][loc] = rnorm
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MSE reconstruction (without the QJL residual, which only attention scores use)."""
-        kc = quant.unpack_bits(self.k_codes[layer_id][slots], self.bits)
-        vc = quant.unpack_bits(self.v_codes[layer_id][slots], self.bits)
+        kc = quant.unpack_chunks(self.k_codes[layer_id][slots], self.bits)
+        vc = quant.unpack_chunks(self.v_codes[layer_id][slots], self.bits)
         k = quant.turboquant_dequantize(kc, self.k_norm[layer_id][slots], self.rot, self.levels, self.dtype)
         v = quant.turboquant_dequantize(vc, self.v_norm[layer_id][slots], self.rot, self.levels, self.dtype)
         return k, v
@@ -122,7 +125,7 @@ class TurboQuantStore(KVStore):
         qf = q.float()
         logits = torch.einsum("thd,shd->hts", qf, k.float().repeat_interleave(group, dim=1))
         if self.qjl:
-            signs = quant.unpack_bits(self.k_signs[layer_id][slots], 1).float() * 2 - 1  # [n, Hkv, D]
+            signs = quant.unpack_chunks(self.k_signs[layer_id][slots], 1).float() * 2 - 1  # [n, Hkv, D]
             rn = self.k_rnorm[layer_id][slots]  # [n, Hkv]
             qp = qf @ self.proj.T  # [n_q, Hq, D]: S q
             est = torch.einsum("thm,shm->hts", qp, signs.repeat_interleave(group, dim=1))

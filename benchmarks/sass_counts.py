@@ -1,0 +1,118 @@
+"""Instructions per KV element in the decode loops of KIVI's and TurboQuant's Triton kernels, compiled for sm_90
+(the H100/H200) without a GPU: Triton's ``compile`` for a ``cuda`` target and the ``cuobjdump`` that Triton ships.
+
+    python benchmarks/sass_counts.py [--warps W] [--gp GP] [--head-dim 128] [--group 4] [--page 32]
+
+For each kernel at Llama-3-8B heads (8 KV heads, a group of 4, 128 dims; KIVI's page 32, TurboQuant's 32
+positions an iteration): registers, spills (stack bytes), and the loop body's SASS instructions x threads /
+(positions x D x 2) elements, in total and by kind (integer, float, tensor-core, global and shared memory,
+shuffles). This counts work, it does not time it: an instruction's cost depends on its pipe (integer ops run at
+half the float rate) and the loop's stalls; ``quant_decode.py`` on the GPU is the measurement. Arguments are taken
+16-divisible, as the JIT specializes them. The kernels' warps and query-row padding (``--warps``, ``--gp``)
+default to what their ``decode_attention`` uses. Run with ``PYTHONPATH`` at another checkout to count its
+kernels (a kernel with ``BITS`` instead of ``LANE`` is the bit-plane one; it used ``--gp 16 --warps 4``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sgl_sparse.kernels import kivi_attention, turboquant_attention
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+KINDS = {
+    "int": ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "LEA", "PRMT", "SEL", "SGXT", "MOV", "VIADD", "IABS", "I2FP"),
+    "float": ("FADD", "FMUL", "FFMA", "FSETP", "FMNMX", "FSEL", "MUFU", "HADD2", "HFMA2", "HMUL2"),
+    "mma": ("HMMA",),
+    "global": ("LDG", "STG", "LDGSTS"),
+    "shared": ("LDS", "STS", "LDSM", "STSM"),
+    "shuffle": ("SHFL",),
+}
+KIVI_ARGS = dict(q="*bf16", k_codes="*u8", v_codes="*u8", k_scale="*fp16", k_zero="*fp16", v_scale="*fp16",
+                 v_zero="*fp16", res_k="*bf16", res_v="*bf16", req_to_token="*i32", req_pool_indices="*i64",
+                 seq_lens="*i64", ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32", stride_qb="i32", stride_qh="i32",
+                 stride_cs="i32", stride_ch="i32", stride_ksp="i32", stride_ksh="i32", stride_vss="i32",
+                 stride_vsh="i32", stride_rr="i32", stride_rt="i32", stride_rh="i32", stride_r2t="i32", scale="fp32")
+TQ_ARGS = dict(q_rot="*fp32", q_proj="*fp32", k_codes="*u8", v_codes="*u8", k_norm="*fp32", v_norm="*fp32",
+               k_signs="*u8", k_rnorm="*fp32", unit_levels="*fp32", req_to_token="*i32", req_pool_indices="*i64",
+               seq_lens="*i64", ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32", stride_r2t="i32", scale="fp32",
+               qjl_scale="fp32")
+
+
+def _compile(fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int) -> Any:
+    constants = {k: v for k, v in constants.items() if k in fn.arg_names}
+    sig = {name: "constexpr" if name in constants else args[name] for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in constants and (args[name].startswith("*") or args[name] == "i32")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constants, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
+
+
+def _loop_body(sass: str) -> list[str]:
+    """Opcodes of the first loop (from a backward branch's target to the branch): the decode's page loop."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*?(0x[0-9a-f]+)?\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    for addr, op, target in ins:
+        if op == "BRA" and target and int(target, 16) < addr:
+            return [o for a, o, _ in ins if int(target, 16) <= a <= addr]
+    raise ValueError("no loop found")
+
+
+def count(label: str, fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int, elements: int) -> None:
+    c = _compile(fn, args, constants, warps)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    body = _loop_body(sass)
+    per = warps * 32 / elements
+    kinds: collections.Counter[str] = collections.Counter()
+    for op in body:
+        kinds[next((k for k, ops in KINDS.items() if op.startswith(ops)), "other")] += 1
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    by_kind = ", ".join(f"{k} {n * per:.2f}" for k, n in sorted(kinds.items(), key=lambda x: -x[1]))
+    print(f"| {label} | {regs and regs.group(1)} | {stack and stack.group(1)} | {len(body) * per:.2f} | {by_kind} |",
+          flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--warps", type=int, help="default: the kernels' own (KIVI 2 at a 32-slot page, TurboQuant 4)")
+    p.add_argument("--gp", type=int, help="query rows a tile (default: the group padded to a power of two)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--page", type=int, default=32, help="KIVI's page (group) size")
+    a = p.parse_args()
+    d, g = a.head_dim, a.group
+    gp = a.gp or triton.next_power_of_2(g)
+    print("| kernel | registers | stack | instructions / element | by kind |")
+    print("| --- | --- | --- | --- | --- |")
+    ppi = max(1, 16 // a.page)
+    for bits in (4, 2):
+        consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64)
+        count(f"kivi{bits}", kivi_attention._decode_kernel, KIVI_ARGS, consts,
+              a.warps or max(2, ppi * a.page // 16), ppi * a.page * d * 2)
+    for bits, qjl in ((4, False), (3, False), (2, False), (4, True)):
+        lane = 4 if bits == 3 else bits
+        consts = dict(HKV=8, G=g, GP=gp, D=d, LANE=lane, BITS=bits, NLEV=2**bits, QJL=qjl, BLOCK=32, NSPLIT=64)
+        count(f"turboquant{bits}{' + qjl' if qjl else ''}", turboquant_attention._decode_kernel, TQ_ARGS, consts,
+              a.warps or 4, 32 * d * 2)
+
+
+if __name__ == "__main__":
+    main()
