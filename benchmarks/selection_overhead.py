@@ -6,8 +6,9 @@ token scoring (reads the layer's K), top-k + sort or the Triton select.
 
     python benchmarks/selection_overhead.py [--shapes 1x130000 5x130000 6x130000 16x32768] [--token-budget 2048]
 
-Llama-3-8B heads (8 KV heads, group 4, dim 128), bf16 summaries, 16-token pages, rows 131,072 wide (the
-scoring grid covers a row's full width, as inside a graph captured for the context length).
+Llama-3-8B heads (8 KV heads, group 4, dim 128), bf16 summaries, 16-token pages, rows 131,076 wide as SGLang's
+(context length + 4; the scoring grid covers a row's full width, as inside a graph captured for the context
+length; before 2026-12-03's last run the rows were 131,072 wide, a power of two the server never has).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from graph_timing import graph_us
 
 from sgl_sparse.kernels import omnikv, pages, quest
 
-PS, HKV, GROUP, D, WIDTH = 16, 8, 4, 128, 131072
+PS, HKV, GROUP, D = 16, 8, 4, 128
+WIDTH = 131072 + 4  # SGLang's req_to_token rows: the context length (Llama-3-8B's) + 4
 HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
 
 
@@ -65,15 +67,17 @@ def _omnikv_row(bs: int, n: int, budget: int) -> str:
 
 def _row(bs: int, n: int, k: int) -> str:
     dev = "cuda"
-    npg = bs * (WIDTH // PS) + 8
-    r2t = torch.cat([torch.zeros(1, WIDTH, dtype=torch.int32, device=dev),
-                     torch.arange(bs * WIDTH, device=dev, dtype=torch.int32).view(bs, WIDTH) + PS])
+    row_pages = -(-WIDTH // PS)
+    npg = bs * row_pages + 8
+    # Each request's positions in its own whole pages (page 0 is SGLang's padding page).
+    r2t = torch.zeros(bs + 1, WIDTH, dtype=torch.int32, device=dev)
+    r2t[1:] = (torch.arange(bs, device=dev)[:, None] * row_pages * PS + torch.arange(WIDTH, device=dev) + PS).int()
     rpi = torch.arange(1, bs + 1, device=dev)
     seq = torch.full((bs,), n, device=dev)
     kmin = torch.randn(npg, HKV, D, device=dev, dtype=torch.bfloat16)
     kmax = kmin + 1
     q = torch.randn(bs, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
-    scores = torch.empty(bs * HKV, WIDTH // PS, device=dev)
+    scores = torch.empty(bs * HKV, -(-WIDTH // PS), device=dev)  # as QuestSelector.select: 8,193 columns
     lens = pages.selected_lens(seq, PS, k).repeat_interleave(HKV).int()
     indptr = torch.zeros(bs * HKV + 1, dtype=torch.int32, device=dev)
     indptr[1:] = lens.cumsum(0)

@@ -63,89 +63,78 @@ def _keys(row, start, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _digit_hist(row, n, keys, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """Histogram (256 bins) of the key byte at ``SHIFT`` over the row's selectable entries (above -inf) whose
-    higher bytes equal ``prefix``'s; the top byte (``SHIFT`` 24) as a signed byte moved to 0..255, so that
-    bin order is key order."""
+def _count_ge(row, n, keys, tkeys, mid, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """Entries of the row whose key is ``>= mid``."""
     if ONE_BLOCK:
-        hist = _hist_block(keys, prefix, SHIFT)
+        c = tl.sum((keys >= mid).to(tl.int32), axis=0)
+        if TAIL > 0:
+            c += tl.sum((tkeys >= mid).to(tl.int32), axis=0)
     else:
-        hist = tl.zeros((256,), tl.int32)
+        acc = tl.zeros((BLOCK,), tl.int32)
         for start in range(0, n, BLOCK):
-            hist += _hist_block(_keys(row, start, n, BLOCK), prefix, SHIFT)
-    return hist
+            acc += (_keys(row, start, n, BLOCK) >= mid).to(tl.int32)
+        c = tl.sum(acc, axis=0)
+    return c
 
 
 @triton.jit
-def _hist_block(keys, prefix, SHIFT: tl.constexpr):
-    cand = keys > _KEY_NEG_INF
-    if SHIFT == 24:
-        digit = (keys >> 24) + 128
-    else:
-        cand = cand & ((keys >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-        digit = (keys >> SHIFT) & 255
-    return tl.histogram(digit, 256, mask=cand)
-
-
-@triton.jit
-def _radix_pass(row, n, keys, prefix, need, above, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
-                ONE_BLOCK: tl.constexpr):
-    """One byte of the k-th largest key: the largest bin ``b`` with at least ``need`` candidates at or above
-    it; the candidates above ``b`` are taken (``above``), ``need`` shrinks by them, ``b`` joins ``prefix``."""
-    hist = _digit_hist(row, n, keys, prefix, SHIFT, BLOCK, ONE_BLOCK)
-    bins = tl.arange(0, 256)
-    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    b = tl.maximum(tl.max(tl.where(at_or_above >= need, bins, -1), axis=0), 0)
-    gt = tl.sum(tl.where(bins > b, hist, 0), axis=0)
-    if SHIFT == 24:
-        prefix = (b - 128) << 24
-    else:
-        prefix = prefix | (b << SHIFT)
-    return prefix, need - gt, above + gt
+def _write_taken(out_row, keys, start, n, t, need, carry, ties, BLOCK: tl.constexpr):
+    """Positions ``start..start + BLOCK`` of the row taken (above ``t``, or among the first ``need`` ties
+    of the row), written after the ``carry`` already written; -> (carry, ties seen) after this block."""
+    offs = start + tl.arange(0, BLOCK)
+    tie = (keys == t) & (offs < n)
+    tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties  # 1-based among the row's ties
+    take = (keys > t) | (tie & (tie_rank <= need))
+    dst = tl.cumsum(take.to(tl.int32), axis=0) - 1 + carry
+    tl.store(out_row + dst, offs.to(tl.int64), mask=take)
+    return carry + tl.sum(take.to(tl.int32), axis=0), ties + tl.sum(tie.to(tl.int32), axis=0)
 
 
 @triton.jit
 def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                   ROWS_PER_COUNT: tl.constexpr, PAGE: tl.constexpr):
-    """One program per row: the k-th largest key by radix select (4 passes of one byte), then the chosen
-    positions written in order."""
+                   TAIL: tl.constexpr, ROWS_PER_COUNT: tl.constexpr, PAGE: tl.constexpr):
+    """One program per row: bisect the k-th largest key, then write the chosen positions in order."""
     r = tl.program_id(0)
     row = scores + r.to(tl.int64) * stride_s
     out_row = out + r.to(tl.int64) * k
     n = tl.minimum(tl.cdiv(tl.load(counts + r // ROWS_PER_COUNT).to(tl.int32), PAGE), width)
     if ONE_BLOCK:
         keys = _keys(row, 0, n, BLOCK)
+        if TAIL > 0:  # a width just past a power of two (SGLang's rows are context + 4 wide) keeps a small tail
+            tkeys = _keys(row, BLOCK, n, TAIL)
+        else:
+            tkeys = keys
     else:
         keys = tl.zeros((BLOCK,), tl.int32)  # unused: each pass re-reads the row
-    # Each pass: a 256-bin histogram of one key byte among the entries that share the bytes chosen so far.
-    # The first version bisected the key range instead (up to 32 counting passes): 45 us a layer for 5 x 32K
-    # Quest rows on the H200 (benchmarks/results/2026-12-03-device-d/questdiag-profile.txt).
-    prefix = n * 0
-    need = n * 0 + k
-    above = n * 0
-    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 24, BLOCK, ONE_BLOCK)
-    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 16, BLOCK, ONE_BLOCK)
-    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 8, BLOCK, ONE_BLOCK)
-    prefix, need, above = _radix_pass(row, n, keys, prefix, need, above, 0, BLOCK, ONE_BLOCK)
-    m = tl.sum(_digit_hist(row, n, keys, prefix, 24, BLOCK, ONE_BLOCK), axis=0)  # selectable: real, above -inf
-    # A row of at most k selectable entries takes all of them (t = key(-inf), no ties: -inf is never taken).
+        tkeys = keys
+    kmin = _KEY_NEG_INF + 1
+    m = _count_ge(row, n, keys, tkeys, kmin, BLOCK, ONE_BLOCK, TAIL)  # selectable entries: real, above -inf
+    # Invariants: count(key >= lo) >= k and count(key > hi) == above; the threshold t lies in [lo, hi].
+    # A row of at most k selectable entries starts done, at t = key(-inf): it takes all of them (and none
+    # of its ties, the -inf entries).
     small = m <= k
-    t = tl.where(small, _KEY_NEG_INF, prefix)
-    need = tl.where(small, 0, need)  # entries equal to t to take, earliest first
+    lo = tl.where(small, kmin - 1, kmin).to(tl.int64)
+    hi = tl.where(small, kmin - 1, 2147483647).to(tl.int64)
+    above = tl.where(small, m, 0)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2  # in (lo, hi]: every pass shrinks the interval
+        c = _count_ge(row, n, keys, tkeys, mid.to(tl.int32), BLOCK, ONE_BLOCK, TAIL)
+        # c == k: the entries >= mid are the selection; stop at t = mid - 1 with no ties to take.
+        lo = tl.where(c > k, mid, tl.where(c == k, mid - 1, lo))
+        hi = tl.where(c > k, hi, mid - 1)
+        above = tl.where(c > k, above, c)
+    t = lo.to(tl.int32)
+    need = tl.where(small, 0, k - above)  # entries equal to t to take, earliest first
     taken = tl.minimum(m, k)
     carry = taken * 0
     ties = taken * 0
-    for start in range(0, n, BLOCK):
-        if not ONE_BLOCK:
-            keys = _keys(row, start, n, BLOCK)
-        offs = start + tl.arange(0, BLOCK)
-        tie = (keys == t) & (offs < n)
-        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties  # 1-based among the row's ties
-        take = (keys > t) | (tie & (tie_rank <= need))
-        dst = tl.cumsum(take.to(tl.int32), axis=0) - 1 + carry
-        tl.store(out_row + dst, offs.to(tl.int64), mask=take)
-        carry += tl.sum(take.to(tl.int32), axis=0)
-        ties += tl.sum(tie.to(tl.int32), axis=0)
+    if ONE_BLOCK:
+        carry, ties = _write_taken(out_row, keys, 0, n, t, need, carry, ties, BLOCK)
+        if TAIL > 0:
+            carry, ties = _write_taken(out_row, tkeys, BLOCK, n, t, need, carry, ties, TAIL)
+    else:
+        for start in range(0, n, BLOCK):
+            carry, ties = _write_taken(out_row, _keys(row, start, n, BLOCK), start, n, t, need, carry, ties, BLOCK)
     for start in range((taken // BLOCK) * BLOCK, k, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         tl.store(out_row + offs, tl.full((BLOCK,), 0, tl.int64) + width, mask=(offs >= taken) & (offs < k))
@@ -160,9 +149,11 @@ def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tens
     unselected one; on ties, the earliest positions win.
 
     ``torch.topk`` + ``torch.sort`` spends most of its time sorting; a selection needs neither. The row's
-    ``k``-th largest score ``t`` is found by radix select on the scores' int32 keys (ordered like the
-    floats): four passes, each a 256-bin histogram of one key byte among the entries sharing the bytes
-    chosen so far, over a row held in registers up to ``SELECT_MAX_BLOCK`` entries, re-read in chunks past it. The
+    ``k``-th largest score ``t`` is found by bisection on the scores' int32 keys (ordered like the floats):
+    each pass counts the entries ``>= mid`` (at most 32 passes; it stops early once exactly ``k`` are),
+    over a row held in registers up to ``SELECT_MAX_BLOCK`` entries, re-read in chunks past it. A radix
+    select (four 256-bin histogram passes of one key byte) was slower on the H200: 29.2 us against 18.7 at
+    Quest's 5 x 130K rows, 8,192 pages wide (benchmarks/results/2026-12-03-device-e). The
     entries ``> t`` and the first ties ``== t`` are then written in position order by a running prefix
     count, so no sort is needed. ``-inf`` entries are never selected (as :func:`select_pages` maps them to
     the unused value). Static shapes, no host sync (CUDA-graph safe)."""
@@ -174,9 +165,15 @@ def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tens
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     one_block = width <= SELECT_MAX_BLOCK
-    block = triton.next_power_of_2(width) if one_block else SELECT_CHUNK
+    # In registers: the largest power of two within the width, and the rest as a tail block. A row of 8,193
+    # pages (SGLang's req_to_token is context + 4 wide: 131,076 / 16) otherwise took a 16,384-entry block:
+    # Quest's select ran 45 us a layer in a server's profile against 18.7 for 8,192 pages in
+    # benchmarks/selection_overhead.py (2026-12-03).
+    block = 1 << (width.bit_length() - 1) if one_block else SELECT_CHUNK
+    tail = triton.next_power_of_2(width - block) if one_block and width > block else 0
     _select_kernel[(rows,)](scores, counts, out, width, scores.stride(0), k, BLOCK=block, ONE_BLOCK=one_block,
-                            ROWS_PER_COUNT=rows_per_count, PAGE=page_size, num_warps=max(1, min(16, block // 512)))
+                            TAIL=tail, ROWS_PER_COUNT=rows_per_count, PAGE=page_size,
+                            num_warps=max(1, min(16, block // 512)))
     return out
 
 
