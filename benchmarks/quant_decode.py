@@ -6,13 +6,14 @@ the batch's tokens, the time to read them at the HBM rate, and the same for a bf
     python benchmarks/quant_decode.py [--shapes 6x130000 16x32768] [--methods kivi4 kivi2 fp8_kv turboquant]
                                       [--warps 2 4]
 
-Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,072 wide as in a server at
-``--context-length 131072`` (the grid, its splits included, follows the width, as a graph captured for the
-context length does). ``step ms`` is 32 layers of it: the attention part of a decode step. Pool contents are
-random codes with small scales: timing does not depend on them. ``--warps``: also time KIVI's and TurboQuant's
-kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
-choice), one row each. The last column: the kernel's largest deviation from the store's torch path (the
-CPU server's decode, the tests' reference) on the same pool, relative to that output's largest value.
+Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,076 wide as in a server at
+``--context-length 131072`` (SGLang adds 4; the grid, its splits included, follows the width, as a graph
+captured for the context length does). ``step ms`` is 32 layers of it: the attention part of a decode step.
+Pool contents are random codes with small scales: timing does not depend on them. ``--warps``: also time
+KIVI's and TurboQuant's kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows
+use the kernels' own choice), one row each. The last column: the kernel's largest deviation from the store's
+torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
+value.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from sgl_sparse.contract import KVGeometry, pool_page_size
 from sgl_sparse.kernels import kivi_attention, turboquant_attention
 from sgl_sparse.registry import create_method
 
-HQ, HKV, D, WIDTH, LAYERS = 32, 8, 128, 131072, 32
+HQ, HKV, D, LAYERS = 32, 8, 128, 32
+WIDTH = 131072 + 4  # SGLang's req_to_token rows: the context length (Llama-3-8B's) + 4
 HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "kivi4": ("kivi", {"bits": 4}),
@@ -67,13 +69,14 @@ def _row(label: str, bs: int, n: int, warps: int | None = None) -> str:
     store = method.store
     assert store is not None
     ps = max(1, pool_page_size(method))
-    slots = bs * WIDTH + ps  # page 0 is SGLang's padding page
+    row_slots = -(-WIDTH // ps) * ps  # each request in its own whole pages
+    slots = bs * row_slots + ps  # page 0 is SGLang's padding page
     g = KVGeometry(num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=ps, num_slots=slots,
                    dtype=torch.bfloat16, device=torch.device("cuda"), max_requests=bs + 1)
     store.allocate(g)
     _fill(store)
-    r2t = torch.cat([torch.zeros(1, WIDTH, dtype=torch.int32, device="cuda"),
-                     torch.arange(bs * WIDTH, device="cuda", dtype=torch.int32).view(bs, WIDTH) + ps])
+    r2t = torch.zeros(bs + 1, WIDTH, dtype=torch.int32, device="cuda")
+    r2t[1:] = (torch.arange(bs, device="cuda")[:, None] * row_slots + torch.arange(WIDTH, device="cuda") + ps).int()
     rpi = torch.arange(1, bs + 1, device="cuda")
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
