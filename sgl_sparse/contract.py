@@ -20,9 +20,10 @@ SGLang, so a method is testable with :mod:`sgl_sparse.reference` alone.
 Hook order (the server, ``sgl_sparse/integration/``, and the reference driver, :mod:`sgl_sparse.reference`,
 both follow it; ``tests/test_contract.py`` checks the reference driver, ``tests/test_hook_order_e2e.py``
 a real server, with a method that logs every call). Per request; the server drives these for methods
-that evict or observe (``evicts``, ``observation_window() > 0``): a method with neither keeps their
-no-op defaults (:func:`served_hooks_problem` refuses one that overrides them), and the server then runs
-no per-request Python between admission and finish::
+that evict or observe (``evicts``, ``observation_window() > 0``), and ``on_prune`` for any request that
+prunes its own prompt: a method with neither keeps their no-op defaults (:func:`served_hooks_problem`
+refuses one that overrides them), and the server then runs no per-request Python between admission and
+finish::
 
     new_state (+ restore_state on a prefix hit) once, at admission (before its first forward)
     for each prefill chunk:
