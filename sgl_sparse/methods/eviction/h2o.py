@@ -21,8 +21,8 @@ sync); an eviction copies it to the host once, as SnapKV's selection does. A fin
 in the prefix tree (:class:`TreePayload`), so the next turn of a conversation resumes with its heavy
 hitters' scores (Chain Cache); a match that does not reach the record's end (or one through a turn that
 evicted nothing, which leaves no record) gets no payload and starts its prefix at zero. A request that prunes
-its own prompt drops the pruned tokens' entries (:meth:`H2O.on_prune`) before its prompt's window is scored,
-so that window scores, and the budget counts, only the tokens left.
+its own prompt drops the pruned tokens' entries (:meth:`H2O.on_prune`) before its prompt's window is scored:
+the window scores only the tokens left, and the budget counts only them.
 
 Defaults: ``budget`` 8,192 (SparseEngine's H2O decode budget, Table 11; SnapKV's default here),
 ``recent_ratio`` 0.5 (H2O's ``heavy_ratio`` = ``recent_ratio`` = 0.1 of the prompt: an even split of the
