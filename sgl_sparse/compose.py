@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import (
     Family,
@@ -93,6 +95,9 @@ class Composed(SparseMethod[ComposedConfig]):
 
     def on_prefill_chunk(self, state: RequestState, chunk: PrefillChunk) -> None:
         self.eviction.on_prefill_chunk(state, chunk)
+
+    def on_prune(self, state: RequestState, pruned: torch.Tensor) -> None:
+        self.eviction.on_prune(state, pruned)
 
     def observation_window(self) -> int:
         return self.eviction.observation_window()

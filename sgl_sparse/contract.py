@@ -20,14 +20,18 @@ SGLang, so a method is testable with :mod:`sgl_sparse.reference` alone.
 Hook order (the server, ``sgl_sparse/integration/``, and the reference driver, :mod:`sgl_sparse.reference`,
 both follow it; ``tests/test_contract.py`` checks the reference driver, ``tests/test_hook_order_e2e.py``
 a real server, with a method that logs every call). Per request; the server drives these for methods
-that evict or observe (``evicts``, ``observation_window() > 0``): a method with neither keeps their
-no-op defaults (:func:`served_hooks_problem` refuses one that overrides them), and the server then runs
-no per-request Python between admission and finish::
+that evict or observe (``evicts``, ``observation_window() > 0``), and ``on_prune`` for any request that
+prunes its own prompt: a method with neither keeps their no-op defaults (:func:`served_hooks_problem`
+refuses one that overrides them), and the server then runs no per-request Python between admission and
+finish::
 
     new_state (+ restore_state on a prefix hit) once, at admission (before its first forward)
     for each prefill chunk:
         on_prefill_chunk                       before the chunk's forward
         (the forward: selector hooks, below)
+        on_prune                               final chunk of a request that prunes its own prompt
+                                               (custom_params sgl_sparse_prune): those positions leave
+                                               the retained set now, before anything below plans
         replays                                final chunk only: extra forwards (KVzip), each one's
             on_replay_layer                    layers in order, as they run
         on_observation                         if wants_observation (default: final chunk)
@@ -37,6 +41,17 @@ no per-request Python between admission and finish::
         on_observation                         if wants_observation
         on_step_end
     on_finish                                  once: what the prefix tree stores for later turns
+
+A request's own prune (docs/prefix-cache-pruning.md, "Per request") is, to its method, an eviction that
+happened just before the method's end-of-prompt planning: the prompt's forward attended every position (so
+its first output token did), then :meth:`SparseMethod.on_prune` hands the method the positions leaving
+(``state.kept`` still holds them) and the runtime frees them and sets ``state.kept`` to the rest. Every
+hook after it sees only the rest: replays and the observation window read the remaining keys, a
+:class:`KeepPlan` is checked against them (re-selecting a pruned position is a contract error, so a pruned
+range never comes back), and a budget counts retained tokens *after* the prune (the pruned ones are not
+candidates and take no share of it), exactly as after an eviction an earlier turn made (a Chain Cache
+continuation). Positions an earlier plan or turn already evicted are not handed over again: what leaves is
+the union.
 
 A method with a :class:`PageSelector` is also driven per layer inside each forward, batched over the
 whole step (not per request), in layer order: ``on_kv_write`` wherever a selecting layer's K is written
@@ -398,8 +413,8 @@ def served_hooks_problem(method: SparseMethod[Any]) -> str | None:
     if method.store is not None and method.evicts and (why := method.store.eviction_problem()) is not None:
         return f"{method.name} evicts over {type(method.store).__name__}'s layout, which cannot be served: {why}"
     if not method.evicts and method.observation_window() == 0:
-        hooks = ("new_state", "restore_state", "on_prefill_chunk", "wants_observation", "on_observation",
-                 "on_step_end", "on_finish")
+        hooks = ("new_state", "restore_state", "on_prefill_chunk", "on_prune", "wants_observation",
+                 "on_observation", "on_step_end", "on_finish")
         overridden = [h for h in hooks if getattr(type(method), h) is not getattr(SparseMethod, h)]
         if overridden:
             return (f"{method.name} overrides per-request hooks ({', '.join(overridden)}) but neither evicts nor "
@@ -628,6 +643,22 @@ class SparseMethod(ABC, Generic[C]):
     def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
         """At the end of a step (all layers done), before :meth:`on_step_end`, when
         :meth:`wants_observation` said so. Score the retained K/V here (into ``state.extra``)."""
+
+    # -- the request's own prune --------------------------------------------------------------------
+    def on_prune(self, state: RequestState, pruned: torch.Tensor) -> None:
+        """Positions ``pruned`` (sorted CPU int64, at least one, all in ``state.kept``) leave the request's
+        retained set outside any :class:`KeepPlan` of the method: the request prunes them from its own prompt
+        (``custom_params['sgl_sparse_prune']``). Called once, in the step that completes the prompt, after its
+        forward and before :meth:`replays`, :meth:`on_observation` and :meth:`on_step_end` of that step (hook
+        order above). ``state.kept`` still holds them; right after the hook the runtime frees their slots and
+        sets ``state.kept`` to the rest.
+
+        A method whose per-request state is indexed by the retained set and outlives a step (a score per
+        retained token in retained order, a per-layer mask over it, typically restored from a
+        :class:`TreePayload`) must drop their entries here, else that state silently misaligns. Default:
+        nothing, right for a method whose state is logical positions (StreamingLLM, SkipKV's sentences), or
+        is built by an observation or replay of the step itself (SnapKV, R-KV, KVzip), which then sees only
+        the rest."""
 
     # -- replays (KVzip) ---------------------------------------------------------------------------
     def replays(self, state: RequestState, step: StepInfo, max_tokens: int) -> list[Replay]:

@@ -85,9 +85,11 @@ class RequestTrace:
 
 
 def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: list[int], prompt_len: int,
-                chunk_size: int) -> RequestTrace:
+                chunk_size: int, prune: list[tuple[int, int]] | None = None) -> RequestTrace:
     """Prefill ``tokens[:prompt_len]`` in chunks, then decode the rest one token at a time (teacher
-    forcing: the sequence is given, so dense and sparse runs are compared position by position)."""
+    forcing: the sequence is given, so dense and sparse runs are compared position by position).
+    ``prune``: logical ``[l, r)`` ranges of the prompt the request prunes from its own prompt (as
+    ``custom_params['sgl_sparse_prune']``), leaving at the end of the final chunk through ``on_prune``."""
     h_all = model.embed[torch.tensor(tokens)]
     n_total = len(tokens)
     keys = [torch.zeros(n_total, model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
@@ -154,6 +156,15 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         decoded += 0 if is_prefill else 1
         step = StepInfo(is_prefill, end - start, decoded, final_prefill=is_prefill and chunk.is_final,
                         token_ids=(lambda a, b, e=end: tokens[a:min(b, e)]) if method.needs_token_ids() else None)
+        if step.final_prefill and prune:
+            kept = state.kept
+            gone = torch.zeros(kept.numel(), dtype=torch.bool)
+            for lo, hi in prune:
+                gone |= (kept >= lo) & (kept < hi)
+            if bool(gone.any()):
+                method.on_prune(state, kept[gone])
+                retained[kept[gone]] = False
+                state.set_kept(kept[~gone])
         if step.final_prefill:
             positions = retained.nonzero().flatten()
             for replay in method.replays(state, step, max_tokens=1 << 30):

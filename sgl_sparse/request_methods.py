@@ -36,12 +36,10 @@ CONFIG_KEY = "sgl_sparse_config"
 KEYS = frozenset({METHOD_KEY, CONFIG_KEY})
 # Per-request Prefix-Cache Pruning (docs/prefix-cache-pruning.md, "Per request"): a JSON string
 # ``{"ranges": [[l, r], ...]}`` of this request's prompt positions hidden from its attention after its final
-# prefill, and from the sequence the tree stores at its finish.
+# prefill, and from the sequence the tree stores at its finish. Any method serves it: the runtime tells the
+# method which positions leave (``SparseMethod.on_prune``) before the method plans, so state indexed by the
+# retained set (H2O's scores, PyramidKV's layer masks) stays aligned.
 PRUNE_KEY = "sgl_sparse_prune"
-# Methods whose per-request state does not index the retained set, so positions can leave it without them
-# knowing: dense (no state) and StreamingLLM (positions only). SnapKV's, H2O's, R-KV's and PyramidKV's
-# scores are aligned to the retained set and would silently misalign.
-PRUNABLE_METHODS = frozenset({"dense", "streamingllm"})
 
 OFF, EVICTION = "off", "eviction"
 POLICIES = (OFF, EVICTION)
@@ -222,13 +220,10 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> list[tuple[int, int
     return merged
 
 
-def prune_problem(resolver: MethodResolver, served: Served) -> str | None:
-    """Why a request served by ``served`` on this server cannot prune its own prompt (``None``: it can)."""
+def prune_problem(resolver: MethodResolver) -> str | None:
+    """Why a request on this server cannot prune its own prompt (``None``: it can). Every method a request can
+    get here can: a dense one has nothing to realign, an evicting one is told what leaves (``on_prune``)."""
     if not (resolver.default.method.evicts or resolver.policy == EVICTION):
         return (f"this server reads SGLang's stock attention lists, which cannot skip pruned KV: start it with an "
                 f"eviction method or {FLAG} eviction")
-    if served.method.name not in PRUNABLE_METHODS:
-        return (f"{served.method.name} keeps per-request scores aligned to its retained set, which a prune would "
-                f"misalign; per-request pruning serves {', '.join(sorted(PRUNABLE_METHODS))} (choose one with "
-                f"{METHOD_KEY})")
     return None

@@ -140,11 +140,14 @@ class HookProbe(SparseMethod[HookProbeConfig]):
     def on_prefill_chunk(self, state: RequestState, chunk: PrefillChunk) -> None:
         self.log("on_prefill_chunk", rid=state.rid, start=chunk.start, end=chunk.end, total=chunk.total)
 
+    def on_prune(self, state: RequestState, pruned: torch.Tensor) -> None:
+        self.log("on_prune", rid=state.rid, pruned=pruned.tolist(), kept=state.num_kept)
+
     def observation_window(self) -> int:
         return 1
 
     def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
-        self.log("on_observation", rid=state.rid)
+        self.log("on_observation", rid=state.rid, keys=int(window.k_pos.numel()))
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> None:
         self.log("on_step_end", rid=state.rid, prefill=step.is_prefill, final=step.final_prefill,

@@ -9,7 +9,7 @@ import torch
 
 from sgl_sparse import SparseConfigError, create_method
 from sgl_sparse.compose import Composed, family_label
-from sgl_sparse.contract import KeepPlan, RequestState, StepInfo, served_hooks_problem
+from sgl_sparse.contract import KeepPlan, RequestState, StepInfo, TreePayload, served_hooks_problem
 from sgl_sparse.integration.store_attention import compact_rows
 from sgl_sparse.methods.quantization.fp8_kv import FP8Store
 
@@ -106,6 +106,13 @@ def test_hooks_are_the_eviction_members() -> None:
     assert not snap.wants_observation(st, StepInfo(True, 10, 0, final_prefill=True))  # within the budget
     st.advance(10)
     assert snap.wants_observation(st, StepInfo(True, 10, 0, final_prefill=True))
+    # A request's own prune reaches the eviction member (H2O's restored scores lose the pruned entries).
+    h2o = create_method("h2o+fp8_kv")
+    st = h2o.new_state("r")
+    st.set_kept(torch.tensor([0, 2, 3, 5]), logical_len=6)
+    h2o.restore_state(st, TreePayload({"h2o_scores": torch.tensor([1.0, 2.0, 3.0, 4.0])}))
+    h2o.on_prune(st, torch.tensor([2, 5]))
+    assert st.extra["h2o_scores"].tolist() == [1.0, 3.0]
 
 
 def test_compacted_rows_hold_the_live_slots_in_position_order() -> None:

@@ -98,6 +98,31 @@ def test_a_lossless_store_under_eviction_serves_the_eviction_methods_tokens(comp
     assert st["evicted_tokens_total"] > before and st["chain_hits_total"] >= 2
 
 
+def test_a_requests_own_prune_reaches_the_eviction_member(compose_servers: dict) -> None:
+    """custom_params sgl_sparse_prune on a composition: the ranges leave before SnapKV scores the keys left through
+    the store; over a store that loses nothing it serves SnapKV's own tokens with the same prune, this turn and the
+    next (a hit), and the ranges stay hidden."""
+    comp, ref = compose_servers["snapkv+plain_store"], compose_servers["snapkv"]
+    _flush(comp, ref)
+    rng = random.Random(11)
+    history = _ids(rng, 600)
+    ranges = [[50, 250], [400, 450]]
+    cp = {"sgl_sparse_prune": json.dumps({"ranges": ranges})}
+    for turn in range(2):
+        extra = {"custom_params": cp} if turn == 0 else {}
+        outs = [s.generate(input_ids=history, max_new_tokens=40, ignore_eos=True, **extra) for s in (comp, ref)]
+        assert outs[0]["output_ids"] == outs[1]["output_ids"], turn
+        assert outs[0]["meta_info"]["cached_tokens"] == outs[1]["meta_info"]["cached_tokens"]
+        history = history + outs[0]["output_ids"]
+        inspect = requests.post(f"{comp.base_url}/v1/prefix_cache/inspect", json={"token_ids": history},
+                                timeout=60).json()
+        hidden = {p for lo, hi in inspect["hidden_ranges"] for p in range(lo, hi)}
+        assert {p for lo, hi in ranges for p in range(lo, hi)} <= hidden, (turn, inspect["hidden_ranges"])
+        history = history + _ids(rng, 30)
+    assert outs[0]["meta_info"]["cached_tokens"] > 600
+    _assert_idle_and_sound(comp)
+
+
 def test_a_small_budget_holds_fewer_slots_than_logical_tokens(compose_servers: dict) -> None:
     """SnapKV 256 (re-selected every 16 decoded tokens) over FP8; StreamingLLM 16 + 128 over 4-bit TurboQuant:
     the finished request leaves about the budget in the pool, of 600 and 2,300 logical tokens."""

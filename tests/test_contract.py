@@ -236,3 +236,88 @@ def test_method_modules_register_more_methods(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("SGLSPARSE_METHOD_MODULES", "tests.hook_probe, no_such_module_here")
     with pytest.raises(SparseConfigError, match="no_such_module_here"):
         registered_methods()
+
+
+# -- a request's own prune (SparseMethod.on_prune) ------------------------------------------------------------
+class _KeepLastRetained(_KeepRecent):
+    """Keep the last ``budget`` retained positions after every step (plans from ``state.kept``)."""
+
+    def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
+        return KeepPlan(state.kept[-self.config.budget:]) if state.num_kept > self.config.budget else None
+
+
+class _PruneRecorder(_KeepLastRetained):
+    def __init__(self, config: _RecentConfig) -> None:
+        super().__init__(config)
+        self.calls: list[tuple] = []
+
+    def on_prune(self, state: RequestState, pruned: torch.Tensor) -> None:
+        self.calls.append(("prune", pruned.tolist(), state.kept.tolist()))
+
+    def observation_window(self) -> int:
+        return 3
+
+    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
+        self.calls.append(("observation", window.k_pos.tolist(), window.q_pos.tolist()))
+
+    def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
+        self.calls.append(("step_end", step.final_prefill, state.kept.tolist()))
+        return super().on_step_end(state, step)
+
+
+def test_prune_comes_before_the_methods_end_of_prompt_hooks() -> None:
+    """The final chunk's forward attends every position; then on_prune gets the retained positions of the ranges
+    (the kept set still holding them), and the observation window and on_step_end see only the rest."""
+    m = _PruneRecorder(_RecentConfig(budget=100))
+    run_request(m, ToyAttentionStack(n_layers=N_LAYERS), _tokens(12), prompt_len=10, chunk_size=6,
+                prune=[(2, 4), (7, 8)])
+    rest = [0, 1, 4, 5, 6, 8, 9]
+    assert m.calls == [
+        ("step_end", False, list(range(6))),
+        ("prune", [2, 3, 7], list(range(10))),
+        ("observation", rest, [7, 8, 9]),
+        ("step_end", True, rest),
+        ("step_end", False, [*rest, 10]),
+        ("step_end", False, [*rest, 10, 11]),
+    ]
+
+
+def test_prune_composes_with_earlier_evictions_and_the_budget_counts_what_is_left() -> None:
+    """Positions a plan already evicted are not handed over again (the union leaves); the plan after the prune
+    keeps ``budget`` of the positions left, never a pruned one."""
+    m = _PruneRecorder(_RecentConfig(budget=8))
+    trace = run_request(m, ToyAttentionStack(n_layers=N_LAYERS), _tokens(18), prompt_len=16, chunk_size=6,
+                        prune=[(2, 6), (10, 12)])
+    assert ("prune", [4, 5, 10, 11], list(range(4, 16))) in m.calls  # 0..3 left with the second chunk's plan
+    assert trace.kept_after_step == [6, 8, 8, 8, 8]  # 8 left after the prune: within the budget, no plan
+    assert trace.state.kept.tolist() == [8, 9, 12, 13, 14, 15, 16, 17]
+
+
+def test_a_plan_that_reselects_a_pruned_position_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="not retained"):
+        # _KeepRecent plans the last `budget` logical positions, a pruned one among them.
+        run_request(_KeepRecent(_RecentConfig(budget=8)), ToyAttentionStack(), _tokens(12), prompt_len=10,
+                    chunk_size=10, prune=[(5, 7)])
+
+
+def test_dense_with_a_prune_decodes_as_attention_without_the_ranges() -> None:
+    """The prompt attends every position (its outputs are dense); each decoded token attends every position but
+    the pruned ones: plain causal attention with those keys masked for the decode queries."""
+    model, tokens, prompt_len, ranges = ToyAttentionStack(n_layers=N_LAYERS), _tokens(40), 30, [(3, 9), (20, 24)]
+    trace = run_request(create_method("dense"), model, tokens, prompt_len=prompt_len, chunk_size=7, prune=ranges)
+    pruned = torch.zeros(len(tokens), dtype=torch.bool)
+    for lo, hi in ranges:
+        pruned[lo:hi] = True
+    h = model.embed[torch.tensor(tokens)]
+    pos = torch.arange(len(tokens))
+    hidden = (pos[None, :] > pos[:, None]) | ((pos[:, None] >= prompt_len) & pruned[None, :])  # [query, key]
+    for layer in range(model.n_layers):
+        q, k, v = model.project(layer, h)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+        h = torch.einsum("hqk,khd->qhd", s.masked_fill(hidden[None], float("-inf")).softmax(-1), v).reshape(
+            len(tokens), -1)
+    torch.testing.assert_close(trace.outputs, h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(trace.outputs[:prompt_len], dense_reference(model, tokens)[:prompt_len])
+    assert trace.state.kept.tolist() == [p for p in range(40) if not pruned[p]]

@@ -106,6 +106,98 @@ def test_snapkv_decode_interval_reselects() -> None:
     assert decode_kept[4] == 24 and decode_kept[9] == 24 and max(decode_kept) <= 28
 
 
+def reference_snapkv(model: ToyAttentionStack, tokens: list[int], prompt_len: int, chunk_size: int, budget: int,
+                     window: int, sink: int, kernel: int, pooling: str, interval: int,
+                     prune: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """SnapKV with a request's own prune, written out on the toy stack: attention over the retained tokens (float64
+    loops per query head), the last ``window`` queries of every layer cached; at the prompt's end the ``prune``
+    ranges leave first, then (and every ``interval`` decoded tokens), once more than ``budget`` are retained, each
+    retained key scores the softmax probability the cached queries give it among the retained keys (causal), summed
+    over each KV head's group and the queries, pooled along the retained order per KV head, summed over heads and
+    layers; the first ``sink``, the last ``window`` and the best of the rest are kept (ties to the earlier).
+    Returns (last-layer outputs, kept count after each step, final kept positions)."""
+    h_all = model.embed[torch.tensor(tokens)]
+    hq, hkv, d = model.n_heads, model.n_kv_heads, model.head_dim
+    group = hq // hkv
+    keys = [torch.zeros(len(tokens), hkv, d) for _ in range(model.n_layers)]
+    vals = [torch.zeros_like(keys[0]) for _ in range(model.n_layers)]
+    query_cache: list[torch.Tensor] = [torch.zeros(0, hq, d)] * model.n_layers
+    retained: list[int] = []
+    outs, kept_after = [], []
+    steps = [(s, min(s + chunk_size, prompt_len)) for s in range(0, prompt_len, chunk_size)]
+    steps += [(i, i + 1) for i in range(prompt_len, len(tokens))]
+    for start, end in steps:
+        retained += list(range(start, end))
+        h = h_all[start:end]
+        for layer in range(model.n_layers):
+            q, k, v = model.project(layer, h)
+            keys[layer][start:end], vals[layer][start:end] = k, v
+            query_cache[layer] = torch.cat([query_cache[layer], q])[-window:]
+            out = torch.zeros_like(q)
+            for i in range(end - start):
+                visible = [j for j in retained if j <= start + i]
+                for head in range(hq):
+                    probs = (keys[layer][visible, head // group].double() @ q[i, head].double() / d**0.5).softmax(0)
+                    out[i, head] = (probs @ vals[layer][visible, head // group].double()).float()
+            h = out.reshape(end - start, -1)
+        outs.append(h)
+        if end == prompt_len:
+            retained = [j for j in retained if not any(lo <= j < hi for lo, hi in prune)]
+        due = end == prompt_len or (start >= prompt_len and interval > 0 and (end - prompt_len) % interval == 0)
+        if due and len(retained) > budget:
+            n = len(retained)
+            total = [0.0] * n
+            for layer in range(model.n_layers):
+                for kv in range(hkv):
+                    per_key = [0.0] * n
+                    for i, p in enumerate(range(end - window, end)):
+                        visible = [c for c in range(n) if retained[c] <= p]
+                        for head in range(kv * group, (kv + 1) * group):
+                            logits = torch.stack([keys[layer][retained[c], kv].double()
+                                                  @ query_cache[layer][i, head].double() for c in visible]) / d**0.5
+                            for c, pr in zip(visible, logits.softmax(0).tolist()):
+                                per_key[c] += pr
+                    for c in range(n):
+                        seg = per_key[max(0, c - kernel // 2):c + kernel // 2 + 1]
+                        total[c] += sum(seg) / len(seg) if pooling == "avgpool" else max(seg)
+            best = sorted(range(sink, n - window), key=lambda c: (-total[c], c))[:budget - sink - window]
+            retained = [retained[c] for c in sorted([*range(sink), *best, *range(n - window, n)])]
+        kept_after.append(len(retained))
+    return torch.cat(outs), kept_after, retained
+
+
+@pytest.mark.parametrize(("budget", "pooling", "interval", "prune"), [
+    (24, "avgpool", 5, [(10, 30)]),  # compacted to 24 of the 40 left, then every 5 decoded tokens
+    (20, "maxpool", 4, [(0, 3), (40, 44), (57, 60)]),  # sink and window of what is left, not of the prompt
+    (40, "avgpool", 6, [(10, 30)]),  # the 40 left fit the budget: nothing more at the prompt's end
+])
+def test_snapkv_with_a_prune_equals_plain_reference(budget: int, pooling: str, interval: int,
+                                                    prune: list[tuple[int, int]]) -> None:
+    """A request that prunes its own prompt: the ranges leave before SnapKV scores (its window attends only what is
+    left), the budget counts what is left, and every later re-selection picks what the reference picks."""
+    model, tokens, prompt_len, chunk = ToyAttentionStack(), _tokens(72, seed=3), 60, 16
+    cfg = {"budget": budget, "window_size": 4, "sink_tokens": 2, "kernel_size": 5, "pooling": pooling,
+           "decode_interval": interval}
+    trace = run_request(create_method("snapkv", cfg), model, tokens, prompt_len=prompt_len, chunk_size=chunk,
+                        prune=prune)
+    ref_out, ref_kept_after, ref_kept = reference_snapkv(model, tokens, prompt_len, chunk, budget, 4, 2, 5, pooling,
+                                                         interval, prune)
+    assert trace.state.kept.tolist() == ref_kept
+    assert trace.kept_after_step == ref_kept_after
+    torch.testing.assert_close(trace.outputs, ref_out, rtol=1e-4, atol=1e-4)
+    left = prompt_len - sum(hi - lo for lo, hi in prune)
+    assert ref_kept_after[3] == min(budget, left)  # the budget counts the tokens left after the prune
+    assert not any(lo <= p < hi for p in ref_kept for lo, hi in prune)
+
+
+def test_streamingllm_with_a_prune_keeps_sinks_and_recent_of_what_is_left() -> None:
+    cfg = {"sink_tokens": 4, "recent_tokens": 16, "evict_interval": 8}
+    trace = run_request(create_method("streamingllm", cfg), ToyAttentionStack(), _tokens(62), prompt_len=60,
+                        chunk_size=25, prune=[(50, 60)])
+    assert trace.kept_after_step == [25, 50, 20, 21, 22]
+    assert trace.state.kept.tolist() == [0, 1, 2, 3, *range(34, 50), 60, 61]
+
+
 def test_topk_keep_ties_prefer_earlier_positions() -> None:
     kept = torch.arange(10, 20)
     keep = topk_keep(kept, torch.zeros(10), budget=5, sink=1, window=1)

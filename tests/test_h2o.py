@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sgl_sparse import SparseConfigError, create_method
-from sgl_sparse.contract import RequestState
+from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo
 from sgl_sparse.reference import ToyAttentionStack, run_request
 
 
@@ -15,14 +15,19 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def reference_h2o(model: ToyAttentionStack, tokens: list[int], prompt_len: int, chunk_size: int, budget: int,
-                  recent: int, window: int, interval: int) -> tuple[torch.Tensor, list[int], list[int], dict]:
+                  recent: int, window: int, interval: int,
+                  prune: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list[int], list[int], dict]:
     """H2O written out: the same toy stack, attention per query head in float64 loops, each token's
     score the sum of the softmax probabilities it received from the prompt's last ``window`` queries
     and, if ``interval`` > 0, from every decode query, accumulated as the attention is computed. The
     kept set: the top ``budget - recent`` scores outside the last ``recent`` tokens (ties to the earlier
     position) plus the last ``recent``; at the prompt's end and every ``interval`` decoded tokens.
     Returns (last-layer outputs, kept count after each step, final kept positions, and each observed
-    query position's contributions ``{query: {key: probability summed over heads and layers}}``)."""
+    query position's contributions ``{query: {key: probability summed over heads and layers}}``).
+
+    ``prune``: ranges the request prunes from its own prompt. They leave at the prompt's end, before its window
+    is scored: the prompt attends them, but the window's scores are its softmax over the keys left."""
+    pruned = {j for lo, hi in prune for j in range(lo, hi)}
     h_all = model.embed[torch.tensor(tokens)]
     n_layers, hq, hkv, d = model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim
     keys = [torch.zeros(len(tokens), hkv, d) for _ in range(n_layers)]
@@ -51,13 +56,20 @@ def reference_h2o(model: ToyAttentionStack, tokens: list[int], prompt_len: int, 
                     logits = torch.stack([keys[layer][j, kv].double() @ q[i, head].double() for j in visible])
                     probs = (logits / d**0.5).softmax(0)
                     out[i, head] = (probs[:, None] * vals[layer][visible, kv].double()).sum(0).float()
+                    seen = visible
+                    if observed and not decode and pruned:
+                        seen = [j for j in visible if j not in pruned]
+                        logits = torch.stack([keys[layer][j, kv].double() @ q[i, head].double() for j in seen])
+                        probs = (logits / d**0.5).softmax(0)
                     if observed:
-                        for j, pr in zip(visible, probs.tolist()):
+                        for j, pr in zip(seen, probs.tolist()):
                             score[j] = score.get(j, 0.0) + pr
                             received.setdefault(p, {})[j] = received.get(p, {}).get(j, 0.0) + pr
             h = out.reshape(end - start, -1)
         outs.append(h)
         decoded += decode
+        if end == prompt_len:
+            retained = [j for j in retained if j not in pruned]
         evict = (end == prompt_len) if not decode else (interval > 0 and decoded % interval == 0)
         if evict and len(retained) > budget:
             old, rest = retained[len(retained) - recent:] if recent else [], retained[:len(retained) - recent]
@@ -97,6 +109,83 @@ def test_h2o_equals_plain_reference(budget: int, ratio: float, window: int, inte
         expected = torch.tensor([sum(c.get(j, 0.0) for p, c in received.items() if p < scored) for j in ref_kept],
                                 dtype=torch.float32)
         assert torch.allclose(table, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("budget", "interval", "prune"), [
+    (24, 8, [(10, 30)]),  # 40 left, compacted to 24, then every 8 decoded tokens
+    (24, 5, [(0, 4), (50, 58)]),  # the window's own keys partly pruned
+    (40, 6, [(20, 40)]),  # the 40 left fit the budget: nothing more at the prompt's end
+])
+def test_h2o_with_a_prune_equals_plain_reference(budget: int, interval: int, prune: list[tuple[int, int]]) -> None:
+    """A request that prunes its own prompt: its window is scored over the keys left, the budget counts what is
+    left, the score table stays aligned with the kept set through every later compaction, and each one keeps what
+    the reference keeps."""
+    model, tokens, prompt_len, chunk = ToyAttentionStack(), _tokens(84, seed=3), 60, 16
+    cfg = {"budget": budget, "recent_ratio": 0.25, "window_size": 8, "evict_interval": interval}
+    method = create_method("h2o", cfg)
+    trace = run_request(method, model, tokens, prompt_len=prompt_len, chunk_size=chunk, prune=prune)
+    ref_out, ref_kept_after, ref_kept, received = reference_h2o(model, tokens, prompt_len, chunk, budget,
+                                                                 int(budget * 0.25), 8, interval, prune)
+    assert trace.state.kept.tolist() == ref_kept
+    assert trace.kept_after_step == ref_kept_after
+    assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
+    assert ref_kept_after[3] == min(budget, prompt_len - sum(hi - lo for lo, hi in prune))
+    table = method.on_finish(trace.state).data["h2o_scores"]
+    scored = trace.state.extra["h2o_scored"]
+    expected = [sum(c.get(j, 0.0) for p, c in received.items() if p < scored) for j in ref_kept]
+    assert table.numel() == trace.state.num_kept
+    assert torch.allclose(table, torch.tensor(expected, dtype=torch.float32), rtol=1e-4, atol=1e-4)
+
+
+def test_a_continuation_that_prunes_drops_the_restored_scores_of_what_it_prunes() -> None:
+    """Turn 2 resumes turn 1's heavy hitters with their scores (the payload) and prunes some of them and some of
+    its new tokens: on_prune drops exactly their entries (the table stays the retained set's length, in retained
+    order), and the prompt-end compaction keeps what a plain reference picks from the restored scores plus the
+    window's softmax over the keys left."""
+    model = ToyAttentionStack()
+    cfg = {"budget": 24, "recent_ratio": 0.25, "window_size": 4, "evict_interval": 4}
+    method = create_method("h2o", cfg)
+    first = run_request(method, model, _tokens(72), prompt_len=60, chunk_size=16)
+    payload = method.on_finish(first.state)
+    restored = dict(zip(first.state.kept.tolist(), payload.data["h2o_scores"].tolist()))
+
+    st = method.new_state("turn2")
+    st.set_kept(first.state.kept, logical_len=72)  # the tree's match view
+    method.restore_state(st, payload)
+    st.advance(28)  # the new prompt's tokens, 72..99
+    prune = [(20, 50), (80, 90)]
+    gone = torch.tensor([p for p in st.kept.tolist() if any(lo <= p < hi for lo, hi in prune)])
+    method.on_prune(st, gone)  # what the runtime does at the end of the final prefill step
+    st.set_kept(st.kept[~torch.isin(st.kept, gone)])
+    left = st.kept.tolist()
+    assert st.extra["h2o_scores"].tolist() == [restored[p] for p in left if p in restored]
+
+    g = torch.Generator().manual_seed(4)
+    n_layers, w, scale = 2, 4, 8**-0.5
+    queries = [torch.randn(w, 4, 8, generator=g) for _ in range(n_layers)]
+    keys = [torch.randn(100, 2, 8, generator=g) for _ in range(n_layers)]
+    window = ObservationWindow(queries=dict(enumerate(queries)), q_pos=torch.arange(100 - w, 100),
+                               key_buffer=lambda layer: keys[layer], key_rows=st.kept, k_pos=st.kept,
+                               num_layers=n_layers, scale=scale)
+    step = StepInfo(True, 28, 0, final_prefill=True)
+    assert method.wants_observation(st, step)
+    method.on_observation(st, window)
+    plan = method.on_step_end(st, step)
+
+    score = {p: restored.get(p, 0.0) for p in left}
+    for layer in range(n_layers):
+        for i, qp in enumerate(range(100 - w, 100)):
+            visible = [p for p in left if p <= qp]
+            for head in range(4):
+                logits = torch.stack([keys[layer][p, head // 2].double() @ queries[layer][i, head].double()
+                                      for p in visible]) * scale
+                for p, pr in zip(visible, logits.softmax(0).tolist()):
+                    score[p] += pr
+    recent = int(24 * 0.25)
+    heavy = sorted(left[:-recent], key=lambda p: (-score[p], p))[:24 - recent]
+    assert plan is not None and plan.keep.tolist() == sorted(heavy) + left[-recent:]
+    assert torch.allclose(st.extra["h2o_scores"], torch.tensor([score[p] for p in plan.keep.tolist()],
+                                                                 dtype=torch.float32), rtol=1e-4, atol=1e-4)
 
 
 def test_budget_covering_the_sequence_reproduces_dense() -> None:

@@ -53,8 +53,9 @@ def _forwards(events: list[dict]) -> list[tuple[int, int, list[tuple[str, int]]]
 def _check_request(rid: str, evs: list[tuple[int, dict]], forwards: list[tuple[int, int, list]],
                    decode_forward: list[tuple[str, int]]) -> None:
     """One request's hooks follow the docstring: new_state (+ restore_state) first; per prefill chunk
-    on_prefill_chunk -> (a prefill forward) -> [on_observation, on the final chunk] -> on_step_end; per
-    decode step (a decode forward) -> on_step_end; on_finish once, last."""
+    on_prefill_chunk -> (a prefill forward) -> [on the final chunk: on_prune of a request that prunes its own
+    prompt, then on_observation over the keys left] -> on_step_end; per decode step (a decode forward) ->
+    on_step_end; on_finish once, last."""
     hooks = [e["hook"] for _, e in evs]
     assert hooks[0] == "new_state" and hooks[-1] == "on_finish", (rid, hooks)
     assert hooks.count("new_state") == 1 and hooks.count("on_finish") == 1, (rid, hooks)
@@ -72,14 +73,20 @@ def _check_request(rid: str, evs: list[tuple[int, dict]], forwards: list[tuple[i
         if e["hook"] == "on_prefill_chunk":
             assert not prompt_done and (expect is None or e["start"] == expect), (rid, e)
             final = e["end"] == e["total"]
-            tail = [x["hook"] for _, x in seq[k + 1:k + 3]]
-            assert tail[: 2 if final else 1] == (["on_observation", "on_step_end"] if final else ["on_step_end"]), \
-                (rid, hooks)
-            step_idx, step = seq[k + (2 if final else 1)]
+            pruned = final and seq[k + 1][1]["hook"] == "on_prune"
+            after = ["on_observation", "on_step_end"] if final else ["on_step_end"]
+            if pruned:
+                prune, observation = seq[k + 1][1], seq[k + 2][1]
+                assert rid == "prune-probe" and observation["keys"] == prune["kept"] - len(prune["pruned"]), \
+                    (rid, prune, observation)
+                after = ["on_prune", *after]
+            tail = [x["hook"] for _, x in seq[k + 1:k + 1 + len(after)]]
+            assert tail == after, (rid, hooks)
+            step_idx, step = seq[k + len(after)]
             assert step["prefill"] and step["final"] == final, (rid, step)
             assert forward_between(idx, step_idx) == [PREFILL_FORWARD], (rid, e)
             expect, prompt_done, last = e["end"], final, step_idx
-            k += 3 if final else 2
+            k += 1 + len(after)
         else:
             assert e["hook"] == "on_step_end" and not e["prefill"] and prompt_done, (rid, hooks)
             assert forward_between(last, idx)[-1:] == [decode_forward], (rid, e)
@@ -114,6 +121,12 @@ def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: P
             "rid": "abort-probe", "input_ids": _ids(rng, 200),
             "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}})
         t.join()
+        # A request that prunes its own prompt: on_prune in its final prefill step, before on_observation.
+        cp = {"sgl_sparse_prune": json.dumps({"ranges": [[10, 60], [200, 210]]})}
+        sampling = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True, "custom_params": cp}
+        r = requests.post(f"{srv.base_url}/generate", timeout=120,
+                          json={"rid": "prune-probe", "input_ids": _ids(rng, 260), "sampling_params": sampling})
+        assert r.status_code == 200, r.text[:300]
         _assert_idle_and_sound(srv)
         reference = srv.generate(input_ids=prompt, max_new_tokens=6, ignore_eos=True)
     # The probe selects every token: its outputs are dense, whatever it logs.
@@ -141,5 +154,8 @@ def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: P
     assert len(by_rid) >= 6  # the server's warm-up request too
     assert any(e["hook"] == "restore_state" for evs in by_rid.values() for _, e in evs)
     assert "abort-probe" in by_rid
+    prunes = [e for evs in by_rid.values() for _, e in evs if e["hook"] == "on_prune"]
+    assert [(e["rid"], e["pruned"], e["kept"]) for e in prunes] == [
+        ("prune-probe", [*range(10, 60), *range(200, 210)], 260)]
     for rid, evs in by_rid.items():
         _check_request(rid, evs, forwards, decode_forward)

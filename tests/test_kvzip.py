@@ -39,11 +39,13 @@ def dense_chunk_scores(q: torch.Tensor, k_sink: torch.Tensor, k_chunk: torch.Ten
     return best
 
 
-def reference_kvzip(model: ToyAttentionStack, tokens: list[int], prompt_len: int, cfg: dict) -> tuple[
-        list[int], torch.Tensor]:
+def reference_kvzip(model: ToyAttentionStack, tokens: list[int], prompt_len: int, cfg: dict,
+                    prune: list[tuple[int, int]] = ()) -> tuple[list[int], torch.Tensor]:
     """The kept set after the prompt and every token's last-layer output (teacher forcing): the prompt prefilled
     densely, replays built as KVzip's self_task (chunks after the sink), scored per layer with
-    :func:`dense_chunk_scores`, maximised over layers, the sink + recent + best (ties: earlier) kept."""
+    :func:`dense_chunk_scores`, maximised over layers, the sink + recent + best (ties: earlier) kept. ``prune``:
+    ranges the request prunes from its own prompt, gone before the replays: the replays attend the keys left, the
+    sink is the first of them, a chunk with none left is not replayed, and only the keys left are scored."""
     n_layers, d = model.n_layers, model.head_dim
     scale = d**-0.5
     budget, sink, recent = cfg["budget"], cfg.get("sink_tokens", 4), cfg.get("recent_tokens", 0)
@@ -58,27 +60,32 @@ def reference_kvzip(model: ToyAttentionStack, tokens: list[int], prompt_len: int
         vals.append(v)
         h = attend(q, k, v, pos, pos).reshape(prompt_len, -1)
     outs.append(h)
-    kept = list(range(prompt_len))
-    if prompt_len > budget:
+    kept = [p for p in range(prompt_len) if not any(lo <= p < hi for lo, hi in prune)]
+    if len(kept) > budget:
+        left = torch.tensor(kept)
         scores = [0.0] * prompt_len
-        starts = list(range(sink, prompt_len, chunk))
-        for a in starts:
+        start = kept[sink] if len(kept) > sink else prompt_len
+        for a in range(start, prompt_len, chunk):
             b = min(a + chunk, prompt_len)
-            head = PROMPT if a == sink else NEXT + tokens[max(sink, a - prev):a]
+            in_chunk = [p for p in kept if a <= p < b]
+            if not in_chunk:
+                continue
+            head = PROMPT if a == start else NEXT + tokens[max(start, a - prev):a]
             replay = head + POSTFIX + tokens[a:b]
             r = len(replay)
             hr = model.embed[torch.tensor(replay)]
             q_pos = torch.arange(prompt_len, prompt_len + r)
             for layer in range(n_layers):
                 q, k, v = model.project(layer, hr)
-                layer_scores = dense_chunk_scores(q, keys[layer][:sink], keys[layer][a:b], k, scale)
-                for j, sc in enumerate(layer_scores):
-                    scores[a + j] = max(scores[a + j], sc)
-                kv_pos = torch.cat([pos, q_pos])
-                hr = attend(q, torch.cat([keys[layer], k]), torch.cat([vals[layer], v]), q_pos, kv_pos).reshape(r, -1)
-        middle = list(range(sink, prompt_len - recent))
-        best = sorted(middle, key=lambda p: (-scores[p], p))[:budget - sink - recent]
-        kept = sorted([*range(sink), *best, *range(prompt_len - recent, prompt_len)])
+                layer_scores = dense_chunk_scores(q, keys[layer][kept[:sink]], keys[layer][in_chunk], k, scale)
+                for p, sc in zip(in_chunk, layer_scores):
+                    scores[p] = max(scores[p], sc)
+                kv_pos = torch.cat([left, q_pos])
+                hr = attend(q, torch.cat([keys[layer][left], k]), torch.cat([vals[layer][left], v]), q_pos,
+                            kv_pos).reshape(r, -1)
+        n = len(kept)
+        best = sorted(kept[sink:n - recent], key=lambda p: (-scores[p], p))[:budget - sink - recent]
+        kept = sorted([*kept[:sink], *best, *kept[n - recent:]])
     # Decode over the kept prompt plus every decoded token.
     for t in range(prompt_len, len(tokens)):
         kept.append(t)
@@ -127,6 +134,25 @@ def test_kvzip_equals_plain_reference(budget: int, chunk: int, sink: int, recent
     assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
     stats = method.stats()
     assert stats["scored_requests"] == 1 and stats["replay_forwards"] == len(range(sink, prompt_len, chunk))
+
+
+@pytest.mark.parametrize(("budget", "chunk", "prune", "replays"), [
+    (24, 16, [(2, 6), (20, 40)], 3),  # sink 0, 1, 6, 7; chunks from 8: [24, 40) has nothing left, not replayed
+    (20, 2048, [(30, 50)], 1),  # one replay, its text whole, scoring only the keys left
+])
+def test_kvzip_with_a_prune_equals_plain_reference(budget: int, chunk: int, prune: list[tuple[int, int]],
+                                                   replays: int) -> None:
+    model, tokens, prompt_len = ToyAttentionStack(), _tokens(70, seed=3), 60
+    cfg = {"budget": budget, "chunk_size": chunk, "sink_tokens": 4, "recent_tokens": 2, "prev_postfix_size": 3,
+           **IDS}
+    method = create_method("kvzip", cfg)
+    trace = run_request(method, model, tokens, prompt_len=prompt_len, chunk_size=16, prune=prune)
+    ref_kept, ref_out = reference_kvzip(model, tokens, prompt_len, cfg, prune)
+    assert trace.kept_after_step[3] == budget  # the budget counts the tokens left after the prune
+    assert trace.state.kept.tolist() == ref_kept + list(range(prompt_len, len(tokens)))
+    assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
+    assert not any(lo <= p < hi for p in ref_kept for lo, hi in prune)
+    assert method.stats()["replay_forwards"] == replays
 
 
 def test_ratio_keeps_a_share_of_the_prompt() -> None:

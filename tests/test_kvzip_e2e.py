@@ -66,10 +66,13 @@ def test_budget_covering_context_equals_dense(kvzip_servers: dict) -> None:
     assert _stats(before, after)["replay_forwards"] == 0
 
 
-def _reference(model_dir: str, prompt: list[int], cfg: dict[str, Any], new_tokens: int) -> tuple[list[int], list[int]]:
+def _reference(model_dir: str, prompt: list[int], cfg: dict[str, Any], new_tokens: int,
+               pruned: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
     """HF transformers, fp32: the prompt's cache; each replay of :func:`kvzip.build_replays` run over a copy of it
     (post-RoPE queries and keys recorded per layer), scored by :func:`dense_chunk_scores`, maxed over layers; the sink
-    and the best kept; then greedy decoding over the kept cache. Returns (kept positions, output ids)."""
+    and the best kept; then greedy decoding over the kept cache. Returns (kept positions, output ids). ``pruned``:
+    positions the request prunes from its own prompt, gone from the cache the replays read and score (the prompt's
+    forward, hence the first output token, read them)."""
     import copy
 
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -90,27 +93,33 @@ def _reference(model_dir: str, prompt: list[int], cfg: dict[str, Any], new_token
         out = model(torch.tensor([prompt]), use_cache=True)
         cache = out.past_key_values
         first = int(out.logits[0, -1].argmax())
+        left = [p for p in range(n) if p not in pruned]
+        base = DynamicCache()
+        for layer in range(model.config.num_hidden_layers):
+            base.update(cache.layers[layer].keys[:, :, left], cache.layers[layer].values[:, :, left], layer)
         method_cfg = kvzip.KVzipConfig(**cfg)
-        reps = kvzip.build_replays(prompt, torch.arange(n), n, method_cfg, max_tokens=1 << 20)
+        reps = kvzip.build_replays(prompt, torch.tensor(left), n, method_cfg, max_tokens=1 << 20)
         scores = torch.zeros(n, dtype=torch.float64)
         modeling_llama.apply_rotary_pos_emb = record
         try:
             for rep in reps:
                 recorded.clear()
                 r = len(rep.token_ids)
-                model(torch.tensor([rep.token_ids]), past_key_values=copy.deepcopy(cache),
+                model(torch.tensor([rep.token_ids]), past_key_values=copy.deepcopy(base),
                       position_ids=torch.arange(n, n + r)[None], use_cache=True)
                 lo, hi = rep.scored
                 sink = method_cfg.sink_tokens
+                rows = [i for i, p in enumerate(left) if lo <= p < hi]
                 for layer, (q, k) in enumerate(recorded):
-                    keys = cache.layers[layer].keys[0].transpose(0, 1)  # [n, Hkv, D], post-RoPE
-                    s = dense_chunk_scores(q, keys[:sink], keys[lo:hi], k, scale)
-                    scores[lo:hi] = torch.maximum(scores[lo:hi], torch.tensor(s, dtype=torch.float64))
+                    keys = base.layers[layer].keys[0].transpose(0, 1)  # [len(left), Hkv, D], post-RoPE
+                    s = dense_chunk_scores(q, keys[:sink], keys[rows], k, scale)
+                    at = torch.tensor([left[i] for i in rows])
+                    scores[at] = torch.maximum(scores[at], torch.tensor(s, dtype=torch.float64))
         finally:
             modeling_llama.apply_rotary_pos_emb = original
         sink = method_cfg.sink_tokens
-        best = sorted(range(sink, n), key=lambda p: (-float(scores[p]), p))[:method_cfg.budget - sink]
-        kept = sorted([*range(sink), *best])
+        best = sorted(left[sink:], key=lambda p: (-float(scores[p]), p))[:method_cfg.budget - sink]
+        kept = sorted([*left[:sink], *best])
         small = DynamicCache()
         for layer in range(model.config.num_hidden_layers):
             small.update(cache.layers[layer].keys[:, :, kept], cache.layers[layer].values[:, :, kept], layer)
@@ -140,6 +149,26 @@ def test_over_budget_answer_equals_the_plain_torch_reference(kvzip_servers: dict
     assert stats["scored_requests"] == 1 and stats["replay_forwards"] == len(reps) == -(-(n - 4) // 128)
     assert stats["replay_tokens"] == sum(len(r.token_ids) for r in reps)
     # The prompt compacted to the budget after its final chunk; decode appends (one more forward under overlap).
+    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == n - SMALL["budget"]
+
+
+def test_a_request_pruning_its_own_prompt_replays_over_what_is_left(kvzip_servers: dict, tiny_model: str) -> None:
+    """custom_params sgl_sparse_prune on a KVzip server: the ranges leave before the replays, so the sink is the
+    first positions left, a chunk with nothing left is not replayed, the replays attend and score only the keys
+    left, and the budget counts them: the answer equals the HF reference built the same way."""
+    server = kvzip_servers["small"]
+    before = _assert_idle_and_sound(server)
+    n, ranges = 300, [[2, 40], [168, 298]]  # sink 0, 1, 40, 41; chunks from 42: [170, 298) has nothing left
+    prompt = _ids(random.Random(3), n)
+    cp = {"sgl_sparse_prune": json.dumps({"ranges": ranges})}
+    out = server.generate(input_ids=prompt, max_new_tokens=12, ignore_eos=True, custom_params=cp)
+    after = _assert_idle_and_sound(server)
+    pruned = frozenset(p for lo, hi in ranges for p in range(lo, hi))
+    kept, ref_out = _reference(tiny_model, prompt, {**after["config"]}, 12, pruned)
+    assert len(kept) == SMALL["budget"] and not pruned & set(kept)
+    assert out["output_ids"] == ref_out
+    stats = _stats(before, after)
+    assert stats["scored_requests"] == 1 and stats["replay_forwards"] == 2
     assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == n - SMALL["budget"]
 
 

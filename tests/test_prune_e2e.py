@@ -287,7 +287,8 @@ def test_per_request_prune_of_its_own_prompt(mixed_server: ServerProcess,
                                              servers: dict[str, ServerProcess]) -> None:
     """custom_params sgl_sparse_prune: the request prefills its whole prompt (its first token is dense's), then
     stops attending to the ranges and frees their KV; the tree stores its sequence with them hidden, so the next
-    turn is a cache hit that keeps hiding them; a server or method that cannot prune answers 400 naming the key."""
+    turn is a cache hit that keeps hiding them; a server that cannot prune answers 400 naming the key (every
+    method can: tests/test_request_prune_e2e.py serves the scoring ones)."""
     server, dense = mixed_server, servers["ours"]
     base = _flush(server)
     rng = random.Random(71)
@@ -309,7 +310,6 @@ def test_per_request_prune_of_its_own_prompt(mixed_server: ServerProcess,
     _assert_idle_and_sound(server)
 
     bad = [(server, {"sgl_sparse_prune": json.dumps({"ranges": [[0, 301]]})}, "[0, 301)"),
-           (server, {**cp, "sgl_sparse_method": "snapkv"}, "aligned to its retained set"),
            (dense, cp, "stock attention lists")]
     for srv, params, words in bad:
         r = requests.post(f"{srv.base_url}/generate", json={"input_ids": prompt, "sampling_params": {

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sgl_sparse import SparseConfigError, create_method
-from sgl_sparse.contract import KVGeometry, RequestState, StepInfo, TreePayload
+from sgl_sparse.contract import KVGeometry, ObservationWindow, RequestState, StepInfo, TreePayload
 from sgl_sparse.methods.eviction.pyramidkv import UNUSED, LayerKeepSelector, layer_budgets
 from sgl_sparse.reference import ToyAttentionStack, run_request
 
@@ -40,15 +40,17 @@ def _pool(x: list[float], kernel: int, pooling: str) -> list[float]:
 
 
 def reference_pyramidkv(model: ToyAttentionStack, tokens: list[int], prompt_len: int, chunk: int, budget: int,
-                        beta: int, window: int, kernel: int, pooling: str, sink: int,
-                        interval: int) -> tuple[torch.Tensor, list[int], list[list[int]], list[list[int]]]:
+                        beta: int, window: int, kernel: int, pooling: str, sink: int, interval: int,
+                        prune: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list[int], list[list[int]],
+                                                                    list[list[int]]]:
     """PyramidKV written out: every layer holds its own list of positions and attends only to it (float64 loops
     per query head). At the prompt's end (and every ``interval`` decoded tokens), when some layer holds more
     than its budget, each layer scores its own positions with the softmax of the last ``window`` queries (causal,
     GQA group and queries summed per KV head), pools along its positions, sums the KV heads, and keeps its
     first ``sink`` and last ``window`` positions plus the best others up to its budget (ties to the earlier).
     Returns (last-layer outputs, union size after each step, each layer's final positions, the budgets of each
-    selection)."""
+    selection). ``prune``: ranges the request prunes from its own prompt, gone from every layer's list at the
+    prompt's end, before its selection."""
     h_all = model.embed[torch.tensor(tokens)]
     n_layers, hq, hkv, d = model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim
     group = hq // hkv
@@ -76,6 +78,8 @@ def reference_pyramidkv(model: ToyAttentionStack, tokens: list[int], prompt_len:
             h = out.reshape(end - start, -1)
         outs.append(h)
         decoded += start >= prompt_len
+        if end == prompt_len:
+            sets = [[j for j in layer_set if not any(lo <= j < hi for lo, hi in prune)] for layer_set in sets]
         select = end == prompt_len or (start >= prompt_len and interval > 0 and decoded % interval == 0)
         budgets = kvpress_budgets(end, n_layers, budget, sink + window, beta)
         if select and any(len(s) > b for s, b in zip(sets, budgets)):
@@ -141,6 +145,88 @@ def test_pyramidkv_equals_plain_reference(budget: int, beta: int, window: int, k
     stats = method.stats()
     assert stats["selections"] == len(ref_budgets)
     assert stats["mean_union_tokens"] >= stats["mean_layer_tokens"]
+
+
+@pytest.mark.parametrize(("budget", "interval", "prune"), [
+    (24, 6, [(10, 30)]),  # 40 left: each layer's budget over them, then re-selections over each layer's own set
+    (40, 0, [(0, 5), (45, 50)]),  # the 50 left past the budget: the pyramid trims the later layers only
+])
+def test_pyramidkv_with_a_prune_equals_plain_reference(budget: int, interval: int,
+                                                       prune: list[tuple[int, int]]) -> None:
+    model, tokens, prompt_len, chunk = ToyAttentionStack(n_layers=4), _tokens(76, seed=5), 60, 16
+    cfg = {"budget": budget, "beta": 20, "window_size": 4, "kernel_size": 3, "pooling": "avgpool", "sink_tokens": 2,
+           "decode_interval": interval}
+    method = create_method("pyramidkv", cfg)
+    trace = run_request(method, model, tokens, prompt_len=prompt_len, chunk_size=chunk, prune=prune)
+    ref_out, ref_union, ref_sets, ref_budgets = reference_pyramidkv(model, tokens, prompt_len, chunk, budget, 20, 4,
+                                                                    3, "avgpool", 2, interval, prune)
+    assert trace.kept_after_step == ref_union
+    masks = method.layer_masks(trace.state, model.n_layers)
+    assert [trace.state.kept[masks[layer]].tolist() for layer in range(model.n_layers)] == ref_sets
+    assert method.last_budgets == ref_budgets[-1]
+    torch.testing.assert_close(trace.outputs, ref_out, rtol=1e-4, atol=1e-4)
+    assert not any(lo <= p < hi for p in trace.state.kept.tolist() for lo, hi in prune)
+
+
+def test_a_continuation_that_prunes_drops_the_restored_layer_sets_columns() -> None:
+    """Turn 2 resumes turn 1's per-layer sets (the payload) and prunes some of their positions and some new ones:
+    on_prune drops exactly those columns of the masks (aligned with the kept set the runtime sets next), and the
+    prompt-end selection scores each layer over its restored set less the pruned positions plus the new tokens
+    left, keeping what a plain reference keeps."""
+    cfg = {"budget": 24, "beta": 20, "window_size": 4, "kernel_size": 3, "sink_tokens": 2}
+    method = create_method("pyramidkv", cfg)
+    method.selector.allocate(KVGeometry(4, 4, 2, 8, 1, 256, torch.float32, torch.device("cpu")))
+    first = run_request(method, ToyAttentionStack(n_layers=4), _tokens(70), prompt_len=60, chunk_size=16)
+    payload = method.on_finish(first.state)
+    kept1 = first.state.kept
+    restored = [set(kept1[payload.data["pyramidkv_layers"][layer]].tolist()) for layer in range(4)]
+
+    st = method.new_state("turn2")
+    st.set_kept(kept1, logical_len=70)
+    method.restore_state(st, payload)
+    st.advance(30)  # the new prompt's tokens, 70..99
+    prune = [(20, 50), (75, 85)]
+    gone = torch.tensor([p for p in st.kept.tolist() if any(lo <= p < hi for lo, hi in prune)])
+    method.on_prune(st, gone)
+    st.set_kept(st.kept[~torch.isin(st.kept, gone)])
+    left = st.kept.tolist()
+    masks = method.layer_masks(st, 4)
+    assert masks.shape == (4, st.num_kept)
+    cands = [[p for p in left if p in restored[layer] or p >= 70] for layer in range(4)]
+    assert [[p for p, m in zip(left, masks[layer].tolist()) if m] for layer in range(4)] == cands
+
+    g = torch.Generator().manual_seed(2)
+    w, scale = 4, 8**-0.5
+    queries = [torch.randn(w, 4, 8, generator=g) for _ in range(4)]
+    keys = [torch.randn(100, 2, 8, generator=g) for _ in range(4)]
+    window = ObservationWindow(queries=dict(enumerate(queries)), q_pos=torch.arange(100 - w, 100),
+                               key_buffer=lambda layer: keys[layer], key_rows=st.kept, k_pos=st.kept, num_layers=4,
+                               scale=scale)
+    step = StepInfo(True, 30, 0, final_prefill=True)
+    assert method.wants_observation(st, step)
+    method.on_observation(st, window)
+    plan = method.on_step_end(st, step)
+    budgets = layer_budgets(100, 4, 24, 6, 20)
+    want = []
+    for layer in range(4):
+        cand = cands[layer]
+        if len(cand) <= budgets[layer]:
+            want.append(cand)
+            continue
+        per_kv = [[0.0] * len(cand) for _ in range(2)]
+        for i, qp in enumerate(range(100 - w, 100)):
+            visible = [c for c, p in enumerate(cand) if p <= qp]
+            for head in range(4):
+                logits = torch.stack([keys[layer][cand[c], head // 2].double() @ queries[layer][i, head].double()
+                                      for c in visible]) * scale
+                for c, pr in zip(visible, logits.softmax(0).tolist()):
+                    per_kv[head // 2][c] += pr
+        score = [sum(col) for col in zip(*(_pool(row, 3, "avgpool") for row in per_kv))]
+        best = sorted(range(2, len(cand) - w), key=lambda c: (-score[c], c))[:budgets[layer] - 2 - w]
+        want.append([cand[c] for c in sorted([0, 1, *best, *range(len(cand) - w, len(cand))])])
+    assert plan is not None and plan.keep.tolist() == sorted(set().union(*want))
+    masks = st.extra["pyramidkv_layers"]
+    assert [plan.keep[masks[layer]].tolist() for layer in range(4)] == want
 
 
 def test_union_only_reading_would_differ() -> None:

@@ -167,6 +167,35 @@ def test_chain_cache_three_turns(pyramid_servers: dict) -> None:
         "resumed_without_layer_sets", 0)
 
 
+def test_a_continuation_prunes_its_own_prompt(pyramid_servers: dict) -> None:
+    """Turn 2 resumes turn 1's per-layer sets and prunes ranges of turn 1's prompt (some positions already
+    evicted) and of its own (custom_params sgl_sparse_prune): the restored masks lose exactly those columns before
+    the layers score (on_prune), so turn 2 selects, finishes and leaves sets that turn 3 restores whole; the ranges
+    stay hidden, nothing leaks."""
+    server = pyramid_servers["small"]
+    base = _flush(server)
+    rng = random.Random(12)
+    history = _ids(rng, 1200)
+    first = server.generate(input_ids=history, max_new_tokens=10, ignore_eos=True)
+    seq = history + first["output_ids"]
+    history = seq + _ids(rng, 60)
+    ranges = [[100, 400], [1215, 1240]]
+    cp = {"sgl_sparse_prune": json.dumps({"ranges": ranges})}
+    second = server.generate(input_ids=history, max_new_tokens=10, ignore_eos=True, custom_params=cp)
+    assert second["meta_info"]["cached_tokens"] >= len(seq) - 1, second["meta_info"]
+    seq = history + second["output_ids"]
+    inspect = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": seq}, timeout=60).json()
+    hidden = {p for lo, hi in inspect["hidden_ranges"] for p in range(lo, hi)}
+    assert {p for lo, hi in ranges for p in range(lo, hi)} <= hidden, inspect["hidden_ranges"]
+    _assert_idle_and_sound(server)
+    third = server.generate(input_ids=seq + _ids(rng, 20), max_new_tokens=4, ignore_eos=True)
+    assert third["meta_info"]["cached_tokens"] == inspect["matched_tokens"], third["meta_info"]
+    st = _assert_idle_and_sound(server)
+    assert st["chain_hits_total"] - base["chain_hits_total"] == 2
+    assert st["method_stats"]["resumed_without_layer_sets"] == base.get("method_stats", {}).get(
+        "resumed_without_layer_sets", 0)
+
+
 def test_concurrent_sessions_do_not_leak(pyramid_servers: dict) -> None:
     server = pyramid_servers["small"]
     rng = random.Random(13)

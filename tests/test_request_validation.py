@@ -203,8 +203,8 @@ def test_hostile_requests_get_400_and_change_nothing(srv: ServerProcess) -> None
 
 def test_per_request_prune_is_checked_in_the_http_process() -> None:
     """custom_params sgl_sparse_prune: well-formed ranges inside the prompt (input_ids, or text through the given
-    tokenizer length), on a server whose tree evicts, for a method whose state survives a prune; else the error
-    names the key."""
+    tokenizer length), on a server whose tree evicts, for any method a request can get there (an evicting one is
+    told what leaves, SparseMethod.on_prune); else the error names the key."""
     from sgl_sparse.registry import create_method
     from sgl_sparse.request_methods import EVICTION, OFF, MethodResolver
 
@@ -217,7 +217,10 @@ def test_per_request_prune_is_checked_in_the_http_process() -> None:
 
     ok = {"sgl_sparse_prune": json.dumps({"ranges": [[0, 10], [50, 100]]})}
     check(ok)
-    check({**ok, "sgl_sparse_method": "streamingllm"})
+    for method in ("streamingllm", "snapkv", "h2o", "rkv", "skipkv"):
+        check({**ok, "sgl_sparse_method": method})
+    for server_only in ("pyramidkv", "kvzip", "snapkv+fp8_kv"):  # a server's own method, never a request's
+        check(ok, MethodResolver(create_method(server_only)))
     check({"sgl_sparse_prune": '{"ranges": [[1, 3]]}'}, text="a b c d")
     for cp, resolver, text, words in (
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 101]]})}, mixed, None, "ranges[0]: [0, 101)"),
@@ -226,7 +229,6 @@ def test_per_request_prune_is_checked_in_the_http_process() -> None:
         ({"sgl_sparse_prune": '{"ranges": [[3, 3]]}'}, mixed, None, "ranges[0]"),
         ({"sgl_sparse_prune": '{"rangez": [[0, 3]]}'}, mixed, None, "exactly one field"),
         ({"sgl_sparse_prune": "{not json"}, mixed, None, "invalid JSON"),
-        ({**ok, "sgl_sparse_method": "snapkv"}, mixed, None, "scores aligned to its retained set"),
         (ok, stock, None, "stock attention lists"),
     ):
         with pytest.raises(RequestValidationError) as e:

@@ -42,13 +42,14 @@ def reference_scores(keys: torch.Tensor, queries: torch.Tensor, window: int, ker
 
 
 def reference_rkv(model: ToyAttentionStack, tokens: list[int], prompt_len: int, chunk_size: int, budget: int,
-                  window: int, kernel: int, lam: float, threshold: float,
-                  interval: int) -> tuple[torch.Tensor, list[int], list[int]]:
+                  window: int, kernel: int, lam: float, threshold: float, interval: int,
+                  prune: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list[int], list[int]]:
     """R-KV written out on the toy stack: attention over the retained tokens; the last ``window`` queries of
     every layer cached across steps (the original's ``query_cache``); at the prompt's end and every
     ``interval`` decoded tokens, once over ``budget``, every retained key but the last ``window`` scored
     (:func:`reference_scores` summed over layers) and the top ``budget - window`` kept (ties to the earlier
-    position) with the last ``window``. Returns (last-layer outputs, kept count after each step, final kept)."""
+    position) with the last ``window``. Returns (last-layer outputs, kept count after each step, final kept).
+    ``prune``: ranges the request prunes from its own prompt, gone at the prompt's end before its compaction."""
     h_all = model.embed[torch.tensor(tokens)]
     keys = [torch.zeros(len(tokens), model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
     vals = [torch.zeros_like(keys[0]) for _ in range(model.n_layers)]
@@ -74,6 +75,8 @@ def reference_rkv(model: ToyAttentionStack, tokens: list[int], prompt_len: int, 
                     out[i, head] = probs @ vals[layer][visible, kv]
             h = out.reshape(end - start, -1)
         outs.append(h)
+        if end == prompt_len:
+            retained = [j for j in retained if not any(lo <= j < hi for lo, hi in prune)]
         due = (end == prompt_len) if not decode else ((end - prompt_len) % interval == 0)
         if due and len(retained) > budget:
             score = [0.0] * (len(retained) - window)
@@ -109,6 +112,25 @@ def test_rkv_equals_plain_reference(budget: int, window: int, kernel: int, lam: 
         assert ref_kept_after[n_prefill - 1] == budget  # the prompt compressed at its end
     assert max(ref_kept_after[n_prefill:]) <= max(budget, prompt_len) + interval
     assert ref_kept[-window:] == list(range(len(tokens) - window, len(tokens)))  # observation tokens kept
+
+
+@pytest.mark.parametrize(("budget", "lam", "prune"), [
+    (24, 0.1, [(10, 30)]),  # 40 left, compressed to 24, then every 6 decoded tokens
+    (20, 0.1, [(5, 15), (54, 60)]),  # the prompt's last tokens pruned: the observation tokens are what is left
+    (40, 0.1, [(20, 40)]),  # the 40 left fit the budget: decode compressions only
+])
+def test_rkv_with_a_prune_equals_plain_reference(budget: int, lam: float, prune: list[tuple[int, int]]) -> None:
+    model, tokens, prompt_len, chunk = ToyAttentionStack(), _tokens(84, seed=3), 60, 16
+    cfg = {"budget": budget, "window_size": 4, "kernel_size": 7, "mix_lambda": lam, "evict_interval": 6}
+    trace = run_request(create_method("rkv", cfg), model, tokens, prompt_len=prompt_len, chunk_size=chunk,
+                        prune=prune)
+    ref_out, ref_kept_after, ref_kept = reference_rkv(model, tokens, prompt_len, chunk, budget, 4, 7, lam, 0.5, 6,
+                                                      prune)
+    assert trace.state.kept.tolist() == ref_kept
+    assert trace.kept_after_step == ref_kept_after
+    assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
+    assert ref_kept_after[3] == min(budget, prompt_len - sum(hi - lo for lo, hi in prune))
+    assert not any(lo <= p < hi for p in ref_kept for lo, hi in prune)
 
 
 def test_budget_covering_the_sequence_reproduces_dense() -> None:

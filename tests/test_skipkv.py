@@ -76,12 +76,13 @@ def reference_layer_scores(keys: torch.Tensor, queries: torch.Tensor, positions:
 
 
 def reference_skipkv(model: ToyAttentionStack, tokens: list[int], prompt_len: int, chunk_size: int, cfg: dict,
-                     boundaries: set[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+                     boundaries: set[int], prune: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list[int],
+                                                                                       list[int]]:
     """SkipKV on the toy stack: attention over the retained tokens, the last ``window_size`` queries of every
     layer cached; every ``evict_interval`` decoded tokens, once over ``budget``, every retained key scored
     (:func:`reference_layer_scores` summed over layers) and the first ``sink_tokens``, the last ``recent_tokens``
     and the best of the rest kept (ties to the earlier position). Returns (last-layer outputs, kept count after
-    each step, final kept)."""
+    each step, final kept). ``prune``: ranges the request prunes from its own prompt, gone at the prompt's end."""
     h_all = model.embed[torch.tensor(tokens)]
     keys = [torch.zeros(len(tokens), model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
     vals = [torch.zeros_like(keys[0]) for _ in range(model.n_layers)]
@@ -108,6 +109,8 @@ def reference_skipkv(model: ToyAttentionStack, tokens: list[int], prompt_len: in
                     out[i, head] = probs @ vals[layer][visible, kv]
             h = out.reshape(end - start, -1)
         outs.append(h)
+        if end == prompt_len:
+            retained = [j for j in retained if not any(lo <= j < hi for lo, hi in prune)]
         decoded = end - prompt_len
         if start >= prompt_len and decoded % cfg["evict_interval"] == 0 and len(retained) > cfg["budget"]:
             spans = reference_sentences(tokens, prompt_len, end, boundaries,
@@ -154,6 +157,22 @@ def test_skipkv_equals_plain_reference(fields: dict) -> None:
     assert max(ref_kept_after) <= max(cfg["budget"], prompt_len) + cfg["evict_interval"] - 1
     assert ref_kept_after[-1] <= cfg["budget"] + (len(tokens) - prompt_len) % cfg["evict_interval"]
     assert ref_kept[:4] == [0, 1, 2, 3] and ref_kept[-12:] == list(range(88, 100))  # sink and recent kept
+
+
+def test_skipkv_with_a_prune_equals_plain_reference() -> None:
+    """A prune of the prompt leaves before the first compaction: sink, recent and budget count what is left (the
+    sink is then the first positions after the pruned ones), and every compaction keeps what the reference keeps."""
+    model, chunk, prompt_len, prune = ToyAttentionStack(), 16, 40, [(0, 2), (10, 20)]
+    tokens = _tokens(100, seed=3, boundary_every=8)
+    cfg = _config(**{"budget": 36, "sink_tokens": 4, "recent_tokens": 12, "window_size": 4, "evict_interval": 6,
+                     "boundary_token_ids": [BOUNDARY], "sentence_threshold": 0.3, "sentence_min_tokens": 2})
+    trace = run_request(create_method("skipkv", cfg), model, tokens, prompt_len=prompt_len, chunk_size=chunk,
+                        prune=prune)
+    ref_out, ref_kept_after, ref_kept = reference_skipkv(model, tokens, prompt_len, chunk, cfg, {BOUNDARY}, prune)
+    assert trace.state.kept.tolist() == ref_kept
+    assert trace.kept_after_step == ref_kept_after
+    assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
+    assert ref_kept_after[2] == 28 and ref_kept[:4] == [2, 3, 4, 5]
 
 
 def test_sentences_follow_the_reference_segmentation() -> None:

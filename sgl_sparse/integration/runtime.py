@@ -126,7 +126,7 @@ class SparseRuntime:
                 served = self.resolver.resolve(custom_params)
                 if isinstance(custom_params, dict) and PRUNE_KEY in custom_params:
                     ranges = parse_prune_param(custom_params[PRUNE_KEY], len(req.origin_input_ids))
-                    if (why := prune_problem(self.resolver, served)) is not None:
+                    if (why := prune_problem(self.resolver)) is not None:
                         raise RequestMethodError(PRUNE_KEY, why)
                     setattr(req, PRUNE_ATTR, ranges)
             except RequestMethodError as e:

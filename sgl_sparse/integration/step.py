@@ -1,6 +1,7 @@
 """The after-forward step of an evicting or observing method: per request, advance the host
-counters, hand the method its observation window (SnapKV), take its plan and check it (the same
-``check_keep_plan`` as the reference driver); then apply every plan of the step at once.
+counters, apply its own prune once its prompt is complete (``on_prune``, then freed at once), hand the
+method its observation window (SnapKV), take its plan and check it (the same ``check_keep_plan`` as the
+reference driver); then apply every plan of the step at once.
 
 Per request, not per batch: a mixed step (``--enable-mixed-chunk``) carries prefill chunks and decode
 tokens of requests whose prompt is long done. The apply is one gather of the slots to free and one
@@ -54,6 +55,8 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         ids = functools.partial(_token_ids, req) if method.needs_token_ids() else None
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
                         token_ids=ids)
+        if final and (ranges := getattr(req, PRUNE_ATTR, None)):
+            _prune(rt, req, t, ranges, model_runner)
         if final and type(method).replays is not SparseMethod.replays:
             replays = method.replays(st, info, replay.room(model_runner, st.logical_len))
             if replays:
@@ -67,14 +70,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
             t.prompt_done = True
             rt.capture.prompt_done(req.rid)
         plan = method.on_step_end(st, info)
-        keep = check_keep_plan(method, plan, st.kept) if plan is not None else None
-        ranges = getattr(req, PRUNE_ATTR, None) if final else None
-        if ranges:
-            # The request's own prune (custom_params sgl_sparse_prune), once its prompt is complete: its prompt
-            # attended the ranges, nothing after it does, and the tree stores the sequence without them. The
-            # ranges come with the request, identical on every TP rank.
-            keep = _without(st.kept if keep is None else keep, ranges)
-        if keep is not None and keep.numel() < st.num_kept:
+        if plan is not None and (keep := check_keep_plan(method, plan, st.kept)).numel() < st.num_kept:
             plans.append((req, t, keep))
     if TP_CHECK:
         check_ranks_agree([keep for _, _, keep in plans])
@@ -88,6 +84,21 @@ def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
     wrote is appended to ``output_ids`` only after the next forward (``StepInfo.token_ids``)."""
     n_in = len(req.origin_input_ids)
     return [*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)]]
+
+
+def _prune(rt: SparseRuntime, req: Any, t: Tracked, ranges: list[tuple[int, int]], model_runner: Any) -> None:
+    """The request's own prune (custom_params sgl_sparse_prune), in the step that completed its prompt, after the
+    forward (its prompt attended the ranges) and before its method replays, observes or plans (nothing after it
+    does): the method is told which retained positions leave (``on_prune``), then they are freed at once, so the
+    replays' rows, the observation window and the plan check all see the rest, and the tree stores the sequence
+    without them. Positions already gone (an earlier turn's eviction) are not handed over. The ranges come with
+    the request, identical on every TP rank."""
+    kept = t.state.kept
+    keep = _without(kept, ranges)
+    if keep.numel() == kept.numel():
+        return
+    t.method.on_prune(t.state, kept[~torch.isin(kept, keep)])
+    _apply(rt, [(req, t, keep)], model_runner)
 
 
 def _without(kept: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:

@@ -127,10 +127,10 @@ def _check_custom_params(custom_params: Any, where: str, resolver: MethodResolve
             )
     if resolver is not None:
         try:
-            served = resolver.resolve(custom_params)
+            resolver.resolve(custom_params)
             if PRUNE_KEY in custom_params:
                 parse_prune_param(custom_params[PRUNE_KEY], prompt_len)
-                if (why := prune_problem(resolver, served)) is not None:
+                if (why := prune_problem(resolver)) is not None:
                     raise RequestMethodError(PRUNE_KEY, why)
         except RequestMethodError as e:
             raise RequestValidationError(f"{where}[{e.key!r}]: {e}") from None

@@ -20,7 +20,9 @@ The score table is indexed by retained order (aligned with ``RequestState.kept``
 sync); an eviction copies it to the host once, as SnapKV's selection does. A finished request leaves it
 in the prefix tree (:class:`TreePayload`), so the next turn of a conversation resumes with its heavy
 hitters' scores (Chain Cache); a match that does not reach the record's end (or one through a turn that
-evicted nothing, which leaves no record) gets no payload and starts its prefix at zero.
+evicted nothing, which leaves no record) gets no payload and starts its prefix at zero. A request that prunes
+its own prompt drops the pruned tokens' entries (:meth:`H2O.on_prune`) before its prompt's window is scored:
+the window scores only the tokens left, and the budget counts only them.
 
 Defaults: ``budget`` 8,192 (SparseEngine's H2O decode budget, Table 11; SnapKV's default here),
 ``recent_ratio`` 0.5 (H2O's ``heavy_ratio`` = ``recent_ratio`` = 0.1 of the prompt: an even split of the
@@ -97,6 +99,16 @@ class H2O(SparseMethod[H2OConfig]):
         scores = payload.data.get(SCORES) if payload is not None else None
         if scores is not None and scores.numel() == state.num_kept:
             state.extra[SCORES] = scores
+
+    def on_prune(self, state: RequestState, pruned: torch.Tensor) -> None:
+        # The table is in retained order (its first entries: the restored prefix's); the pruned tokens' entries
+        # go, so it stays aligned with the kept set the runtime sets next.
+        scores = state.extra.get(SCORES)
+        if scores is None:
+            return
+        n = min(scores.numel(), state.num_kept)
+        stay = ~torch.isin(state.kept[:n], pruned)
+        state.extra[SCORES] = scores[:n][to_device(stay, scores.device)]
 
     def _evicts_now(self, state: RequestState, step: StepInfo) -> bool:
         if state.num_kept <= self.config.budget:

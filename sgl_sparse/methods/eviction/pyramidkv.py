@@ -27,7 +27,9 @@ between the largest layer budget and their sum; :meth:`PyramidKV.stats` reports,
 sizes beside the per-layer set sizes (``/server_info`` ``method_stats``). The per-layer masks go into the
 :class:`TreePayload`, so the next turn resumes with every layer's set; a resume without it (a match inside a
 record's tail, which the tree gives no payload) reads the union in every layer until its next selection
-(counted in ``stats()['resumed_without_layer_sets']``).
+(counted in ``stats()['resumed_without_layer_sets']``). A request that prunes its own prompt drops the pruned
+positions' columns of the restored masks (:meth:`PyramidKV.on_prune`) before its layers score: each layer's
+candidates are then its set less the pruned positions, and its budget counts what is left.
 
 Defaults: ``beta`` 20 (kvpress and KVCache-Factory); ``budget`` 8,192, ``window_size`` 32, ``kernel_size`` 5,
 ``pooling`` avgpool, ``sink_tokens`` 64, ``decode_interval`` 0 are our SnapKV's (SnapKV's original window,
@@ -242,6 +244,13 @@ class PyramidKV(SparseMethod[PyramidKVConfig]):
             self._selector.set_request(state.rid, (state.kept, state.extra[LAYERS], state.logical_len))
         elif state.num_kept < state.logical_len:
             self.counters["resumed_without_layer_sets"] += 1  # every layer reads the union
+
+    def on_prune(self, state: RequestState, pruned: torch.Tensor) -> None:
+        # The restored per-layer masks index the retained set: the pruned positions' columns go. The selector's
+        # bound sets may still list them; their slots are sentinels once pruned, which it never reads.
+        mask = state.extra.get(LAYERS)
+        if mask is not None:
+            state.extra[LAYERS] = mask[:, ~torch.isin(state.kept[:mask.shape[1]], pruned)]
 
     def _over_budget(self, state: RequestState) -> bool:
         """Whether some layer reads more than its budget at this length (its candidates: its set + the tail)."""

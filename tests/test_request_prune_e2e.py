@@ -1,0 +1,213 @@
+"""A request that prunes its own prompt under a scoring method (``custom_params`` ``sgl_sparse_method`` +
+``sgl_sparse_prune``), through a real SGLang server on CPU with the small trained model (fp32): one dense server
+whose requests choose their method (``--sparse-request-methods eviction``), shared by the module.
+
+* SnapKV with a budget that covers what the prune leaves (not the prompt): its decode equals a plain HF
+  transformers reference that prefills the whole prompt and then decodes over its KV less the pruned positions,
+  exactly the pruned tokens are evicted (the budget counts what is left), and the next turn is a cache hit that
+  decodes as the reference's next turn over the same KV;
+* SnapKV under a small budget: a fact outside the pruned ranges is still answered, the fact inside them is not
+  (the first output token saw it, the decode cannot), the pruned ranges stay hidden in the tree, and the next
+  turn is a hit that keeps hiding them and answers again;
+* every other scoring method per request, pruning a continuation's restored prefix (H2O's restored scores and the
+  others' kept sets): hidden, leak-free, the turn after a hit.
+
+SGLang's strict leak check (``_assert_idle_and_sound``) holds after each.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+import torch
+
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from tests.test_eviction_e2e import _assert_idle_and_sound, _flush, _state
+
+pytestmark = pytest.mark.server
+
+N_OUT = 12
+QUESTION = "\nQuestion: What is the special magic number for {key}?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[dict[str, Any]]:
+    """The server, the model directory, its tokenizer and one niah_multikey example (~1K tokens) with the token
+    span of each needle."""
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.quality.eval import fit_example, render
+    from sgl_sparse.quality.models import small_model_path
+
+    model = str(small_model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+    example = fit_example("niah_multikey", 10_000, tok, 1024)
+    ids = render(example, tok, chain=False).turns[0]
+    offsets = tok(example.prompt, add_special_tokens=True, return_offsets_mapping=True)["offset_mapping"]
+    needles = {}
+    for m in re.finditer(r"The special magic number for (\w+) is (\d+)\.", example.prompt):
+        toks = [i for i, (s, e) in enumerate(offsets) if s < m.end() and e > m.start()]
+        needles[m.group(1)] = (m.group(2), toks[0], toks[-1] + 1)
+    asked = next(k for k, (v, _, _) in needles.items() if v == example.answer)
+    proc = ServerProcess(model, [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "256", "--enable-cache-report",
+                                 "--sparse-request-methods", "eviction"], startup_timeout=900)
+    with running(proc):
+        yield {"server": proc, "model": model, "tok": tok, "example": example, "ids": ids, "needles": needles,
+               "asked": asked}
+
+
+def _gen(server: ServerProcess, ids: list[int], method: str, config: dict, prune: list[list[int]] | None = None,
+         n: int = N_OUT, ignore_eos: bool = True) -> dict:
+    cp = {"sgl_sparse_method": method, "sgl_sparse_config": json.dumps(config)}
+    if prune is not None:
+        cp["sgl_sparse_prune"] = json.dumps({"ranges": prune})
+    return server.generate(input_ids=ids, max_new_tokens=n, ignore_eos=ignore_eos, custom_params=cp)
+
+
+def _prefix(server: ServerProcess, op: str, ids: list[int], method: str, config: dict) -> dict:
+    body = {"token_ids": ids, "sgl_sparse_method": method, "sgl_sparse_config": json.dumps(config)}
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/{op}", json=body, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    return r.json()
+
+
+def _hidden(inspect: dict) -> set[int]:
+    return {p for lo, hi in inspect["hidden_ranges"] for p in range(lo, hi)}
+
+
+def _masked_reference(model_dir: str, prompt: list[int], pruned: set[int], later: list[list[int]],
+                      n_out: int) -> list[list[int]]:
+    """HF transformers, fp32: the prompt prefilled whole (its first output token sees every position), then greedy
+    decoding over its KV less the ``pruned`` positions; each of the ``later`` turns' new tokens then extends that
+    KV (after the previous reply's last token, whose KV its own turn never computed) and decodes over it, so no
+    query after the first prompt's forward reads a pruned position. Returns each turn's output ids."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n = len(prompt)
+    keep = [p for p in range(n) if p not in pruned]
+
+    def greedy(logits: torch.Tensor, at: int) -> list[int]:
+        token, outs = int(logits.argmax()), []
+        for t in range(n_out):
+            outs.append(token)
+            if t < n_out - 1:
+                o = model(torch.tensor([[token]]), past_key_values=cache, position_ids=torch.tensor([[at + t]]),
+                          use_cache=True)
+                token = int(o.logits[0, -1].argmax())
+        return outs
+
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        cache = DynamicCache()
+        for layer in range(model.config.num_hidden_layers):
+            full = out.past_key_values.layers[layer]
+            cache.update(full.keys[:, :, keep], full.values[:, :, keep], layer)
+        replies = [greedy(out.logits[0, -1], n)]
+        seq = prompt + replies[0]
+        for new in later:
+            feed = [seq[-1], *new]
+            o = model(torch.tensor([feed]), past_key_values=cache,
+                      position_ids=torch.arange(len(seq) - 1, len(seq) - 1 + len(feed))[None], use_cache=True)
+            replies.append(greedy(o.logits[0, -1], len(seq) + len(new)))
+            seq = seq + new + replies[-1]
+    return replies
+
+
+def test_snapkv_decodes_as_attention_without_the_pruned_ranges(small: dict) -> None:
+    """SnapKV's budget covers what the prune leaves but not the prompt: it evicts exactly the pruned tokens (its
+    budget counts what is left), and both this turn's decode and the next turn's answer equal the reference that
+    reads every position but the pruned ones after the prompt's forward."""
+    server, ids, tok = small["server"], small["ids"], small["tok"]
+    ranges = [[100, 250], [400, 480], [600, 670]]
+    pruned = {p for lo, hi in ranges for p in range(lo, hi)}
+    cfg = {"budget": len(ids) - len(pruned) + 64, "window_size": 16, "sink_tokens": 8}  # + turn 2
+    assert cfg["budget"] < len(ids)
+    before = _flush(server)
+    first = _gen(server, ids, "snapkv", cfg, ranges)
+    after = _assert_idle_and_sound(server)
+    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == len(pruned)
+    seq = ids + first["output_ids"]
+    inspect = _prefix(server, "inspect", seq, "snapkv", cfg)
+    assert _hidden(inspect) == pruned and inspect["matched_tokens"] >= len(seq) - 1, inspect
+
+    question = tok.encode(QUESTION.format(key=small["asked"]), add_special_tokens=False)
+    nxt = _gen(server, seq + question, "snapkv", cfg)
+    assert nxt["meta_info"]["cached_tokens"] == inspect["matched_tokens"], nxt["meta_info"]
+    ref = _masked_reference(small["model"], ids, pruned, [question], N_OUT)
+    assert [first["output_ids"], nxt["output_ids"]] == ref
+    end = _assert_idle_and_sound(server)
+    assert end["evicted_tokens_total"] - before["evicted_tokens_total"] == len(pruned)  # turn 2 fit the budget
+    assert _hidden(_prefix(server, "inspect", seq + question + nxt["output_ids"], "snapkv", cfg)) == pruned
+
+
+def test_snapkv_answers_from_outside_the_pruned_ranges_only(small: dict) -> None:
+    """SnapKV 256 on a ~1K-token prompt with four needles: pruning the three it is not asked about keeps the answer;
+    pruning the asked one loses it (the prompt's forward read it, the decode cannot). The pruned ranges stay hidden
+    in the tree and the next turn, asking again, is a hit that still answers from what is left."""
+    from sgl_sparse.quality.tasks import score
+
+    server, ids, tok, example = small["server"], small["ids"], small["tok"], small["example"]
+    needles, asked = small["needles"], small["asked"]
+    cfg = {"budget": 256, "window_size": 16, "sink_tokens": 8}
+    _flush(server)
+    assert score(example, server.generate(input_ids=ids, max_new_tokens=N_OUT)["text"])  # dense, no prune
+
+    others = [[lo, hi] for key, (_, lo, hi) in needles.items() if key != asked]
+    kept_fact = _gen(server, ids, "snapkv", cfg, others, ignore_eos=False)  # an answer ends at EOS
+    assert score(example, kept_fact["text"]), kept_fact["text"]
+    seq = ids + kept_fact["output_ids"]
+    inspect = _prefix(server, "inspect", seq, "snapkv", cfg)
+    assert {p for lo, hi in others for p in range(lo, hi)} <= _hidden(inspect), inspect["hidden_ranges"]
+    assert inspect["resident_tokens"] == cfg["budget"] + inspect["matched_tokens"] - len(ids), inspect
+    _assert_idle_and_sound(server)
+
+    question = tok.encode(QUESTION.format(key=asked), add_special_tokens=False)
+    again = _gen(server, seq + question, "snapkv", cfg, ignore_eos=False)
+    assert again["meta_info"]["cached_tokens"] == inspect["matched_tokens"], again["meta_info"]
+    assert score(example, again["text"]), again["text"]
+    inspect2 = _prefix(server, "inspect", seq + question + again["output_ids"], "snapkv", cfg)
+    assert {p for lo, hi in others for p in range(lo, hi)} <= _hidden(inspect2)
+    _assert_idle_and_sound(server)
+
+    _, lo, hi = needles[asked]
+    lost = _gen(server, ids, "snapkv", cfg, [[lo, hi]], ignore_eos=False)
+    assert not score(example, lost["text"]), lost["text"]
+    assert set(range(lo, hi)) <= _hidden(_prefix(server, "inspect", ids + lost["output_ids"], "snapkv", cfg))
+    _assert_idle_and_sound(server)
+
+
+@pytest.mark.parametrize(("method", "config"), [
+    ("h2o", {"budget": 256, "window_size": 16, "evict_interval": 8}),
+    ("rkv", {"budget": 256, "window_size": 8, "evict_interval": 8}),
+    ("skipkv", {"budget": 256, "sink_tokens": 8, "recent_tokens": 64, "evict_interval": 8}),
+    ("streamingllm", {"sink_tokens": 8, "recent_tokens": 248, "evict_interval": 8}),
+])
+def test_a_continuation_prunes_its_restored_prefix(small: dict, method: str, config: dict) -> None:
+    """Turn 1 evicts under the method (H2O leaves its scores in the tree); turn 2 resumes it (a hit) and prunes
+    ranges of turn 1's prompt, some of them already evicted (what leaves is the union): they end hidden, the method's
+    restored state follows (on_prune), nothing leaks, and turn 3 is a hit that keeps them hidden."""
+    server, ids, tok = small["server"], small["ids"], small["tok"]
+    _flush(server)
+    first = _gen(server, ids, method, config)
+    seq = ids + first["output_ids"]
+    matched = _prefix(server, "match", seq, method, config)["matched_tokens"]
+    question = tok.encode(QUESTION.format(key=small["asked"]), add_special_tokens=False)
+    ranges = [[20, 200], [500, 700]]
+    second = _gen(server, seq + question, method, config, ranges)
+    assert second["meta_info"]["cached_tokens"] == matched, second["meta_info"]
+    seq2 = seq + question + second["output_ids"]
+    inspect = _prefix(server, "inspect", seq2, method, config)
+    assert {p for lo, hi in ranges for p in range(lo, hi)} <= _hidden(inspect), inspect["hidden_ranges"]
+    _assert_idle_and_sound(server)
+    third = _gen(server, seq2 + question, method, config, n=4)
+    assert third["meta_info"]["cached_tokens"] == inspect["matched_tokens"], third["meta_info"]
+    assert {p for lo, hi in ranges for p in range(lo, hi)} <= _hidden(
+        _prefix(server, "inspect", seq2 + question + third["output_ids"], method, config))
+    assert _state(server)["requests_tracked"] == 0
+    _assert_idle_and_sound(server)
