@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toy_reference import attend_retained
 
 from sgl_sparse import SparseConfigError, create_method
 from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo
@@ -130,16 +131,7 @@ def reference_snapkv(model: ToyAttentionStack, tokens: list[int], prompt_len: in
         retained += list(range(start, end))
         h = h_all[start:end]
         for layer in range(model.n_layers):
-            q, k, v = model.project(layer, h)
-            keys[layer][start:end], vals[layer][start:end] = k, v
-            query_cache[layer] = torch.cat([query_cache[layer], q])[-window:]
-            out = torch.zeros_like(q)
-            for i in range(end - start):
-                visible = [j for j in retained if j <= start + i]
-                for head in range(hq):
-                    probs = (keys[layer][visible, head // group].double() @ q[i, head].double() / d**0.5).softmax(0)
-                    out[i, head] = (probs @ vals[layer][visible, head // group].double()).float()
-            h = out.reshape(end - start, -1)
+            h = attend_retained(model, layer, h, start, end, retained, keys, vals, query_cache, window, double=True)
         outs.append(h)
         if end == prompt_len:
             retained = [j for j in retained if not any(lo <= j < hi for lo, hi in prune)]
