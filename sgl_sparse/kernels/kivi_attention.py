@@ -33,9 +33,9 @@ codes: 2 integer ops and 1 float at 4 bits, 1.5 and 1 at 2 bits (was ~16 and ~8 
 dequantize); nothing per element for the scales. In the compiled loop (``benchmarks/sass_counts.py``: Triton 3.6
 for sm_90, compiled without a GPU; one page of Llama-3-8B heads at ``GS`` 32; SASS instructions of the loop body x
 threads / elements): 8.9 an element at 4 bits, 9.0 at 2 bits, against 26.2 and 16.9 for the bit-plane kernel
-(integer: 4.2 and 4.4, against 15.9 and 8.7); registers 172 and 157, against 254 and 255. Not yet timed on a GPU:
-``benchmarks/quant_decode.py`` will say whether that reaches the goal (under bf16's 743 us, ideally within twice
-the pool's floor).
+(integer: 4.2 and 4.4, against 15.9 and 8.7); registers 172 and 157, against 254 and 255. Timed on the H200
+(2026-12-03, same script and shape): 1,691 us at 4 bits and 1,027 at 2 bits, 2x and 2.7x faster, equal to the
+torch path within rounding, still above bf16's 743 us (14% of the pools' floors): not there yet.
 
 Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
 the model dtype (``[prefix tokens, Hkv, D]`` for K and V, a chunk at a time, at most ``WS_TOKENS`` prefix
