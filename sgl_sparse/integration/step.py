@@ -94,19 +94,19 @@ def _prune(rt: SparseRuntime, req: Any, t: Tracked, ranges: list[tuple[int, int]
     without them. Positions already gone (an earlier turn's eviction) are not handed over. The ranges come with
     the request, identical on every TP rank."""
     kept = t.state.kept
-    keep = _without(kept, ranges)
-    if keep.numel() == kept.numel():
+    drop = _in_ranges(kept, ranges)
+    if not bool(drop.any()):
         return
-    t.method.on_prune(t.state, kept[~torch.isin(kept, keep)])
-    _apply(rt, [(req, t, keep)], model_runner)
+    t.method.on_prune(t.state, kept[drop])
+    _apply(rt, [(req, t, kept[~drop])], model_runner)
 
 
-def _without(kept: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """``kept`` less the positions in ``ranges`` (logical ``[l, r)``), order kept."""
+def _in_ranges(kept: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Which entries of ``kept`` lie in ``ranges`` (logical ``[l, r)``)."""
     drop = torch.zeros(kept.numel(), dtype=torch.bool)
     for lo, hi in ranges:
         drop |= (kept >= lo) & (kept < hi)
-    return kept[~drop]
+    return drop
 
 
 def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> ObservationWindow:
