@@ -25,24 +25,16 @@ def softmax_step(m, lse_sum, logits):
 @triton.jit
 def online_step(m, lse_sum, acc, logits, vals):
     """One online-softmax step: ``logits`` ``[G, N]``, ``vals`` ``[N, D]`` (fp32)."""
-    m_new = tl.maximum(m, tl.max(logits, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(logits - m_safe[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p, vals)
-    return m_new, lse_sum * alpha + tl.sum(p, 1), acc
+    m_new, den, p, alpha = softmax_step(m, lse_sum, logits)
+    return m_new, den, acc * alpha[:, None] + tl.dot(p, vals)
 
 
 @triton.jit
 def online_step_weighted(m, lse_sum, acc, logits, vals, weights):
     """:func:`online_step` with each key's value row scaled by ``weights`` ``[N]``, applied to the
     probabilities (so ``vals`` may stay raw codes in bf16 for the tensor cores: the dot runs in their dtype)."""
-    m_new = tl.maximum(m, tl.max(logits, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(logits - m_safe[:, None])
-    acc = acc * alpha[:, None] + tl.dot((p * weights[None, :]).to(vals.dtype), vals)
-    return m_new, lse_sum * alpha + tl.sum(p, 1), acc
+    m_new, den, p, alpha = softmax_step(m, lse_sum, logits)
+    return m_new, den, acc * alpha[:, None] + tl.dot((p * weights[None, :]).to(vals.dtype), vals)
 
 
 @triton.jit
