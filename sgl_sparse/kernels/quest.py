@@ -8,13 +8,16 @@ counts when any head of the group may attend to it), since one KV list serves th
 
 Three steps, each a fixed-shape batched op (CUDA-graph safe):
 
-* :func:`update_page_summaries` where K is written (prefill and decode): a token at page offset 0
+* :func:`update_page_summaries` where K is written (prefill; decode on CPU): a token at page offset 0
   resets its page, so a page reused after a free starts clean; SGLang's padding page 0 absorbs the
-  resets of the other tokens (and the writes of CUDA-graph padding rows), and is never scored;
+  resets of the other tokens (and the writes of CUDA-graph padding rows), and is never scored. A decode
+  step on the GPU writes one token per request, in distinct pages: :func:`update_decode_summaries`
+  folds each key into its page in place, one Triton program per token and KV head;
 * :func:`score_pages`: a Triton kernel over ``(request x KV head, program)``, each program looping
   over its share of the row's page blocks (bound read from ``seq_lens``); the rest of the row is
   ``-inf``. Sink and recent pages score ``+inf`` (always selected);
-* :func:`~sgl_sparse.kernels.pages.select_pages`: a static-``k`` top-k and a sort.
+* :func:`~sgl_sparse.kernels.pages.select_pages_triton` on the GPU (a bisection for the ``k``-th score, no
+  sort), :func:`~sgl_sparse.kernels.pages.select_pages` (a static-``k`` top-k and a sort) on the CPU.
 
 Scoring has a plain-torch path for CPU (:func:`score_pages_torch`); tests check the Triton kernel
 against it and both against a reference written in the test.
