@@ -436,6 +436,15 @@ def check_keep_plan(method: SparseMethod[Any], plan: KeepPlan, kept: torch.Tenso
     return keep
 
 
+def in_ranges(kept: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Which of the retained positions ``kept`` lie in ``ranges`` (logical ``[l, r)``): what a request's own
+    prune hands :meth:`SparseMethod.on_prune`, for the server runtime and the reference driver alike."""
+    drop = torch.zeros(kept.numel(), dtype=torch.bool)
+    for lo, hi in ranges:
+        drop |= (kept >= lo) & (kept < hi)
+    return drop
+
+
 @dataclass
 class TreePayload:
     """What a finished request leaves in the prefix tree beside its (possibly compacted) KV, e.g.

@@ -27,6 +27,7 @@ from sgl_sparse.contract import (
     SparseMethod,
     StepInfo,
     check_keep_plan,
+    in_ranges,
 )
 from sgl_sparse.kernels.pages import selected_positions_mask
 
@@ -158,9 +159,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
                         token_ids=(lambda a, b, e=end: tokens[a:min(b, e)]) if method.needs_token_ids() else None)
         if step.final_prefill and prune:
             kept = state.kept
-            gone = torch.zeros(kept.numel(), dtype=torch.bool)
-            for lo, hi in prune:
-                gone |= (kept >= lo) & (kept < hi)
+            gone = in_ranges(kept, prune)
             if bool(gone.any()):
                 method.on_prune(state, kept[gone])
                 retained[kept[gone]] = False

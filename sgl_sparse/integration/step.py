@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan
+from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan, in_ranges
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
 from sgl_sparse.slots import to_device, write_sentinels
@@ -94,19 +94,11 @@ def _prune(rt: SparseRuntime, req: Any, t: Tracked, ranges: list[tuple[int, int]
     without them. Positions already gone (an earlier turn's eviction) are not handed over. The ranges come with
     the request, identical on every TP rank."""
     kept = t.state.kept
-    drop = _in_ranges(kept, ranges)
+    drop = in_ranges(kept, ranges)
     if not bool(drop.any()):
         return
     t.method.on_prune(t.state, kept[drop])
     _apply(rt, [(req, t, kept[~drop])], model_runner)
-
-
-def _in_ranges(kept: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """Which entries of ``kept`` lie in ``ranges`` (logical ``[l, r)``)."""
-    drop = torch.zeros(kept.numel(), dtype=torch.bool)
-    for lo, hi in ranges:
-        drop |= (kept >= lo) & (kept < hi)
-    return drop
 
 
 def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> ObservationWindow:
