@@ -121,11 +121,11 @@ vanilla130k|dense130k|snapkv130k|snapkv130k6)  # the 130K table one server per s
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
 quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / RetroInfer (default configs) at 130K x 6, ours
-  install                # only; OmniKV's and RetroInfer's GPU paths are behind the launcher's opt-in until their GPU tests pass
+  install                # only (all three passed their GPU tests: no opt-in needed since 2026-12-03)
   m=${1%130k}
   # Quest's page summaries (1/16 of K+V) leave a pool of 744,944 slots: 5 x 130K fit, not 6 (2026-12-03).
   b="${SELECT_BATCH:-$([ "$m" = quest ] && echo 5 || echo 6)}"
-  SGLSPARSE_GPU_SELECTION=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
       python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" \
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
@@ -240,7 +240,7 @@ quality16k)  # quality-large at 16K under QUALITY_METHODS (default: dense, snapk
   ;;
 quality16ksel)  # quality-large at 16K: quest, omnikv, retroinfer at their default configs (~1 min a method)
   QUALITY_METHODS="${QUALITY_METHODS:-quest omnikv retroinfer}" QUALITY_TAG="${QUALITY_TAG:-selection}" \
-      SGLSPARSE_GPU_SELECTION=1 QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
+      QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
 quality16kquant)  # quality-large at 16K: fp8_kv, kivi 4 and 2 bits, turboquant 4 bits (~1 min a method)
   quant='fp8_kv kivi kivi:{"bits":2} turboquant'

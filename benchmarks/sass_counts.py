@@ -104,7 +104,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     ppi = max(1, 16 // a.page)
     for bits in (4, 2):
-        consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64)
+        consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True)
         count(f"kivi{bits}", kivi_attention._decode_kernel, KIVI_ARGS, consts,
               a.warps or max(2, ppi * a.page // 16), ppi * a.page * d * 2)
     for bits, qjl in ((4, False), (3, False), (2, False), (4, True)):

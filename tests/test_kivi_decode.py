@@ -88,7 +88,9 @@ def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int) -> Non
     # The default splits (16: most of them past these rows' ends, empty), 3, and 1.
     for splits in (None, 3, 1):
         got = kivi_attention.decode_attention(q, *store._buffers(0), r2t, rpi, seq, scale, bits, gs, splits=splits)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # 5e-4: the kernel's value dot carries fp16's offset of 1024 (chunks.chunks_16) and cancels it after the
+        # fp32 sum, ~7 bits of fp32 fewer than the torch path's dequantize-then-attend
+        torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)
     assert torch.equal(got[3], torch.zeros_like(got[3]))  # the empty row
 
 

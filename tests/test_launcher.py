@@ -387,19 +387,29 @@ def test_quest_is_served_with_its_page_size(capsys: pytest.CaptureFixture[str]) 
 
 def test_selection_on_gpu_needs_a_validated_gpu_path(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quest's and OmniKV's FlashInfer paths passed the GPU tests: they launch on CUDA. RetroInfer's servers
-    have not: a launch error naming the opt-in, which starts it."""
+    """Quest's, OmniKV's and RetroInfer's FlashInfer paths passed the GPU tests: they launch on CUDA. A selection
+    method that has not (one of a user's own, here a renamed Quest): a launch error naming the opt-in, which
+    starts it."""
+    from sgl_sparse import registry
+    from sgl_sparse.methods.selection.quest import Quest
+
     monkeypatch.delenv("SGLSPARSE_GPU_SELECTION", raising=False)
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "quest"])
     assert hand.method == "quest" and args.page_size == 16
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "omnikv"])
-    assert hand.method == "omnikv"
+    for name in ("omnikv", "retroinfer"):
+        _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", name])
+        assert hand.method == name
+
+    class OwnQuest(Quest):
+        name = "own_quest"
+
+    monkeypatch.setitem(registry._METHODS, "own_quest", OwnQuest)
     with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "retroinfer"])
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "own_quest"])
     assert "GPU decode path" in capsys.readouterr().err
     monkeypatch.setenv("SGLSPARSE_GPU_SELECTION", "1")
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "retroinfer"])
-    assert hand.method == "retroinfer"
+    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "own_quest"])
+    assert hand.method == "own_quest"
 
 
 def test_a_quantized_layout_on_gpu_needs_validated_kernels(capsys: pytest.CaptureFixture[str],

@@ -25,12 +25,18 @@ EXPONENT = tl.constexpr(-8388608)  # 0xFF800000 as int32: sign and exponent bits
 
 
 @triton.jit
-def code_bytes(codes, slot, h, stride_cs, stride_ch, ok, col0, BLOCK: tl.constexpr, U: tl.constexpr):
-    """int32 ``[BLOCK, U]``: bytes ``col0 .. col0 + U`` of the packed vector at ``slot`` x KV head ``h`` (rows not
+def code_tile(codes, slot, h, stride_cs, stride_ch, ok, col0, BLOCK: tl.constexpr, U: tl.constexpr):
+    """uint8 ``[BLOCK, U]``: bytes ``col0 .. col0 + U`` of the packed vector at ``slot`` x KV head ``h`` (rows not
     ``ok`` read 0)."""
     u = tl.arange(0, U)
     off = slot.to(tl.int64)[:, None] * stride_cs + h * stride_ch + col0 + u[None, :]
-    return tl.load(codes + off, mask=ok[:, None], other=0).to(tl.int32)
+    return tl.load(codes + off, mask=ok[:, None], other=0)
+
+
+@triton.jit
+def code_bytes(codes, slot, h, stride_cs, stride_ch, ok, col0, BLOCK: tl.constexpr, U: tl.constexpr):
+    """:func:`code_tile` as int32."""
+    return code_tile(codes, slot, h, stride_cs, stride_ch, ok, col0, BLOCK, U).to(tl.int32)
 
 
 @triton.jit
@@ -72,7 +78,7 @@ def dot_nt(a, b):
     if a.shape[1] >= 16:
         return tl.dot(a, tl.trans(b))
     else:
-        return tl.sum(a[:, None, :] * b[None, :, :], 2)
+        return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
 
 
 @triton.jit
@@ -96,6 +102,114 @@ def store_split_chunks(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT: tl.cons
     u = tl.arange(0, U)
     for k in tl.static_range(D // U):
         tl.store(ws_acc + (w + gi)[:, None] * D + k * U + u[None, :], acc[k], mask=gm[:, None])
+
+
+def _shifted(c: int, lane: int, fp16: bool) -> bool:
+    """Whether chunk ``c``'s bits reach bit 7 of the byte, past bf16's 7 mantissa bits: such a chunk is taken from the
+    byte shifted right by one (fp16's 10 mantissa bits hold the whole byte)."""
+    return not fp16 and (c + 1) * lane > 7
+
+
+def _packed_asm(lane: int, fp16: bool) -> str:
+    """PTX for :func:`chunks_16` at ``lane`` bits: 4 bytes in (``$(2 P)``), for each chunk ``c`` two 16-bit pair
+    registers out (``$2c``, ``$2c+1``): bytes 0, 1 and 2, 3 spread to the two halves of a register (``prmt``, once
+    for every chunk), then one ``lop3`` a register, ``(x & lane mask) | magic`` a half: the chunk's bits land in the
+    mantissa of ``OFFSET`` (fp16 1024, bf16 128), so the half is exactly ``OFFSET + code * unit``."""
+    p = 8 // lane
+    magic = "0x64006400" if fp16 else "0x43004300"
+    lines = ["{", ".reg .b32 t0, t1, u0, u1, z;", "mov.b32 z, 0;",
+             f"prmt.b32 t0, ${2 * p}, z, 0x4140;", f"prmt.b32 t1, ${2 * p}, z, 0x4342;"]
+    if any(_shifted(c, lane, fp16) for c in range(p)):
+        lines += ["shr.b32 u0, t0, 1;", "shr.b32 u1, t1, 1;"]
+    for c in range(p):
+        shift = _shifted(c, lane, fp16)
+        mask = (((1 << lane) - 1) << (c * lane)) >> int(shift)
+        src0, src1 = ("u0", "u1") if shift else ("t0", "t1")
+        lines += [f"lop3.b32 ${2 * c}, {src0}, {mask | mask << 16:#010x}, {magic}, 0xEA;",
+                  f"lop3.b32 ${2 * c + 1}, {src1}, {mask | mask << 16:#010x}, {magic}, 0xEA;"]
+    return "\n".join(lines + ["}"])
+
+
+def _constraints(lane: int) -> str:
+    return ",".join(["=r"] * (16 // lane) + ["r"])
+
+
+ASM_BF16_4, ASM_BF16_2, ASM_BF16_1 = (tl.constexpr(_packed_asm(n, False)) for n in (4, 2, 1))
+ASM_FP16_4, ASM_FP16_2, ASM_FP16_1 = (tl.constexpr(_packed_asm(n, True)) for n in (4, 2, 1))
+CONSTRAINTS_4, CONSTRAINTS_2, CONSTRAINTS_1 = (tl.constexpr(_constraints(n)) for n in (4, 2, 1))
+
+
+@triton.jit
+def chunk_offset(FP16: tl.constexpr):
+    """What :func:`chunks_16` adds to every code (the magic number whose mantissa the code's bits fill)."""
+    if FP16:
+        return 1024.0
+    else:
+        return 128.0
+
+
+@triton.jit
+def chunk_unit(c: tl.constexpr, LANE: tl.constexpr, FP16: tl.constexpr):
+    """``1 / unit`` of chunk ``c`` in :func:`chunks_16` (its value is ``OFFSET + code * unit``): what the caller folds
+    into the scale that multiplies it."""
+    if FP16 or (c + 1) * LANE <= 7:
+        return 1.0 / (1 << (c * LANE))
+    else:
+        return 1.0 / (1 << (c * LANE - 1))
+
+
+@triton.jit
+def _asm_fp16(b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, LANE: tl.constexpr):
+    h = tl.float16
+    if LANE == 4:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h), True, 4)
+    elif LANE == 2:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h, h, h), True, 4)
+    else:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h, h, h, h, h, h, h), True, 4)
+
+
+@triton.jit
+def _asm_bf16(b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, LANE: tl.constexpr):
+    h = tl.bfloat16
+    if LANE == 4:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h), True, 4)
+    elif LANE == 2:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h, h, h), True, 4)
+    else:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h, h, h, h, h, h, h), True, 4)
+
+
+@triton.jit
+def chunks_16(b, LANE: tl.constexpr, FP16: tl.constexpr, NATIVE: tl.constexpr):
+    """Every chunk of a uint8 byte tile ``b`` as ``OFFSET + code * unit`` (:func:`chunk_offset`, :func:`chunk_unit`;
+    a tuple of ``8 / LANE`` tiles of ``b``'s shape), fp16 (``FP16``) or bf16, for the tensor cores: the caller folds
+    ``1 / unit`` into its scale and the offset into a sum of its other operand (``x . (OFFSET + v) = x . v + OFFSET
+    * sum(x)``, with the same rounded ``x``: exact cancellation). On the GPU 4 bytes at a time in PTX
+    (:func:`_packed_asm`: ~0.75 instructions an element at 4 bits, no conversion, no float op); under
+    ``TRITON_INTERPRET=1`` (no inline assembly, and no 16-bit float dots) the same values in fp32 by arithmetic."""
+    if NATIVE:
+        if FP16:
+            if LANE == 4:
+                return _asm_fp16(b, ASM_FP16_4, CONSTRAINTS_4, 4)
+            elif LANE == 2:
+                return _asm_fp16(b, ASM_FP16_2, CONSTRAINTS_2, 2)
+            else:
+                return _asm_fp16(b, ASM_FP16_1, CONSTRAINTS_1, 1)
+        else:
+            if LANE == 4:
+                return _asm_bf16(b, ASM_BF16_4, CONSTRAINTS_4, 4)
+            elif LANE == 2:
+                return _asm_bf16(b, ASM_BF16_2, CONSTRAINTS_2, 2)
+            else:
+                return _asm_bf16(b, ASM_BF16_1, CONSTRAINTS_1, 1)
+    else:
+        x = b.to(tl.int32)
+        out = ()
+        for c in tl.static_range(8 // LANE):
+            v = (x & (((1 << LANE) - 1) << (c * LANE))).to(tl.float32)
+            out = out + (v / (chunk_unit(c, LANE, FP16) * (1 << (c * LANE))) + chunk_offset(FP16),)
+        return out
 
 
 def chunk_width(d: int, lane: int) -> int:

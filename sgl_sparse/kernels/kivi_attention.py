@@ -58,8 +58,12 @@ from sgl_sparse.kernels import fp8_attention
 from sgl_sparse.kernels.chunks import (
     MAGIC,
     chunk_float,
+    chunk_offset,
+    chunk_unit,
     chunk_width,
+    chunks_16,
     code_bytes,
+    code_tile,
     dot_nt,
     query_chunks,
     store_split_chunks,
@@ -159,27 +163,31 @@ def _prefix_kernel(q, wk, wv, qo_indptr, prefix_lens, ws_start, blk_req, blk_sta
 @triton.jit
 def _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_ch, stride_ksp, stride_ksh,
             GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
-            PPI: tl.constexpr):
-    """Logits ``[GP, BLOCK]`` of the query chunks ``qs`` (scaled) over the keys at ``slot``: the byte tile read once,
-    each chunk's codes as floats (:func:`chunk_float`) against the query chunk. One page (``PPI == 1``): its key
-    scale is folded into the query chunk (``q_c * ks_c``, ``[GP, W]`` a page, not ``[BLOCK, W]``) and its zero
-    point into one constant a query row (``q . kz``); several pages (``GS < 16``), dequantized per element."""
+            PPI: tl.constexpr, NATIVE: tl.constexpr):
+    """Logits ``[GP, BLOCK]`` of the query chunks ``qs`` (scaled) over the keys at ``slot``, the byte tile read once.
+    One page (``PPI == 1``): every chunk as bf16 ``OFFSET + code * 2**(c BITS)`` (:func:`chunks_bf16`) against the
+    query chunk times the page's key scale in bf16 (``[GP, W]`` a page, not ``[BLOCK, W]``), on the tensor cores;
+    the zero point and the offset fold into one constant a query row (``q . kz - OFFSET * sum(q')``, with the same
+    bf16 ``q'``). Several pages (``GS < 16``): fp32 codes (:func:`chunk_float`), dequantized per element."""
     W: tl.constexpr = D * BITS // 8
     j = tl.arange(0, W)
-    kb = code_bytes(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W) | MAGIC
     s = tl.zeros([GP, BLOCK], tl.float32)
     qkz = tl.zeros([GP], tl.float32)
-    for c in tl.static_range(8 // BITS):
-        lane = 1.0 / (1 << (c * BITS))  # chunk_float gives code * 2**(c * BITS)
-        if PPI == 1:
+    if PPI == 1:
+        # bf16 on the key side: the query's range (fp16 would overflow past 65,504)
+        kc = chunks_16(code_tile(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W), BITS, False, NATIVE)
+        for c in tl.static_range(8 // BITS):
             kso = page * stride_ksp + h * stride_ksh + c * W + j
-            ks = tl.load(k_scale + kso).to(tl.float32) * lane
+            ks = tl.load(k_scale + kso).to(tl.float32) * chunk_unit(c, BITS, False)
             kz = tl.load(k_zero + kso).to(tl.float32)
-            s += dot_nt(qs[c] * ks[None, :], chunk_float(kb, c, BITS))
-            qkz += tl.sum(qs[c] * kz[None, :], 1)
-        else:
+            qb = (qs[c] * ks[None, :]).to(kc[c].dtype)
+            s += dot_nt(qb, kc[c])
+            qkz += tl.sum(qs[c] * kz[None, :], 1) - chunk_offset(False) * tl.sum(qb.to(tl.float32), 1)
+    else:
+        kb = code_bytes(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W) | MAGIC
+        for c in tl.static_range(8 // BITS):
             kso = (slot // GS)[:, None] * stride_ksp + h * stride_ksh + c * W + j[None, :]
-            ks = tl.load(k_scale + kso, mask=ok[:, None], other=0.0).to(tl.float32) * lane
+            ks = tl.load(k_scale + kso, mask=ok[:, None], other=0.0).to(tl.float32) * (1.0 / (1 << (c * BITS)))
             kz = tl.load(k_zero + kso, mask=ok[:, None], other=0.0).to(tl.float32)
             s += dot_nt(qs[c], chunk_float(kb, c, BITS) * ks + kz)
     return s + qkz[:, None]
@@ -187,23 +195,31 @@ def _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_c
 
 @triton.jit
 def _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss, stride_vsh,
-            BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr):
+            BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, NATIVE: tl.constexpr):
     """The output pieces ``acc`` (``D / U`` pieces ``[GP, U]``, ``U = min(W, GS)``: each piece one chunk's channels
     in one value group) rescaled by ``alpha`` plus ``p`` times the values at ``slot``. A piece's scale and zero are
-    ``[BLOCK]`` vectors (one group a token): one multiply-add an element, no per-element scale gather."""
+    ``[BLOCK]`` vectors (one group a token): the scale folds into the probabilities (``p' = p * vs`` in bf16, against
+    the codes as :func:`chunks_bf16` gives them), the zero point and the offset into one row sum
+    (``p . vz - OFFSET * sum(p')``)."""
     W: tl.constexpr = D * BITS // 8
     U: tl.constexpr = W if W < GS else GS
     NS: tl.constexpr = W // U
-    vb = ()
+    vc = ()
     for sub in tl.static_range(NS):
-        vb = vb + (code_bytes(v_codes, slot, h, stride_cs, stride_ch, ok, sub * U, BLOCK, U) | MAGIC,)
+        # fp16 on the value side (probabilities times scales: small), 3 more bits than bf16
+        t = chunks_16(code_tile(v_codes, slot, h, stride_cs, stride_ch, ok, sub * U, BLOCK, U), BITS, True, NATIVE)
+        for ci in tl.static_range(8 // BITS):
+            vc = vc + (t[ci],)  # flat: sub-tile sub's chunk ci at sub * P + ci
     out = ()
     for k in tl.static_range(D // U):
         c = k // NS
         vso = slot * stride_vss + h * stride_vsh + (k * U) // GS
-        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * (1.0 / (1 << (c * BITS)))
+        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * chunk_unit(c, BITS, True)
         vz = tl.load(v_zero + vso, mask=ok, other=0.0).to(tl.float32)
-        pv = tl.dot(p * vs[None, :], chunk_float(vb[k % NS], c, BITS)) + tl.sum(p * vz[None, :], 1)[:, None]
+        vk = vc[(k % NS) * (8 // BITS) + k // NS]
+        pb = (p * vs[None, :]).to(vk.dtype)
+        off = tl.sum(p * vz[None, :], 1) - chunk_offset(True) * tl.sum(pb.to(tl.float32), 1)
+        pv = tl.dot(pb, vk) + off[:, None]
         out = out + (acc[k] * alpha[:, None] + pv,)
     return out
 
@@ -232,7 +248,8 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                    req_pool_indices, seq_lens, ws_m, ws_l, ws_acc, stride_qb, stride_qh, stride_cs, stride_ch,
                    stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
                    scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                   GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr, NSPLIT: tl.constexpr):
+                   GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr, NSPLIT: tl.constexpr,
+                   NATIVE: tl.constexpr):
     """Program (request x KV head, split): its share of the row's whole pages, ``PPI`` pages an iteration (one
     unless a page is under ``tl.dot``'s 16 rows), then, in the last split, the row's open page (the residual).
     The server's page size is ``GS`` (``KIVIStore._check``), so a row's page ``p`` is the ``GS`` contiguous
@@ -269,10 +286,10 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
             page = 0  # unused: each position's page is its slot's
             slot = tl.load(row_ptr + pp * GS, mask=ok, other=0).to(tl.int64) + o % GS
         s = _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_ch, stride_ksp,
-                    stride_ksh, GP, BLOCK, D, GS, BITS, PPI)
+                    stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE)
         m, den, p, alpha = softmax_step(m, den, tl.where(ok[None, :], s, float("-inf")))
         acc = _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
-                      stride_vsh, BLOCK, D, GS, BITS)
+                      stride_vsh, BLOCK, D, GS, BITS, NATIVE)
     whole = npages * GS
     if (pid == NSPLIT - 1) & (n > whole):  # the open page, once per row (positions whole..n-1 < whole + GS)
         acc, m, den = _residual(qs, acc, m, den, res_k, res_v, row, h, n - whole, stride_rr, stride_rt, stride_rh,
@@ -315,7 +332,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         # The group's query heads as the rows of the logits and output tiles, padded to a power of two only (Triton
         # pads a dot's rows to the tensor cores' 16 itself): every per-page op on the query side (the key scale's
         # fold, the softmax, the rescale) scales with these rows.
-        GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits,
+        GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits, NATIVE=q.is_cuda,
         # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
         # other's decode: twice the instructions per element in the compiled code for sm_90); 4 and 8 for 64- and
         # 128-slot pages. Two stages: the next page's slot and codes can be in flight while this one is computed.

@@ -17,7 +17,6 @@ from sgl_sparse.server_process import ServerProcess, running
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-GPU = {"SGLSPARSE_GPU_SELECTION": "1"}  # the launcher's opt-in until this file passes
 
 
 def test_decode_kernel_at_a_serving_shape_matches_torch_and_does_not_sync() -> None:
@@ -82,7 +81,7 @@ SMALL = {**BASE, "retrieval_ratio": 0.1, "dense_layers": 1}
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
-    procs = selection_servers("retroinfer", COVERING, SMALL, env=GPU)
+    procs = selection_servers("retroinfer", COVERING, SMALL)
     with running(*procs.values()):
         yield procs
 
