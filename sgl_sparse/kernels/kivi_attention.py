@@ -1,6 +1,7 @@
 """Decode and extend attention over KIVI's layout (``methods/quantization/kivi.py``), dequantized in registers.
 
-Not served on CUDA without the launcher's opt-in until these kernels have run on a GPU. Layout, per
+Served on CUDA only with the launcher's opt-in (``SGLSPARSE_GPU_QUANT=1``) until the decode beats reading the same
+KV in bf16 (history below). Layout, per
 layer: K and V codes ``[slots, Hkv, W]`` uint8, chunk-major (``kernels/quant.py::pack_chunks``, read through
 ``kernels/chunks.py``): ``W = D * bits / 8`` bytes a token and head, ``P = 8 / bits`` chunks, byte ``j`` holding
 channel ``c * W + j`` in its ``c``-th lane; K scale and zero ``[pages, Hkv, D]`` (one page = one key group),
@@ -13,29 +14,26 @@ page an iteration (two under 16 slots): one ``req_to_token`` read gives the page
 row's open page (the residual) is read once, by the last split. The queries are read once, as ``P`` chunks
 ``[G, W]`` (scaled). Per page:
 
-* keys: the ``[GS, W]`` byte tile is read once (contiguous), :data:`chunks.MAGIC` OR'd in once a byte, and
-  each chunk ``c`` taken with one AND and one float add (``chunks.chunk_float``, no int -> float convert, no
-  reshape); the page's key scale is folded into the query chunk (``q_c * ks_c``: ``G x W`` multiplies a page,
-  not ``GS x W``) and its zero point into one constant a query row (``q . kz``); logits ``+= dot(q'_c, k_c^T)``
-  on the tensor cores;
+* keys: the ``[GS, W]`` byte tile is read once (contiguous) and every chunk turned into bf16 ``128 + code * unit``
+  by :func:`chunks.chunks_16` (in PTX on the GPU: a ``prmt`` per 4 bytes, a ``lop3`` per 2 codes, no conversion);
+  the page's key scale (and ``1 / unit``) is folded into the query chunk (``q'_c = q_c * ks_c`` in bf16: ``G x W``
+  multiplies a page, not ``GS x W``), the zero point and the offset into one constant a query row
+  (``q . kz - 128 * sum(q')``, the same bf16 ``q'``: the offset cancels exactly); logits ``+= dot(q'_c, k_c^T)`` on
+  the tensor cores;
 * values: per piece (``U = min(W, GS)`` channels of one chunk in one value group: ``D / U`` pieces, each its
-  own ``[G, U]`` accumulator, stored at its channels), the tokens' scale is folded into the probabilities
-  (``p * vs``, ``G x GS`` a piece) and their zero point into a row sum (``p . vz``); the codes are taken as for
-  keys and enter ``dot(p', v_c)`` as they are.
+  own ``[G, U]`` accumulator, stored at its channels), the codes as fp16 ``1024 + code * unit`` (3 more mantissa
+  bits than bf16; probabilities times scales are small), the tokens' scale folded into the probabilities
+  (``p' = p * vs`` in fp16, ``G x GS`` a piece) and their zero point and the offset into a row sum
+  (``p . vz - 1024 * sum(p')``).
 
-Why: on the bit-plane layout this replaced (``bits`` planes of ``D / 8`` bytes, plane ``b`` holding bit ``b`` of 8
-channels a byte), the decode was ALU-bound, ~4 integer ops per bit and element to gather a code (16 at 4 bits) and
-a ``[GS, D / 8, 8] -> [GS, D]`` reshape a page, plus a multiply-add per element for each of K and V.
-``benchmarks/quant_decode.py`` on the H200 (2026-12-03, per layer at 6 x 130K, Llama-3-8B heads): KIVI-4 3,340 us,
-KIVI-2 2,725 us, against their pools' HBM floors of 232 and 139 us and bf16's 743 us (which reads twice KIVI-4's
-bytes). Per element now, K or V: an AND and a float add, plus the byte's extraction and OR shared by its ``P``
-codes: 2 integer ops and 1 float at 4 bits, 1.5 and 1 at 2 bits (was ~16 and ~8 integer ops, plus a multiply-add to
-dequantize); nothing per element for the scales. In the compiled loop (``benchmarks/sass_counts.py``: Triton 3.6
-for sm_90, compiled without a GPU; one page of Llama-3-8B heads at ``GS`` 32; SASS instructions of the loop body x
-threads / elements): 8.9 an element at 4 bits, 9.0 at 2 bits, against 26.2 and 16.9 for the bit-plane kernel
-(integer: 4.2 and 4.4, against 15.9 and 8.7); registers 172 and 157, against 254 and 255. Timed on the H200
-(2026-12-03, same script and shape): 1,691 us at 4 bits and 1,027 at 2 bits, 2x and 2.7x faster, equal to the
-torch path within rounding, still above bf16's 743 us (14% of the pools' floors): not there yet.
+History (``benchmarks/quant_decode.py`` on the H200, per layer at 6 x 130K, Llama-3-8B heads, against the pools'
+HBM floors of 232 us at 4 bits and 139 at 2, and bf16's 743 us, which reads twice KIVI-4's bytes): a bit-plane
+layout (``bits`` planes of ``D / 8`` bytes) took 3,340 and 2,725 us, ALU-bound at ~4 integer ops per bit and
+element plus a reshape a page; chunk-major codes taken as fp32 (an AND and a float add an element, TF32 dots)
+1,691 and 1,027 us; the 16-bit codes above 1,255 and 1,001 us (2026-12-03, tenth session), equal to the torch
+path within rounding. ``benchmarks/sass_counts.py`` (compiled for sm_90 without a GPU): 7.7 SASS instructions an
+element in the loop, of which unpacking is now ~1; the rest is the per-page cost of tiles of 4 query rows x 32
+positions (shared-memory layout conversions, index arithmetic, the softmax): still above bf16's floor.
 
 Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
 the model dtype (``[prefix tokens, Hkv, D]`` for K and V, a chunk at a time, at most ``WS_TOKENS`` prefix
