@@ -10,8 +10,9 @@ Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,0
 ``--context-length 131072`` (SGLang adds 4; the grid, its splits included, follows the width, as a graph
 captured for the context length does). ``step ms`` is 32 layers of it: the attention part of a decode step.
 Pool contents are random codes with small scales: timing does not depend on them. ``--warps``: also time
-KIVI's and TurboQuant's kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows
-use the kernels' own choice), one row each. The last column: the kernel's largest deviation from the store's
+the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
+choice), one row each; ``--fp8-blocks``: FP8's at these positions an iteration (x each of ``--warps``).
+The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
 value.
 """
@@ -27,7 +28,7 @@ import torch
 from graph_timing import graph_us
 
 from sgl_sparse.contract import KVGeometry, pool_page_size
-from sgl_sparse.kernels import kivi_attention, turboquant_attention
+from sgl_sparse.kernels import fp8_attention, kivi_attention, turboquant_attention
 from sgl_sparse.registry import create_method
 
 HQ, HKV, D, LAYERS = 32, 8, 128, 32
@@ -53,17 +54,21 @@ def _fill(store: object) -> None:
                     t.fill_(0.05)  # small: a softmax that is not one-hot, so the check below means something
 
 
-def _decode(label: str, store: Any, warps: int | None) -> Callable[..., torch.Tensor]:
-    """The store's CUDA decode, or its kernel called with ``warps``."""
-    if warps is None:
+def _decode(label: str, store: Any, warps: int | None, block: int | None = None) -> Callable[..., torch.Tensor]:
+    """The store's CUDA decode, or its kernel called with ``warps`` (and, for FP8, ``block``)."""
+    if warps is None and block is None:
         return store.decode
+    if label == "fp8_kv":
+        return lambda layer, q, *rest: fp8_attention.decode_attention(
+            q, store.k_codes[layer], store.k_scale[layer], store.v_codes[layer], store.v_scale[layer], *rest,
+            block=block, warps=warps)
     if label.startswith("kivi"):
         return lambda layer, q, *rest: kivi_attention.decode_attention(q, *store._buffers(layer), *rest, store.bits,
                                                                         store.group, warps=warps)
     return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, warps=warps)
 
 
-def _row(label: str, bs: int, n: int, warps: int | None = None) -> str:
+def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | None = None) -> str:
     name, config = METHODS[label]
     method = create_method(name, config)
     store = method.store
@@ -81,7 +86,7 @@ def _row(label: str, bs: int, n: int, warps: int | None = None) -> str:
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
-    decode = _decode(label, store, warps)
+    decode = _decode(label, store, warps, block)
     us = graph_us(lambda: decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     # The kernel against the store's torch path (the CPU server's, the tests' reference) on the same pool.
     got = decode(0, q, r2t, rpi, seq, scale).float()
@@ -92,8 +97,8 @@ def _row(label: str, bs: int, n: int, warps: int | None = None) -> str:
     pool = bs * n * store.bytes_per_token(g)  # one layer's bytes for the batch's tokens
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
-    if warps is not None:
-        label = f"{label} ({warps} warps)"
+    if warps is not None or block is not None:
+        label = f"{label} ({', '.join(x for x in (block and f'{block} positions', warps and f'{warps} warps') if x)})"
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
 
@@ -102,7 +107,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["6x130000", "16x32768"], help="BATCHxCONTEXT")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--warps", nargs="*", type=int, default=[], help="also time KIVI and TurboQuant at these warps")
+    p.add_argument("--warps", nargs="*", type=int, default=[], help="also time the kernels at these warps")
+    p.add_argument("--fp8-blocks", nargs="*", type=int, default=[],
+                   help="also time FP8's kernel at these positions an iteration (x each of --warps, if any)")
     args = p.parse_args()
     print("| pool | batch x context | us/layer | step ms (32 layers) | pool MB read | pool floor us | % of floor | "
           "bf16 MB | bf16 floor us | bf16 floor / ours | max error / max of the torch path |")
@@ -111,8 +118,14 @@ def main() -> None:
         bs, n = (int(x) for x in shape.split("x"))
         for label in args.methods:
             print(_row(label, bs, n), flush=True)
-            for w in args.warps if label != "fp8_kv" else []:
-                print(_row(label, bs, n, w), flush=True)
+            if label == "fp8_kv":
+                for b in args.fp8_blocks or [None]:
+                    for w in args.warps or [None]:
+                        if b is not None or w is not None:
+                            print(_row(label, bs, n, w, b), flush=True)
+            else:
+                for w in args.warps:
+                    print(_row(label, bs, n, w), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ program walks its share of the row's ``seq_lens`` tokens (a graph captured at fu
 past a row's real length), keeps the online-softmax state of the group's query heads, and the splits
 are merged in torch. The key scale multiplies the logits (``q . (s_k c) = s_k (q . c)``: one multiply
 per token and query head, not one per element); the value scale multiplies the probabilities. On the GPU
-both dots take the raw codes in the model dtype on the tensor cores (E4M3 is exact in bf16 and fp16),
-accumulating in fp32.
+both dots take the raw codes on the tensor cores (E4M3 is exact in bf16 and fp16), accumulating in fp32: the
+keys' in fp16 against the queries in fp16 (the hardware converts E4M3 pairs straight to fp16: one instruction a
+pair, where bf16 takes a second; queries past fp16's 65,504 would overflow, far beyond an LLM's), the values' in
+the model dtype against the probabilities times the value scales (which can sit below fp16's normal range).
 
 On the GPU the codes are converted by the hardware (a bitcast to ``float8e4nv``); under
 ``TRITON_INTERPRET=1``, which has no fp8 types, E4M3 is decoded from its bits by arithmetic (sign, 4-bit
@@ -86,6 +88,15 @@ def _decode_codes(b, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _codes16(b, NATIVE: tl.constexpr):
+    """E4M3 bits -> fp16 on the GPU (exact; one conversion a pair, none through fp32), fp32 under the interpreter."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        return _e4m3(b)
+
+
+@triton.jit
 def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l,
                    ws_acc, stride_qb, stride_qh, stride_cs, stride_ch, stride_ss, stride_r2t, scale,
                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
@@ -94,6 +105,7 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
     d = tl.arange(0, D)
     qv = group_queries(q, i, h, stride_qb, stride_qh, G, GP, D)
+    qk = qv.to(tl.float16) if NATIVE else qv  # E4M3 is exact in fp16: the hardware converts pairs straight to it
     qv = qv.to(q.dtype.element_ty) if NATIVE else qv  # the model dtype (E4M3 is exact in bf16 and fp16)
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
@@ -110,7 +122,7 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
         # GPU, the key scale on the logits and the value scale on the probabilities, fp32 accumulation. The
         # first version decoded to fp32 and scaled every value element (TF32 dots): 976 us a layer at 6 x 130K
         # on the H200, 39% of its HBM floor (benchmarks/quant_decode.py, 2026-12-03).
-        s = tl.dot(qv, tl.trans(_decode_codes(kc, NATIVE).to(qv.dtype))) * (ks * scale)[None, :]
+        s = tl.dot(qk, tl.trans(_codes16(kc, NATIVE))) * (ks * scale)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = online_step_weighted(m, den, acc, s, _decode_codes(vc, NATIVE).to(qv.dtype), vs)
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D)
@@ -118,10 +130,13 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
 
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                      v_scale: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, splits: int | None = None, block: int | None = None,
+                     warps: int | None = None) -> torch.Tensor:
     """:func:`decode_attention_torch` as one Triton kernel over the batch, then the splits' merge.
     Codes uint8; no host sync (fixed shapes, loop bounds from ``seq_lens`` on the device). ``splits``:
-    :func:`decode_splits` of the batch and the rows' width by default (static shapes, CUDA-graph safe)."""
+    :func:`decode_splits` of the batch and the rows' width by default (static shapes, CUDA-graph safe);
+    ``block`` (positions an iteration, default 64 on the GPU) and ``warps`` (default 4): for timing other
+    choices (``benchmarks/quant_decode.py --fp8-blocks``)."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -136,9 +151,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0),
-        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=64 if q.is_cuda else 16,
-        NSPLIT=splits,
-        NATIVE=q.is_cuda)
+        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=block or (64 if q.is_cuda else 16),
+        NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 4)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
