@@ -11,7 +11,8 @@ Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,0
 captured for the context length does). ``step ms`` is 32 layers of it: the attention part of a decode step.
 Pool contents are random codes with small scales: timing does not depend on them. ``--warps``: also time
 the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
-choice), one row each; ``--fp8-blocks``: FP8's at these positions an iteration (x each of ``--warps``).
+choice), one row each; ``--fp8-blocks`` / ``--kivi-pages``: FP8's kernel at these positions an iteration, KIVI's
+at these pages (x each of ``--warps``).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
 value.
@@ -55,7 +56,8 @@ def _fill(store: object) -> None:
 
 
 def _decode(label: str, store: Any, warps: int | None, block: int | None = None) -> Callable[..., torch.Tensor]:
-    """The store's CUDA decode, or its kernel called with ``warps`` (and, for FP8, ``block``)."""
+    """The store's CUDA decode, or its kernel called with ``warps`` and ``block`` (FP8: positions an iteration,
+    KIVI: pages an iteration)."""
     if warps is None and block is None:
         return store.decode
     if label == "fp8_kv":
@@ -64,7 +66,7 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None)
             block=block, warps=warps)
     if label.startswith("kivi"):
         return lambda layer, q, *rest: kivi_attention.decode_attention(q, *store._buffers(layer), *rest, store.bits,
-                                                                        store.group, warps=warps)
+                                                                        store.group, warps=warps, pages=block)
     return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, warps=warps)
 
 
@@ -98,7 +100,8 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
     if warps is not None or block is not None:
-        label = f"{label} ({', '.join(x for x in (block and f'{block} positions', warps and f'{warps} warps') if x)})"
+        unit = "pages" if label.startswith("kivi") else "positions"
+        label = f"{label} ({', '.join(x for x in (block and f'{block} {unit}', warps and f'{warps} warps') if x)})"
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
 
@@ -110,6 +113,8 @@ def main() -> None:
     p.add_argument("--warps", nargs="*", type=int, default=[], help="also time the kernels at these warps")
     p.add_argument("--fp8-blocks", nargs="*", type=int, default=[],
                    help="also time FP8's kernel at these positions an iteration (x each of --warps, if any)")
+    p.add_argument("--kivi-pages", nargs="*", type=int, default=[],
+                   help="also time KIVI's kernel at these pages an iteration (x each of --warps, if any)")
     args = p.parse_args()
     print("| pool | batch x context | us/layer | step ms (32 layers) | pool MB read | pool floor us | % of floor | "
           "bf16 MB | bf16 floor us | bf16 floor / ours | max error / max of the torch path |")
@@ -118,8 +123,8 @@ def main() -> None:
         bs, n = (int(x) for x in shape.split("x"))
         for label in args.methods:
             print(_row(label, bs, n), flush=True)
-            if label == "fp8_kv":
-                for b in args.fp8_blocks or [None]:
+            if label == "fp8_kv" or label.startswith("kivi"):
+                for b in (args.fp8_blocks if label == "fp8_kv" else args.kivi_pages) or [None]:
                     for w in args.warps or [None]:
                         if b is not None or w is not None:
                             print(_row(label, bs, n, w, b), flush=True)

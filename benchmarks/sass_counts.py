@@ -97,16 +97,18 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--page", type=int, default=32, help="KIVI's page (group) size")
+    p.add_argument("--pages", type=int, help="KIVI's pages an iteration (default: its decode_attention's)")
     a = p.parse_args()
     d, g = a.head_dim, a.group
     gp = a.gp or triton.next_power_of_2(g)
     print("| kernel | registers | stack | instructions / element | by kind |")
     print("| --- | --- | --- | --- | --- |")
-    ppi = max(1, 16 // a.page)
+    ppi = max(1, 16 // a.page, a.pages or (kivi_attention.PAGES if a.page >= 16 else 1))
     for bits in (4, 2):
-        consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True)
+        stack = ppi > 1 and a.page >= 16
+        consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True, STACK=stack)
         count(f"kivi{bits}", kivi_attention._decode_kernel, KIVI_ARGS, consts,
-              a.warps or max(2, ppi * a.page // 16), ppi * a.page * d * 2)
+              a.warps or (4 if stack else max(2, ppi * a.page // 16)), ppi * a.page * d * 2)
     for bits, qjl in ((4, False), (3, False), (2, False), (4, True)):
         lane = 4 if bits == 3 else bits
         consts = dict(HKV=8, G=g, GP=gp, D=d, LANE=lane, BITS=bits, NLEV=2**bits, QJL=qjl, BLOCK=32, NSPLIT=64)

@@ -85,9 +85,13 @@ def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int) -> Non
     for i, (k, v) in enumerate(kv):
         by_hand = _attend(q[i], *_kivi_by_hand(k, v, bits, gs), scale)
         torch.testing.assert_close(want[i], by_hand, atol=1e-4, rtol=1e-4)
-    # The default splits (16: most of them past these rows' ends, empty), 3, and 1.
-    for splits in (None, 3, 1):
-        got = kivi_attention.decode_attention(q, *store._buffers(0), r2t, rpi, seq, scale, bits, gs, splits=splits)
+    # The default splits (16: most of them past these rows' ends, empty), 3, and 1; pages of 16 or more also
+    # 2 and 4 an iteration (their key scales stacked, kivi_attention._logits_stacked).
+    for splits, pages in ((None, None), (3, None), (1, None), (3, 2), (None, 4), (1, 4)):
+        if pages and gs < 16:
+            continue
+        got = kivi_attention.decode_attention(q, *store._buffers(0), r2t, rpi, seq, scale, bits, gs, splits=splits,
+                                              pages=pages)
         # 5e-4: the kernel's value dot carries fp16's offset of 1024 (chunks.chunks_16) and cancels it after the
         # fp32 sum, ~7 bits of fp32 fewer than the torch path's dequantize-then-attend
         torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)

@@ -80,6 +80,10 @@ from sgl_sparse.kernels.splits import (
     workspace_span,
 )
 
+# Decode: whole pages an iteration where a page has >= 16 slots; 2 or more stack their key scales
+# (_logits_stacked: 7.3 SASS instructions an element at 4 pages of 32 against 7.7 at 1, but 255 registers a thread
+# against 160). 1 until benchmarks/quant_decode.py --kivi-pages has timed them on a GPU.
+PAGES = 1
 WS_TOKENS = 1 << 18  # prefix tokens dequantized per pass (K and V: 1 GB at 8 KV heads x 128 in bf16)
 DEQUANT_BLOCK = 64
 
@@ -192,6 +196,33 @@ def _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_c
 
 
 @triton.jit
+def _logits_stacked(qs, k_codes, k_scale, k_zero, slot, first, h, ok, pok, stride_cs, stride_ch, stride_ksp,
+                    stride_ksh, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+                    BITS: tl.constexpr, PPI: tl.constexpr, NATIVE: tl.constexpr):
+    """:func:`_logits` over ``PPI`` whole pages at once (``BLOCK = PPI * GS`` positions; ``first``: each page's first
+    slot, ``pok``: which pages are the program's). Each page needs the query times its own key scale, so the ``PPI``
+    folded queries are stacked as the rows of one tile (``[PPI * GP, W]``: 16 rows for 4 pages of a group of 4, which
+    the tensor cores pad a group's 4 rows to anyway) against the block's keys; each position then takes the row of
+    its own page (a masked sum over the stack), with its page's constant (``q . kz - OFFSET * sum(q')``)."""
+    W: tl.constexpr = D * BITS // 8
+    j = tl.arange(0, W)
+    kc = chunks_16(code_tile(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W), BITS, False, NATIVE)
+    page = first // GS
+    s = tl.zeros([PPI * GP, BLOCK], tl.float32)
+    qkz = tl.zeros([PPI, GP], tl.float32)
+    for c in tl.static_range(8 // BITS):
+        kso = page[:, None] * stride_ksp + h * stride_ksh + c * W + j[None, :]
+        ks = tl.load(k_scale + kso, mask=pok[:, None], other=0.0).to(tl.float32) * chunk_unit(c, BITS, False)
+        kz = tl.load(k_zero + kso, mask=pok[:, None], other=0.0).to(tl.float32)
+        qb = (qs[c][None, :, :] * ks[:, None, :]).to(kc[c].dtype)  # [PPI, GP, W]
+        s += dot_nt(tl.reshape(qb, (PPI * GP, W)), kc[c])
+        qkz += tl.sum(qs[c][None, :, :] * kz[:, None, :], 2) - chunk_offset(False) * tl.sum(qb.to(tl.float32), 2)
+    s3 = tl.reshape(s, (PPI, GP, BLOCK)) + qkz[:, :, None]
+    mine = tl.arange(0, PPI)[:, None, None] == (tl.arange(0, BLOCK) // GS)[None, None, :]
+    return tl.sum(tl.where(mine, s3, 0.0), 0)
+
+
+@triton.jit
 def _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss, stride_vsh,
             BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, NATIVE: tl.constexpr):
     """The output pieces ``acc`` (``D / U`` pieces ``[GP, U]``, ``U = min(W, GS)``: each piece one chunk's channels
@@ -247,7 +278,7 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                    stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
                    scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr, NSPLIT: tl.constexpr,
-                   NATIVE: tl.constexpr):
+                   NATIVE: tl.constexpr, STACK: tl.constexpr):
     """Program (request x KV head, split): its share of the row's whole pages, ``PPI`` pages an iteration (one
     unless a page is under ``tl.dot``'s 16 rows), then, in the last split, the row's open page (the residual).
     The server's page size is ``GS`` (``KIVIStore._check``), so a row's page ``p`` is the ``GS`` contiguous
@@ -273,18 +304,27 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
     den = tl.zeros([GP], tl.float32)
     acc = zero_pieces(GP, D, U)
     for pg in range(lo, hi, PPI):
-        if PPI == 1:
-            slot0 = tl.load(row_ptr + pg * GS).to(tl.int64)
-            page = slot0 // GS
-            ok = o < BLOCK
-            slot = slot0 + o
-        else:  # pages under 16 slots: several a block, each position's page scale gathered (GS-fold, GS <= 8)
-            pp = pg + o // GS
-            ok = pp < hi
-            page = 0  # unused: each position's page is its slot's
-            slot = tl.load(row_ptr + pp * GS, mask=ok, other=0).to(tl.int64) + o % GS
-        s = _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_ch, stride_ksp,
-                    stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE)
+        if STACK:  # whole pages of >= 16 slots, PPI of them: one slot read a page, the key scales per page
+            pi = pg + tl.arange(0, PPI)
+            pok = pi < hi
+            first = tl.load(row_ptr + pi * GS, mask=pok, other=0).to(tl.int64)
+            slot = tl.reshape(first[:, None] + tl.arange(0, GS)[None, :], (BLOCK,))
+            ok = (pg + o // GS) < hi
+            s = _logits_stacked(qs, k_codes, k_scale, k_zero, slot, first, h, ok, pok, stride_cs, stride_ch,
+                                stride_ksp, stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE)
+        else:
+            if PPI == 1:
+                slot0 = tl.load(row_ptr + pg * GS).to(tl.int64)
+                page = slot0 // GS
+                ok = o < BLOCK
+                slot = slot0 + o
+            else:  # pages under 16 slots: several a block, each position's page scale gathered (GS-fold, GS <= 8)
+                pp = pg + o // GS
+                ok = pp < hi
+                page = 0  # unused: each position's page is its slot's
+                slot = tl.load(row_ptr + pp * GS, mask=ok, other=0).to(tl.int64) + o % GS
+            s = _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_ch, stride_ksp,
+                        stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE)
         m, den, p, alpha = softmax_step(m, den, tl.where(ok[None, :], s, float("-inf")))
         acc = _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
                       stride_vsh, BLOCK, D, GS, BITS, NATIVE)
@@ -299,12 +339,13 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
                      k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
                      res_v: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, bits: int, group: int,
-                     splits: int | None = None, warps: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, warps: int | None = None, pages: int | None = None) -> torch.Tensor:
     """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
     ``seq_lens`` on the device; grid and ``splits`` from static shapes, :func:`decode_splits` by default).
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
     the kernel reads a page as the ``group`` slots following its first. ``warps``: the kernel's warps (by
-    default from the block, see below), for timing other choices."""
+    default from the block, see below); ``pages``: pages an iteration (a power of two; by default
+    :data:`PAGES` for pages of 16 slots or more, else enough for 16 positions); both for timing other choices."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -320,7 +361,10 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     if splits is None:
         splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
-    ppi = max(1, 16 // group)  # p @ V reduces over the block's positions: tl.dot needs 16 of them on a GPU
+    # p @ V reduces over the block's positions: tl.dot needs 16 of them on a GPU. Pages of 16 or more: stacked
+    # (_logits_stacked) from 2 on.
+    ppi = max(1, 16 // group, pages or (PAGES if group >= 16 else 1))
+    assert ppi & (ppi - 1) == 0, "pages an iteration: a power of two"
     block = ppi * group
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
@@ -331,10 +375,13 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         # pads a dot's rows to the tensor cores' 16 itself): every per-page op on the query side (the key scale's
         # fold, the softmax, the rescale) scales with these rows.
         GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits, NATIVE=q.is_cuda,
+        STACK=group >= 16 and ppi > 1,
         # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
-        # other's decode: twice the instructions per element in the compiled code for sm_90); 4 and 8 for 64- and
-        # 128-slot pages. Two stages: the next page's slot and codes can be in flight while this one is computed.
-        num_warps=warps or max(2, block // 16), num_stages=2)
+        # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 4
+        # (7.3 instructions an element at 4 pages of 32, against 11.1 at 8 warps, benchmarks/sass_counts.py); 4 and 8
+        # for single 64- and 128-slot pages. Two stages: the next page's slot and codes can be in flight while this
+        # one is computed.
+        num_warps=warps or (4 if group >= 16 and ppi > 1 else max(2, block // 16)), num_stages=2)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
