@@ -148,7 +148,7 @@ fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a qua
 quantdecode)  # decode attention over the quantized pools, one layer in a CUDA graph (benchmarks/quant_decode.py), no server
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/quantdecode.txt python3 benchmarks/quant_decode.py \
-      --warps ${QUANT_WARPS:-2 4 8}
+      --warps ${QUANT_WARPS:-2 4 8} ${QUANT_ARGS:-}  # QUANT_ARGS: e.g. --shapes 6x130000 --kivi-pages 2 4
   ;;
 selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.py), no server
   install
