@@ -108,7 +108,7 @@ def main() -> None:
         stack = ppi > 1 and a.page >= 16
         consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True, STACK=stack)
         count(f"kivi{bits}", kivi_attention._decode_kernel, KIVI_ARGS, consts,
-              a.warps or (4 if stack else max(2, ppi * a.page // 16)), ppi * a.page * d * 2)
+              a.warps or max(2, ppi * a.page // 16 if not stack else 2), ppi * a.page * d * 2)
     for bits, qjl in ((4, False), (3, False), (2, False), (4, True)):
         lane = 4 if bits == 3 else bits
         consts = dict(HKV=8, G=g, GP=gp, D=d, LANE=lane, BITS=bits, NLEV=2**bits, QJL=qjl, BLOCK=32, NSPLIT=64)

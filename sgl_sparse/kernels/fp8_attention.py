@@ -135,7 +135,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     """:func:`decode_attention_torch` as one Triton kernel over the batch, then the splits' merge.
     Codes uint8; no host sync (fixed shapes, loop bounds from ``seq_lens`` on the device). ``splits``:
     :func:`decode_splits` of the batch and the rows' width by default (static shapes, CUDA-graph safe);
-    ``block`` (positions an iteration, default 64 on the GPU) and ``warps`` (default 4): for timing other
+    ``block`` (positions an iteration, default 128 on the GPU) and ``warps`` (default 2): for timing other
     choices (``benchmarks/quant_decode.py --fp8-blocks``)."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
@@ -151,8 +151,11 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0),
-        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=block or (64 if q.is_cuda else 16),
-        NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 4)
+        # 128 positions an iteration and 2 warps on the GPU: timed on the H200 (benchmarks/quant_decode.py
+        # --fp8-blocks, 2026-12-03, per layer at 6 x 130K): 686 us, against 811 at 64 and 4 warps (the earlier
+        # default), 777 at 128 and 4, 691 at 64 and 2, 1,244 at 1 warp, 2,816 at 256 positions.
+        scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=block or (128 if q.is_cuda else 16),
+        NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 2)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 

@@ -81,9 +81,10 @@ from sgl_sparse.kernels.splits import (
 )
 
 # Decode: whole pages an iteration where a page has >= 16 slots; 2 or more stack their key scales
-# (_logits_stacked: 7.3 SASS instructions an element at 4 pages of 32 against 7.7 at 1, but 255 registers a thread
-# against 160). 1 until benchmarks/quant_decode.py --kivi-pages has timed them on a GPU.
-PAGES = 1
+# (_logits_stacked). Timed on the H200 (benchmarks/quant_decode.py --kivi-pages, 2026-12-03, per layer at 6 x 130K,
+# KIVI-4 / KIVI-2): 1 page 1,255 / 1,007 us; 2 pages 1,129 / 1,661; 4 pages 1,024 / 887; 8 pages 1,360 / 1,145, all
+# at 2 warps (4 warps slower in every case, 1 warp faster only for KIVI-2 at 4 pages: 860).
+PAGES = 4
 WS_TOKENS = 1 << 18  # prefix tokens dequantized per pass (K and V: 1 GB at 8 KV heads x 128 in bf16)
 DEQUANT_BLOCK = 64
 
@@ -377,11 +378,10 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits, NATIVE=q.is_cuda,
         STACK=group >= 16 and ppi > 1,
         # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
-        # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 4
-        # (7.3 instructions an element at 4 pages of 32, against 11.1 at 8 warps, benchmarks/sass_counts.py); 4 and 8
-        # for single 64- and 128-slot pages. Two stages: the next page's slot and codes can be in flight while this
-        # one is computed.
-        num_warps=warps or (4 if group >= 16 and ppi > 1 else max(2, block // 16)), num_stages=2)
+        # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 2 too
+        # (timed, see PAGES: 4 warps were slower at 2 and 4 pages); 4 and 8 for single 64- and 128-slot pages. Two
+        # stages: the next page's slot and codes can be in flight while this one is computed.
+        num_warps=warps or (2 if group >= 16 and ppi > 1 else max(2, block // 16)), num_stages=2)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
