@@ -30,8 +30,8 @@ History (``benchmarks/quant_decode.py`` on the H200, per layer at 6 x 130K, Llam
 HBM floors of 232 us at 4 bits and 139 at 2, and bf16's 743 us, which reads twice KIVI-4's bytes): a bit-plane
 layout (``bits`` planes of ``D / 8`` bytes) took 3,340 and 2,725 us, ALU-bound at ~4 integer ops per bit and
 element plus a reshape a page; chunk-major codes taken as fp32 (an AND and a float add an element, TF32 dots)
-1,691 and 1,027 us; the 16-bit codes above 1,255 and 1,001 us (2026-12-03, tenth session), equal to the torch
-path within rounding. ``benchmarks/sass_counts.py`` (compiled for sm_90 without a GPU): 7.7 SASS instructions an
+1,691 and 1,027 us; the 16-bit codes above 1,255 and 1,001 us, and 1,024 and 887 with 4 pages an iteration
+(2026-12-03, tenth session), equal to the torch path within rounding. ``benchmarks/sass_counts.py`` (compiled for sm_90 without a GPU): 7.7 SASS instructions an
 element in the loop, of which unpacking is now ~1; the rest is the per-page cost of tiles of 4 query rows x 32
 positions (shared-memory layout conversions, index arithmetic, the softmax): still above bf16's floor.
 
