@@ -11,8 +11,8 @@ Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,0
 captured for the context length does). ``step ms`` is 32 layers of it: the attention part of a decode step.
 Pool contents are random codes with small scales: timing does not depend on them. ``--warps``: also time
 the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
-choice), one row each; ``--fp8-blocks`` / ``--kivi-pages``: FP8's kernel at these positions an iteration, KIVI's
-at these pages (x each of ``--warps``).
+choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
+these positions an iteration, KIVI's at these pages (x each of ``--warps``).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
 value.
@@ -67,7 +67,8 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None)
     if label.startswith("kivi"):
         return lambda layer, q, *rest: kivi_attention.decode_attention(q, *store._buffers(layer), *rest, store.bits,
                                                                         store.group, warps=warps, pages=block)
-    return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, warps=warps)
+    return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, block=block,
+                                                                          warps=warps)
 
 
 def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | None = None) -> str:
@@ -115,6 +116,8 @@ def main() -> None:
                    help="also time FP8's kernel at these positions an iteration (x each of --warps, if any)")
     p.add_argument("--kivi-pages", nargs="*", type=int, default=[],
                    help="also time KIVI's kernel at these pages an iteration (x each of --warps, if any)")
+    p.add_argument("--tq-blocks", nargs="*", type=int, default=[],
+                   help="also time TurboQuant's kernel at these positions an iteration (x each of --warps, if any)")
     args = p.parse_args()
     print("| pool | batch x context | us/layer | step ms (32 layers) | pool MB read | pool floor us | % of floor | "
           "bf16 MB | bf16 floor us | bf16 floor / ours | max error / max of the torch path |")
@@ -123,14 +126,11 @@ def main() -> None:
         bs, n = (int(x) for x in shape.split("x"))
         for label in args.methods:
             print(_row(label, bs, n), flush=True)
-            if label == "fp8_kv" or label.startswith("kivi"):
-                for b in (args.fp8_blocks if label == "fp8_kv" else args.kivi_pages) or [None]:
-                    for w in args.warps or [None]:
-                        if b is not None or w is not None:
-                            print(_row(label, bs, n, w, b), flush=True)
-            else:
-                for w in args.warps:
-                    print(_row(label, bs, n, w), flush=True)
+            tiles = {"fp8_kv": args.fp8_blocks, "turboquant": args.tq_blocks}.get(label, args.kivi_pages)
+            for b in tiles or [None]:
+                for w in args.warps or [None]:
+                    if b is not None or w is not None:
+                        print(_row(label, bs, n, w, b), flush=True)
 
 
 if __name__ == "__main__":
