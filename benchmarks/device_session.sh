@@ -20,8 +20,12 @@
 #                                                fp8_kv / kivi (4-bit) / turboquant (4-bit) at 130K x QUANT_BATCH
 #                                                (default 11 / 19 / 22, what their 1.94x / 3.2x / 3.76x pools fit)
 #                                                and x 6, ours only (table130k adds them).
+#   bash benchmarks/device_session.sh vanilla32k | quest32k | omnikv32k | retroinfer32k | table32k
+#                                                32,768 in x 16: vanilla FlashInfer, then each selection method at its
+#                                                default config, one server a step; table32k prints them together.
 #   bash benchmarks/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
-#                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor.
+#                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor
+#                                                (QUANT_WARPS, QUANT_ARGS: tile sweeps, e.g. --kivi-pages 2 4).
 #   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's and OmniKV's selection
 #                                                cost per layer (torch top-k and the Triton select).
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
@@ -129,6 +133,19 @@ quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / Re
       python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" \
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
+  ;;
+vanilla32k|quest32k|omnikv32k|retroinfer32k)  # the selection issue's second shape: 32,768 in x 16, 256 out, one server
+  install                                      # a step (vanilla FlashInfer or ours at the method's default config)
+  m=${1%32k}
+  if [ "$m" = vanilla ]; then only=(--only vanilla); cfg=(--sparse-method dense); else
+    only=(--only sgl_sparse); cfg=(--sparse-method "$m" --sparse-config '{}'); fi
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
+      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 32768 --batch 16 --sparse-batch 16 \
+      --output-len 256 "${only[@]}" "${cfg[@]}" --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
+  ;;
+table32k)
+  python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla32k.json \
+      $(ls /root/bench/{quest32k,omnikv32k,retroinfer32k}.json 2>/dev/null) | tee /root/bench/table32k.txt
   ;;
 fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a quantized pool at 130K: at its
   install  # largest batch and at 6 (ours only). Largest: QUANT_BATCH, default 11 for fp8_kv (1.94x vanilla's pool),
