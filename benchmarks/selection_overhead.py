@@ -1,5 +1,6 @@
 """Selection cost per layer on the GPU, stage by stage (no server), each stage replayed as a CUDA graph (as
-in a decode step), beside the bandwidth floors. Quest (every selecting layer): page scoring, top-k + sort
+in a decode step), beside the bandwidth floors. Quest (every selecting layer): page scoring (the served CUDA-core
+kernel, and the tensor-core form ``score_pages(..., mma=True)`` beside it), top-k + sort
 (torch) or the Triton radix select, slot-list expansion, the decode step's summary update (the general path
 and the in-place decode kernel); against the summaries' and the dense KV's read. OmniKV (each filter layer):
 token scoring (reads the layer's K), top-k + sort or the Triton select.
@@ -32,10 +33,10 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=2048)
     args = p.parse_args()
     k = args.token_budget // PS
-    print("| batch x context | score us | top-k + sort us | Triton select us | expand us | summary update us "
-          "(general / decode kernel) | total us/layer (Triton select, decode update) | summaries read at floor us | "
-          "dense KV read at floor us |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| batch x context | score us | score on the tensor cores us (same selection; max score difference) | "
+          "top-k + sort us | Triton select us | expand us | summary update us (general / decode kernel) | "
+          "total us/layer (Triton select, decode update) | summaries read at floor us | dense KV read at floor us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for shape in args.shapes:
         bs, n = (int(x) for x in shape.split("x"))
         print(_row(bs, n, k))
@@ -85,6 +86,14 @@ def _row(bs: int, n: int, k: int) -> str:
     quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32)
     sel = pages.select_pages(scores, k)
     t_score = graph_us(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32))
+    # The tensor-core form (quest._score_kernel_mma) on the same inputs: its time, whether it selects the same pages,
+    # and its largest difference from the CUDA-core scores (finite entries; sink and recent pages are +inf in both).
+    scores_mma = torch.empty_like(scores)
+    quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores_mma, PS, 4, 32, mma=True)
+    t_mma = graph_us(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores_mma, PS, 4, 32, mma=True))
+    fin = torch.isfinite(scores)
+    same_mma = torch.equal(sel, pages.select_pages(scores_mma, k)) and torch.equal(fin, torch.isfinite(scores_mma))
+    diff = float((scores_mma[fin] - scores[fin]).abs().max()) if fin.any() else 0.0
     t_topk = graph_us(lambda: pages.select_pages(scores, k))
     # As the server calls it: the sequence lengths, one per KV head's row, in pages.
     same = torch.equal(sel, pages.select_pages_triton(scores, k, seq, HKV, PS))
@@ -97,7 +106,8 @@ def _row(bs: int, n: int, k: int) -> str:
     t_sum_dec = graph_us(lambda: quest.update_decode_summaries(kmin, kmax, loc, knew, PS))
     summaries = bs * -(-n // PS) * HKV * D * 2 * 2
     dense = bs * n * HKV * D * 2 * 2
-    return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_tri:.1f} (same lists: {same}) | {t_expand:.1f} | "
+    return (f"| {bs} x {n} | {t_score:.1f} | {t_mma:.1f} (same: {same_mma}; {diff:.1e}) | {t_topk:.1f} | "
+            f"{t_tri:.1f} (same lists: {same}) | {t_expand:.1f} | "
             f"{t_sum:.1f} / {t_sum_dec:.1f} | {t_score + t_tri + t_expand + t_sum_dec:.1f} | "
             f"{summaries / HBM * 1e6:.1f} | {dense / HBM * 1e6:.1f} |")
 

@@ -117,6 +117,10 @@ def test_triton_kernels_match_torch_paths() -> None:
             got = torch.full_like(ref, 7.0)
             quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, t.PS, sink, recent)
             assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+            # the tensor-core form: q+ . max + q- . min, the same bounds
+            mma = torch.full_like(ref, 7.0)
+            quest.score_pages(q, kmin, kmax, r2t, rpi, seq, mma, t.PS, sink, recent, mma=True)
+            assert torch.allclose(mma, ref, atol=1e-5), (mma - ref).abs().max()
             sel = pages.select_pages(got, num_sel)
             lens = pages.selected_lens(seq.long(), t.PS, num_sel).repeat_interleave(t.HKV)
             indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)

@@ -130,11 +130,59 @@ def _score_kernel(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, score
         tl.store(out_row + offs_p, tl.full((BLOCK_P,), float("-inf"), tl.float32), mask=offs_p < max_pages)
 
 
+@triton.jit
+def _score_kernel_mma(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, scores, max_pages, sink_pages,
+                      recent_pages, stride_r2t: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+                      GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
+                      NPROG: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`_score_kernel` as two dots on the tensor cores. Since ``min <= max``, ``max(q min, q max)`` is ``q
+    max`` where ``q >= 0`` and ``q min`` elsewhere, so a page's bound is ``q+ . max + q- . min`` (``q+`` and ``q-``
+    the query's positive and negative parts): the group's queries ``[GP, D]`` against the block's summaries
+    ``[BLOCK_P, D]`` in their own dtype (exact products, fp32 sums; ``IEEE``: fp32 summaries without TF32), then the
+    max over the group's rows. The per-element work of the CUDA-core kernel (two multiplies, a max and an add per
+    query head) goes; the summaries' read is what is left."""
+    rh = tl.program_id(0)
+    pid = tl.program_id(1)
+    i = rh // HKV
+    h = rh % HKV
+    n = tl.load(seq_lens + i)
+    npages = (n + PAGE - 1) // PAGE
+    nblk = (npages + BLOCK_P - 1) // BLOCK_P
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    out_row = scores + rh.to(tl.int64) * max_pages
+    offs_d = tl.arange(0, D)
+    gi = tl.arange(0, GP)
+    qg = tl.load(q + (i * HKV * GROUP + h * GROUP + gi).to(tl.int64)[:, None] * D + offs_d[None, :],
+                 mask=(gi < GROUP)[:, None], other=0.0)
+    qpos = tl.maximum(qg, 0.0).to(kmin.dtype.element_ty)
+    qneg = tl.minimum(qg, 0.0).to(kmin.dtype.element_ty)
+    for blk in range(pid, nblk, NPROG):
+        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+        valid = offs_p < npages
+        slot = tl.load(req_to_token + row * stride_r2t + offs_p * PAGE, mask=valid, other=0).to(tl.int64)
+        base = ((slot // PAGE) * HKV + h)[:, None] * D + offs_d[None, :]
+        lo = tl.load(kmin + base, mask=valid[:, None], other=0.0)
+        hi = tl.load(kmax + base, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(qpos, tl.trans(hi), input_precision="ieee") + tl.dot(qneg, tl.trans(lo), input_precision="ieee")
+        else:
+            s = tl.dot(qpos, tl.trans(hi)) + tl.dot(qneg, tl.trans(lo))
+        best = tl.max(tl.where((gi < GROUP)[:, None], s, float("-inf")), 0)
+        forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
+        best = tl.where(forced, float("inf"), best)
+        best = tl.where(valid, best, float("-inf"))
+        tl.store(out_row + offs_p, best, mask=offs_p < max_pages)
+    for blk in range(nblk + pid, (max_pages + BLOCK_P - 1) // BLOCK_P, NPROG):
+        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+        tl.store(out_row + offs_p, tl.full((BLOCK_P,), float("-inf"), tl.float32), mask=offs_p < max_pages)
+
+
 def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor, page_size: int,
-                sink_pages: int, recent_pages: int) -> torch.Tensor:
+                sink_pages: int, recent_pages: int, mma: bool = False) -> torch.Tensor:
     """Page scores ``[bs * Hkv, max_pages]`` (fp32, written into ``scores``) of a decode batch: ``q``
-    ``[bs, Hq, D]``, ``seq_lens`` ``[bs]`` including this step's token."""
+    ``[bs, Hq, D]``, ``seq_lens`` ``[bs]`` including this step's token. ``mma``: the tensor-core kernel
+    (:func:`_score_kernel_mma`; same bounds, summed in another order), off until timed and tested on a GPU."""
     bs, hq, d = q.shape
     hkv = kmin.shape[1]
     max_pages = scores.shape[1]
@@ -142,6 +190,16 @@ def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_
         return scores[:0]
     want = triton.next_power_of_2(max(1, -(-TARGET_PROGRAMS // (bs * hkv))))
     nprog = min(max(MIN_PROGRAMS_PER_ROW, min(PROGRAMS_PER_ROW, want)), triton.cdiv(max_pages, BLOCK_PAGES))
+    if mma:
+        # The dot's rows: the group padded to 16 (tl.dot's minimum); under the interpreter, which has no 16-bit
+        # float dots, in fp32.
+        sums = kmin if q.is_cuda else kmin.float()
+        _score_kernel_mma[(bs * hkv, nprog)](
+            q.contiguous(), sums, kmax if q.is_cuda else kmax.float(), req_to_token, req_pool_indices, seq_lens,
+            scores, max_pages, sink_pages, recent_pages, req_to_token.stride(0), HKV=hkv, GROUP=hq // hkv,
+            GP=max(16, triton.next_power_of_2(hq // hkv)), D=d, PAGE=page_size, BLOCK_P=BLOCK_PAGES, NPROG=nprog,
+            IEEE=sums.dtype == torch.float32)
+        return scores[: bs * hkv]
     _score_kernel[(bs * hkv, nprog)](q.contiguous(), kmin, kmax, req_to_token, req_pool_indices, seq_lens, scores,
                                      max_pages, sink_pages, recent_pages, req_to_token.stride(0), HKV=hkv,
                                      GROUP=hq // hkv, D=d, PAGE=page_size, BLOCK_P=BLOCK_PAGES, NPROG=nprog)

@@ -62,6 +62,12 @@ def test_quest_kernels_at_a_serving_shape_match_torch_and_do_not_sync() -> None:
     finite = ref.isfinite()
     assert torch.equal(finite, got.isfinite()) and torch.equal(ref[~finite], got[~finite])
     assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-2)
+    # The tensor-core form (q+ . max + q- . min): the same bounds, without a sync.
+    mma = torch.empty_like(got)
+    with sync_debug("error"):
+        quest.score_pages(q, kmin, kmax, r2t, rpi, seq, mma, ps, 4, 32, mma=True)
+    assert torch.equal(finite, mma.isfinite()) and torch.equal(ref[~finite], mma[~finite])
+    assert torch.allclose(mma[finite], ref[finite], rtol=1e-3, atol=1e-2)
     lens_rows = pages.selected_lens(seq, ps, 128).repeat_interleave(hkv).to(torch.int32)
     indptr = torch.zeros(lens_rows.numel() + 1, dtype=torch.int32, device=DEV)
     indptr[1:] = torch.cumsum(lens_rows, 0)
