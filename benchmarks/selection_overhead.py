@@ -3,7 +3,7 @@ in a decode step), beside the bandwidth floors. Quest (every selecting layer): p
 kernel, and the tensor-core form ``score_pages(..., mma=True)`` beside it), top-k + sort
 (torch) or the Triton radix select, slot-list expansion, the decode step's summary update (the general path
 and the in-place decode kernel); against the summaries' and the dense KV's read. OmniKV (each filter layer):
-token scoring (reads the layer's K), top-k + sort or the Triton select.
+token scoring (reads the layer's K; also its tensor-core form), top-k + sort or the Triton select.
 
     python benchmarks/selection_overhead.py [--shapes 1x130000 5x130000 6x130000 16x32768] [--token-budget 2048]
 
@@ -41,8 +41,9 @@ def main() -> None:
         bs, n = (int(x) for x in shape.split("x"))
         print(_row(bs, n, k))
     print("\nOmniKV, per filter layer:\n")
-    print("| batch x context | token scores us | top-k + sort us | Triton select us | K read at floor us |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| batch x context | token scores us | on the tensor cores us (same selection) | top-k + sort us | "
+          "Triton select us | K read at floor us |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for shape in args.shapes:
         bs, n = (int(x) for x in shape.split("x"))
         print(_omnikv_row(bs, n, args.token_budget))
@@ -59,11 +60,15 @@ def _omnikv_row(bs: int, n: int, budget: int) -> str:
     scores = torch.full((bs, WIDTH), float("-inf"), device=dev)
     omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512)
     t_score = graph_us(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512))
+    scores_mma = torch.full_like(scores, float("-inf"))
+    omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores_mma, 64, 512, mma=True)
+    t_mma = graph_us(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores_mma, 64, 512, mma=True))
+    same_mma = torch.equal(pages.select_pages(scores, budget), pages.select_pages(scores_mma, budget))
     t_topk = graph_us(lambda: pages.select_pages(scores, budget))
     t_tri = graph_us(lambda: pages.select_pages_triton(scores, budget, seq))
     same = torch.equal(pages.select_pages(scores, budget), pages.select_pages_triton(scores, budget, seq))
-    return (f"| {bs} x {n} | {t_score:.1f} | {t_topk:.1f} | {t_tri:.1f} (same lists: {same}) | "
-            f"{bs * n * HKV * D * 2 / HBM * 1e6:.1f} |")
+    return (f"| {bs} x {n} | {t_score:.1f} | {t_mma:.1f} (same: {same_mma}) | {t_topk:.1f} | "
+            f"{t_tri:.1f} (same lists: {same}) | {bs * n * HKV * D * 2 / HBM * 1e6:.1f} |")
 
 
 def _row(bs: int, n: int, k: int) -> str:

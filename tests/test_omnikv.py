@@ -110,6 +110,9 @@ def test_triton_scores_match_torch() -> None:
             got = torch.full_like(ref, float("-inf"))
             omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, sink, recent)
             assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+            mma = torch.full_like(ref, float("-inf"))   # the tensor-core form
+            omnikv.score_tokens(q, k_cache, r2t, rpi, seq, mma, sink, recent, mma=True)
+            assert torch.allclose(mma, ref, atol=1e-5), (mma - ref).abs().max()
         print("ok")
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,9 +31,10 @@ HBM floors of 232 us at 4 bits and 139 at 2, and bf16's 743 us, which reads twic
 layout (``bits`` planes of ``D / 8`` bytes) took 3,340 and 2,725 us, ALU-bound at ~4 integer ops per bit and
 element plus a reshape a page; chunk-major codes taken as fp32 (an AND and a float add an element, TF32 dots)
 1,691 and 1,027 us; the 16-bit codes above 1,255 and 1,001 us, and 1,024 and 887 with 4 pages an iteration
-(2026-12-03, tenth session), equal to the torch path within rounding. ``benchmarks/sass_counts.py`` (compiled for sm_90 without a GPU): 7.7 SASS instructions an
-element in the loop, of which unpacking is now ~1; the rest is the per-page cost of tiles of 4 query rows x 32
-positions (shared-memory layout conversions, index arithmetic, the softmax): still above bf16's floor.
+(2026-12-03, tenth session), equal to the torch path within rounding. ``benchmarks/sass_counts.py`` (compiled
+for sm_90 without a GPU): 7.7 SASS instructions an element in the loop at 1 page an iteration, 6.4 at 4, of which
+unpacking is ~1; the rest is the per-block cost of tiles of 4 query rows (shared-memory layout conversions, index
+arithmetic, the softmax, a p' for each value piece): still above bf16's floor.
 
 Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
 the model dtype (``[prefix tokens, Hkv, D]`` for K and V, a chunk at a time, at most ``WS_TOKENS`` prefix

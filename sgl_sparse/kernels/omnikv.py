@@ -57,11 +57,49 @@ def _score_tokens_kernel(q, k_cache, req_to_token, req_pool_indices, seq_lens, o
         tl.store(out + i * stride_out + pos, best, mask=m)
 
 
+@triton.jit
+def _score_tokens_kernel_mma(q, k_cache, req_to_token, req_pool_indices, seq_lens, out, stride_qb, stride_qh,
+                             stride_ks, stride_kh, stride_r2t, stride_out, sink, recent, HKV: tl.constexpr,
+                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                             PROGRAMS: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`_score_tokens_kernel` with each KV head's logits as one dot on the tensor cores: the group's queries
+    ``[GP, D]`` (in the cache's dtype: exact products, fp32 sums; ``IEEE``: an fp32 cache without TF32) against the
+    block's keys ``[BLOCK, D]``, then the max over the group's rows. The queries are loaded once a program."""
+    i = tl.program_id(0)
+    p = tl.program_id(1)
+    n = tl.load(seq_lens + i)
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    d = tl.arange(0, D)
+    gi = tl.arange(0, GP)
+    qs = ()
+    for h in tl.static_range(HKV):
+        qh = tl.load(q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + d[None, :], mask=(gi < G)[:, None],
+                     other=0.0)
+        qs = qs + (qh.to(k_cache.dtype.element_ty),)
+    for b in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
+        pos = b * BLOCK + tl.arange(0, BLOCK)
+        m = pos < n
+        slot = tl.load(req_to_token + row * stride_r2t + pos, mask=m, other=0).to(tl.int64)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        for h in tl.static_range(HKV):
+            k = tl.load(k_cache + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=m[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(qs[h], tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(qs[h], tl.trans(k))
+            best = tl.maximum(best, tl.max(tl.where((gi < G)[:, None], s, float("-inf")), 0))
+        forced = (pos < sink) | (pos >= n - recent)
+        best = tl.where(forced, float("inf"), best)
+        tl.store(out + i * stride_out + pos, best, mask=m)
+
+
 def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, sink: int,
-                 recent: int) -> None:
+                 recent: int, mma: bool = False) -> None:
     """``out[i, t]`` (``[bs, W]`` float32) for ``t < seq_lens[i]``; entries past a row's length are not
-    written. ``q`` ``[bs, Hq, D]``, ``k_cache`` ``[slots, Hkv, D]``."""
+    written. ``q`` ``[bs, Hq, D]``, ``k_cache`` ``[slots, Hkv, D]``. ``mma``: the tensor-core kernel
+    (:func:`_score_tokens_kernel_mma`, the same logits summed in another order), off until timed and tested on a
+    GPU."""
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
     if bs == 0:
@@ -69,6 +107,16 @@ def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Ten
     assert d & (d - 1) == 0, "head_dim must be a power of two"
     assert k_cache.stride(2) == 1 and q.stride(2) == 1
     programs = programs_per_row(bs)
+    if mma:
+        # The dot's rows: the group padded to 16 (tl.dot's minimum); under the interpreter, which has no 16-bit
+        # float dots, in fp32.
+        kc = k_cache if q.is_cuda else k_cache.float()
+        _score_tokens_kernel_mma[(bs, programs)](
+            q, kc, req_to_token, req_pool_indices, seq_lens, out, q.stride(0), q.stride(1), kc.stride(0),
+            kc.stride(1), req_to_token.stride(0), out.stride(0), sink, recent, HKV=hkv, G=hq // hkv,
+            GP=max(16, triton.next_power_of_2(hq // hkv)), D=d, BLOCK=BLOCK_TOKENS, PROGRAMS=programs,
+            IEEE=kc.dtype == torch.float32)
+        return
     _score_tokens_kernel[(bs, programs)](
         q, k_cache, req_to_token, req_pool_indices, seq_lens, out, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), req_to_token.stride(0), out.stride(0), sink, recent, HKV=hkv, G=hq // hkv, D=d,

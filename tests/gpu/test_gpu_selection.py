@@ -118,6 +118,11 @@ def test_triton_select_and_omnikv_scores_at_serving_shapes_match_torch_and_do_no
     finite = ref.isfinite()
     assert torch.equal(finite, got.isfinite()) and torch.equal(ref[~finite], got[~finite])
     assert torch.allclose(got[finite], ref[finite], rtol=1e-3, atol=1e-2)
+    mma = torch.full((len(lens), width), float("-inf"), device=DEV)  # the tensor-core form
+    with sync_debug("error"):
+        omnikv.score_tokens(q, k_cache, r2t, rpi, seq, mma, 64, 512, mma=True)
+    assert torch.equal(finite, mma.isfinite()) and torch.equal(ref[~finite], mma[~finite])
+    assert torch.allclose(mma[finite], ref[finite], rtol=1e-3, atol=1e-2)
 
 
 COVERING = {"token_budget": 16384, "sink_tokens": 64, "recent_tokens": 512, "dense_layers": 0}
