@@ -159,19 +159,11 @@ def chunk_unit(c: tl.constexpr, LANE: tl.constexpr, FP16: tl.constexpr):
 
 
 @triton.jit
-def _asm_fp16(b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, LANE: tl.constexpr):
-    h = tl.float16
-    if LANE == 4:
-        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h), True, 4)
-    elif LANE == 2:
-        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h, h, h), True, 4)
+def _asm(b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, LANE: tl.constexpr, FP16: tl.constexpr):
+    if FP16:
+        h = tl.float16
     else:
-        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h, h, h, h, h, h, h), True, 4)
-
-
-@triton.jit
-def _asm_bf16(b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, LANE: tl.constexpr):
-    h = tl.bfloat16
+        h = tl.bfloat16
     if LANE == 4:
         return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [b], (h, h), True, 4)
     elif LANE == 2:
@@ -191,18 +183,18 @@ def chunks_16(b, LANE: tl.constexpr, FP16: tl.constexpr, NATIVE: tl.constexpr):
     if NATIVE:
         if FP16:
             if LANE == 4:
-                return _asm_fp16(b, ASM_FP16_4, CONSTRAINTS_4, 4)
+                return _asm(b, ASM_FP16_4, CONSTRAINTS_4, 4, True)
             elif LANE == 2:
-                return _asm_fp16(b, ASM_FP16_2, CONSTRAINTS_2, 2)
+                return _asm(b, ASM_FP16_2, CONSTRAINTS_2, 2, True)
             else:
-                return _asm_fp16(b, ASM_FP16_1, CONSTRAINTS_1, 1)
+                return _asm(b, ASM_FP16_1, CONSTRAINTS_1, 1, True)
         else:
             if LANE == 4:
-                return _asm_bf16(b, ASM_BF16_4, CONSTRAINTS_4, 4)
+                return _asm(b, ASM_BF16_4, CONSTRAINTS_4, 4, False)
             elif LANE == 2:
-                return _asm_bf16(b, ASM_BF16_2, CONSTRAINTS_2, 2)
+                return _asm(b, ASM_BF16_2, CONSTRAINTS_2, 2, False)
             else:
-                return _asm_bf16(b, ASM_BF16_1, CONSTRAINTS_1, 1)
+                return _asm(b, ASM_BF16_1, CONSTRAINTS_1, 1, False)
     else:
         x = b.to(tl.int32)
         out = ()

@@ -33,6 +33,13 @@ def programs_per_row(bs: int) -> int:
 
 
 @triton.jit
+def _store_scores(out_row, pos, best, n, sink, recent):
+    """A block's scores, sink and recent positions ``+inf`` (always kept); nothing past the row's length."""
+    forced = (pos < sink) | (pos >= n - recent)
+    tl.store(out_row + pos, tl.where(forced, float("inf"), best), mask=pos < n)
+
+
+@triton.jit
 def _score_tokens_kernel(q, k_cache, req_to_token, req_pool_indices, seq_lens, out, stride_qb, stride_qh,
                          stride_ks, stride_kh, stride_r2t, stride_out, sink, recent, HKV: tl.constexpr,
                          G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
@@ -52,9 +59,7 @@ def _score_tokens_kernel(q, k_cache, req_to_token, req_pool_indices, seq_lens, o
             for g in tl.static_range(G):
                 qv = tl.load(q + i * stride_qb + (h * G + g) * stride_qh + d).to(tl.float32)
                 best = tl.maximum(best, tl.sum(k * qv[None, :], 1))
-        forced = (pos < sink) | (pos >= n - recent)
-        best = tl.where(forced, float("inf"), best)
-        tl.store(out + i * stride_out + pos, best, mask=m)
+        _store_scores(out + i * stride_out, pos, best, n, sink, recent)
 
 
 @triton.jit
@@ -88,9 +93,7 @@ def _score_tokens_kernel_mma(q, k_cache, req_to_token, req_pool_indices, seq_len
             else:
                 s = tl.dot(qs[h], tl.trans(k))
             best = tl.maximum(best, tl.max(tl.where((gi < G)[:, None], s, float("-inf")), 0))
-        forced = (pos < sink) | (pos >= n - recent)
-        best = tl.where(forced, float("inf"), best)
-        tl.store(out + i * stride_out + pos, best, mask=m)
+        _store_scores(out + i * stride_out, pos, best, n, sink, recent)
 
 
 def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,

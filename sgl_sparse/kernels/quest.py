@@ -93,6 +93,23 @@ def update_decode_summaries(kmin: torch.Tensor, kmax: torch.Tensor, loc: torch.T
 
 
 @triton.jit
+def _store_block(out_row, offs_p, best, npages, sink_pages, recent_pages, max_pages):
+    """A block's scores: sink and recent pages ``+inf`` (always selected), pages past the row ``-inf``."""
+    forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
+    best = tl.where(forced, float("inf"), best)
+    best = tl.where(offs_p < npages, best, float("-inf"))
+    tl.store(out_row + offs_p, best, mask=offs_p < max_pages)
+
+
+@triton.jit
+def _fill_rest(out_row, nblk, pid, max_pages, BLOCK_P: tl.constexpr, NPROG: tl.constexpr):
+    """``-inf`` over the program's blocks past the row's last page (a row scored at full width)."""
+    for blk in range(nblk + pid, (max_pages + BLOCK_P - 1) // BLOCK_P, NPROG):
+        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+        tl.store(out_row + offs_p, tl.full((BLOCK_P,), float("-inf"), tl.float32), mask=offs_p < max_pages)
+
+
+@triton.jit
 def _score_kernel(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, scores, max_pages, sink_pages,
                   recent_pages, stride_r2t: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, NPROG: tl.constexpr):
@@ -121,13 +138,8 @@ def _score_kernel(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, score
         for g in tl.static_range(GROUP):
             qg = tl.load(q_row + g * D + offs_d).to(tl.float32)
             best = tl.maximum(best, tl.sum(tl.maximum(qg[None, :] * lo, qg[None, :] * hi), axis=1))
-        forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
-        best = tl.where(forced, float("inf"), best)
-        best = tl.where(valid, best, float("-inf"))
-        tl.store(out_row + offs_p, best, mask=offs_p < max_pages)
-    for blk in range(nblk + pid, (max_pages + BLOCK_P - 1) // BLOCK_P, NPROG):
-        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
-        tl.store(out_row + offs_p, tl.full((BLOCK_P,), float("-inf"), tl.float32), mask=offs_p < max_pages)
+        _store_block(out_row, offs_p, best, npages, sink_pages, recent_pages, max_pages)
+    _fill_rest(out_row, nblk, pid, max_pages, BLOCK_P, NPROG)
 
 
 @triton.jit
@@ -168,13 +180,8 @@ def _score_kernel_mma(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, s
         else:
             s = tl.dot(qpos, tl.trans(hi)) + tl.dot(qneg, tl.trans(lo))
         best = tl.max(tl.where((gi < GROUP)[:, None], s, float("-inf")), 0)
-        forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
-        best = tl.where(forced, float("inf"), best)
-        best = tl.where(valid, best, float("-inf"))
-        tl.store(out_row + offs_p, best, mask=offs_p < max_pages)
-    for blk in range(nblk + pid, (max_pages + BLOCK_P - 1) // BLOCK_P, NPROG):
-        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
-        tl.store(out_row + offs_p, tl.full((BLOCK_P,), float("-inf"), tl.float32), mask=offs_p < max_pages)
+        _store_block(out_row, offs_p, best, npages, sink_pages, recent_pages, max_pages)
+    _fill_rest(out_row, nblk, pid, max_pages, BLOCK_P, NPROG)
 
 
 def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_token: torch.Tensor,
