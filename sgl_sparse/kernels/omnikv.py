@@ -33,6 +33,14 @@ def programs_per_row(bs: int) -> int:
 
 
 @triton.jit
+def _block_slots(req_to_token, row, stride_r2t, b, n, BLOCK: tl.constexpr):
+    """Block ``b`` of a row: its positions, which are the row's (``< n``), and their slots."""
+    pos = b * BLOCK + tl.arange(0, BLOCK)
+    m = pos < n
+    return pos, m, tl.load(req_to_token + row * stride_r2t + pos, mask=m, other=0).to(tl.int64)
+
+
+@triton.jit
 def _store_scores(out_row, pos, best, n, sink, recent):
     """A block's scores, sink and recent positions ``+inf`` (always kept); nothing past the row's length."""
     forced = (pos < sink) | (pos >= n - recent)
@@ -49,9 +57,7 @@ def _score_tokens_kernel(q, k_cache, req_to_token, req_pool_indices, seq_lens, o
     row = tl.load(req_pool_indices + i).to(tl.int64)
     d = tl.arange(0, D)
     for b in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
-        pos = b * BLOCK + tl.arange(0, BLOCK)
-        m = pos < n
-        slot = tl.load(req_to_token + row * stride_r2t + pos, mask=m, other=0).to(tl.int64)
+        pos, m, slot = _block_slots(req_to_token, row, stride_r2t, b, n, BLOCK)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         for h in tl.static_range(HKV):
             k = tl.load(k_cache + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=m[:, None],
@@ -82,9 +88,7 @@ def _score_tokens_kernel_mma(q, k_cache, req_to_token, req_pool_indices, seq_len
                      other=0.0)
         qs = qs + (qh.to(k_cache.dtype.element_ty),)
     for b in range(p, tl.cdiv(n, BLOCK), PROGRAMS):
-        pos = b * BLOCK + tl.arange(0, BLOCK)
-        m = pos < n
-        slot = tl.load(req_to_token + row * stride_r2t + pos, mask=m, other=0).to(tl.int64)
+        pos, m, slot = _block_slots(req_to_token, row, stride_r2t, b, n, BLOCK)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         for h in tl.static_range(HKV):
             k = tl.load(k_cache + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=m[:, None], other=0.0)

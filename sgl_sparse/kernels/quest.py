@@ -93,6 +93,19 @@ def update_decode_summaries(kmin: torch.Tensor, kmax: torch.Tensor, loc: torch.T
 
 
 @triton.jit
+def _score_row(seq_lens, req_pool_indices, scores, max_pages, HKV: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_P: tl.constexpr):
+    """A scoring program's row (grid: request x KV head, program): request ``i``, KV head ``h``, program ``pid``,
+    the row's pages and page blocks, its ``req_to_token`` row and its row of ``scores``."""
+    rh = tl.program_id(0)
+    i = rh // HKV
+    npages = (tl.load(seq_lens + i) + PAGE - 1) // PAGE
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    return (i, rh % HKV, tl.program_id(1), npages, (npages + BLOCK_P - 1) // BLOCK_P, row,
+            scores + rh.to(tl.int64) * max_pages)
+
+
+@triton.jit
 def _store_block(out_row, offs_p, best, npages, sink_pages, recent_pages, max_pages):
     """A block's scores: sink and recent pages ``+inf`` (always selected), pages past the row ``-inf``."""
     forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
@@ -116,15 +129,8 @@ def _score_kernel(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, score
     """Grid (request x KV head, NPROG): program ``pid`` scores page blocks ``pid, pid + NPROG, ...`` up to
     the row's page count (a loop bound read from ``seq_lens``: the work follows the real lengths, also
     in a graph captured for the full context), then writes ``-inf`` over its blocks of the rest."""
-    rh = tl.program_id(0)
-    pid = tl.program_id(1)
-    i = rh // HKV
-    h = rh % HKV
-    n = tl.load(seq_lens + i)
-    npages = (n + PAGE - 1) // PAGE
-    nblk = (npages + BLOCK_P - 1) // BLOCK_P
-    row = tl.load(req_pool_indices + i).to(tl.int64)
-    out_row = scores + rh.to(tl.int64) * max_pages
+    i, h, pid, npages, nblk, row, out_row = _score_row(seq_lens, req_pool_indices, scores, max_pages, HKV, PAGE,
+                                                       BLOCK_P)
     offs_d = tl.arange(0, D)
     q_row = q + (i * HKV * GROUP + h * GROUP).to(tl.int64) * D
     for blk in range(pid, nblk, NPROG):
@@ -153,15 +159,8 @@ def _score_kernel_mma(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, s
     ``[BLOCK_P, D]`` in their own dtype (exact products, fp32 sums; ``IEEE``: fp32 summaries without TF32), then the
     max over the group's rows. The per-element work of the CUDA-core kernel (two multiplies, a max and an add per
     query head) goes; the summaries' read is what is left."""
-    rh = tl.program_id(0)
-    pid = tl.program_id(1)
-    i = rh // HKV
-    h = rh % HKV
-    n = tl.load(seq_lens + i)
-    npages = (n + PAGE - 1) // PAGE
-    nblk = (npages + BLOCK_P - 1) // BLOCK_P
-    row = tl.load(req_pool_indices + i).to(tl.int64)
-    out_row = scores + rh.to(tl.int64) * max_pages
+    i, h, pid, npages, nblk, row, out_row = _score_row(seq_lens, req_pool_indices, scores, max_pages, HKV, PAGE,
+                                                       BLOCK_P)
     offs_d = tl.arange(0, D)
     gi = tl.arange(0, GP)
     qg = tl.load(q + (i * HKV * GROUP + h * GROUP + gi).to(tl.int64)[:, None] * D + offs_d[None, :],
