@@ -181,20 +181,12 @@ def chunks_16(b, LANE: tl.constexpr, FP16: tl.constexpr, NATIVE: tl.constexpr):
     (:func:`_packed_asm`: ~0.75 instructions an element at 4 bits, no conversion, no float op); under
     ``TRITON_INTERPRET=1`` (no inline assembly, and no 16-bit float dots) the same values in fp32 by arithmetic."""
     if NATIVE:
-        if FP16:
-            if LANE == 4:
-                return _asm(b, ASM_FP16_4, CONSTRAINTS_4, 4, True)
-            elif LANE == 2:
-                return _asm(b, ASM_FP16_2, CONSTRAINTS_2, 2, True)
-            else:
-                return _asm(b, ASM_FP16_1, CONSTRAINTS_1, 1, True)
+        if LANE == 4:
+            return _asm(b, ASM_FP16_4 if FP16 else ASM_BF16_4, CONSTRAINTS_4, 4, FP16)
+        elif LANE == 2:
+            return _asm(b, ASM_FP16_2 if FP16 else ASM_BF16_2, CONSTRAINTS_2, 2, FP16)
         else:
-            if LANE == 4:
-                return _asm(b, ASM_BF16_4, CONSTRAINTS_4, 4, False)
-            elif LANE == 2:
-                return _asm(b, ASM_BF16_2, CONSTRAINTS_2, 2, False)
-            else:
-                return _asm(b, ASM_BF16_1, CONSTRAINTS_1, 1, False)
+            return _asm(b, ASM_FP16_1 if FP16 else ASM_BF16_1, CONSTRAINTS_1, 1, FP16)
     else:
         x = b.to(tl.int32)
         out = ()
