@@ -365,7 +365,8 @@ def _is_vanilla(r: Result) -> bool:
 def _pairs(results: list[Result]) -> list[tuple[Result, Result]]:
     """(ours, vanilla) pairs: each sgl_sparse row against the vanilla row of its run (the last one before it,
     else the first one after it, as when ``--table-from`` gets ours' file first); without any vanilla row,
-    against the first row."""
+    against the first row, and none for the first row itself (an ``--only sgl_sparse`` run: no table, where it
+    used to compare the run with itself, ratio 1.000)."""
     vanillas = [r for r in results if _is_vanilla(r)]
     pairs, last = [], None
     for r in results:
@@ -373,7 +374,8 @@ def _pairs(results: list[Result]) -> list[tuple[Result, Result]]:
             last = r
             continue
         base = last or next((v for v in vanillas if results.index(v) > results.index(r)), None) or results[0]
-        pairs.append((r, base))
+        if base is not r:
+            pairs.append((r, base))
     if not pairs and len(results) > 1:  # vanilla rows only: each against the first
         pairs = [(r, results[0]) for r in results[1:]]
     return pairs

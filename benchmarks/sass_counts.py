@@ -1,4 +1,5 @@
-"""Instructions per KV element in the decode loops of KIVI's and TurboQuant's Triton kernels, compiled for sm_90
+"""Instructions per KV element in the decode loops of KIVI's and TurboQuant's Triton kernels (and in Quest's and
+OmniKV's scoring loops), compiled for sm_90
 (the H100/H200) without a GPU: Triton's ``compile`` for a ``cuda`` target and the ``cuobjdump`` that Triton ships.
 
     python benchmarks/sass_counts.py [--warps W] [--gp GP] [--head-dim 128] [--group 4] [--page 32]
@@ -27,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sgl_sparse.kernels import kivi_attention, turboquant_attention
+from sgl_sparse.kernels import kivi_attention, omnikv, quest, turboquant_attention
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 KINDS = {
@@ -43,6 +44,11 @@ KIVI_ARGS = dict(q="*bf16", k_codes="*u8", v_codes="*u8", k_scale="*fp16", k_zer
                  seq_lens="*i64", ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32", stride_qb="i32", stride_qh="i32",
                  stride_cs="i32", stride_ch="i32", stride_ksp="i32", stride_ksh="i32", stride_vss="i32",
                  stride_vsh="i32", stride_rr="i32", stride_rt="i32", stride_rh="i32", stride_r2t="i32", scale="fp32")
+QUEST_ARGS = dict(q="*bf16", kmin="*bf16", kmax="*bf16", req_to_token="*i32", req_pool_indices="*i64",
+                  seq_lens="*i64", scores="*fp32", max_pages="i32", sink_pages="i32", recent_pages="i32")
+OMNIKV_ARGS = dict(q="*bf16", k_cache="*bf16", req_to_token="*i32", req_pool_indices="*i64", seq_lens="*i64",
+                   out="*fp32", stride_qb="i32", stride_qh="i32", stride_ks="i32", stride_kh="i32", stride_r2t="i32",
+                   stride_out="i32", sink="i32", recent="i32")
 TQ_ARGS = dict(q_rot="*fp32", q_proj="*fp32", k_codes="*u8", v_codes="*u8", k_norm="*fp32", v_norm="*fp32",
                k_signs="*u8", k_rnorm="*fp32", unit_levels="*fp32", req_to_token="*i32", req_pool_indices="*i64",
                seq_lens="*i64", ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32", stride_r2t="i32", scale="fp32",
@@ -103,7 +109,7 @@ def main() -> None:
     gp = a.gp or triton.next_power_of_2(g)
     print("| kernel | registers | stack | instructions / element | by kind |")
     print("| --- | --- | --- | --- | --- |")
-    ppi = max(1, 16 // a.page, a.pages or (kivi_attention.PAGES if a.page >= 16 else 1))
+    ppi = max(1, 16 // a.page, a.pages or (kivi_attention.BLOCK_POSITIONS // a.page if a.page >= 16 else 1))
     for bits in (4, 2):
         stack = ppi > 1 and a.page >= 16
         consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True, STACK=stack)
@@ -114,6 +120,16 @@ def main() -> None:
         consts = dict(HKV=8, G=g, GP=gp, D=d, LANE=lane, BITS=bits, NLEV=2**bits, QJL=qjl, BLOCK=32, NSPLIT=64)
         count(f"turboquant{bits}{' + qjl' if qjl else ''}", turboquant_attention._decode_kernel, TQ_ARGS, consts,
               a.warps or 4, 32 * d * 2)
+    # The selection methods' scoring loops (an element: a page summary's entry, min or max; a key's): the served
+    # CUDA-core kernels and their tensor-core forms (score_pages / score_tokens with mma=True), 4 warps as served.
+    qc = dict(stride_r2t=131076, HKV=8, GROUP=g, D=d, PAGE=16, BLOCK_P=quest.BLOCK_PAGES, NPROG=16)
+    count("quest scores", quest._score_kernel, QUEST_ARGS, qc, 4, quest.BLOCK_PAGES * d * 2)
+    count("quest scores, tensor cores", quest._score_kernel_mma, QUEST_ARGS,
+          dict(qc, GP=max(16, triton.next_power_of_2(g)), IEEE=False), 4, quest.BLOCK_PAGES * d * 2)
+    oc = dict(HKV=8, G=g, D=d, BLOCK=omnikv.BLOCK_TOKENS, PROGRAMS=64)
+    count("omnikv scores", omnikv._score_tokens_kernel, OMNIKV_ARGS, oc, 4, omnikv.BLOCK_TOKENS * d * 8)
+    count("omnikv scores, tensor cores", omnikv._score_tokens_kernel_mma, OMNIKV_ARGS,
+          dict(oc, GP=max(16, triton.next_power_of_2(g)), IEEE=False), 4, omnikv.BLOCK_TOKENS * d * 8)
 
 
 if __name__ == "__main__":

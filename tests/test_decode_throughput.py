@@ -172,6 +172,8 @@ def test_each_run_is_compared_with_its_own_vanilla() -> None:
     # --only runs given ours first: the vanilla row after it is its baseline.
     (row,) = dt.comparison_table([o2, v2]).splitlines()[2:]
     assert row.split(" | ")[4] == "3.000"
+    # An --only sgl_sparse run alone: no pair (it used to be compared with itself, ratio 1.000).
+    assert dt.comparison_table([o2]).splitlines()[2:] == []
 
 
 def test_profile_summary_busy_idle_and_steps(tmp_path: Path) -> None:

@@ -284,8 +284,8 @@ DEFAULT_STORE_RUNNING_REQUESTS = 64
 
 # Selection methods whose FlashInfer decode path has passed its GPU tests on an H200 (quest: tests/gpu/
 # test_gpu_selection.py, 3 passed at a12aa19, 2026-12-02; omnikv: test_gpu_omnikv.py, 2 passed at 555b5cc,
-# 2026-12-03; retroinfer: test_gpu_retroinfer.py, 3 passed, 2026-12-03); any other (a method of your own,
-# SGLSPARSE_METHOD_MODULES) needs the opt-in until it has run on a GPU.
+# 2026-12-03; retroinfer: test_gpu_retroinfer.py, 3 passed on 761eac6 + the KIVI change of 7664278, 2026-12-03). A
+# method of your own (SGLSPARSE_METHOD_MODULES) always needs the opt-in: it is for methods that have passed such tests.
 GPU_VALIDATED_SELECTION = frozenset({"quest", "omnikv", "retroinfer"})
 GPU_SELECTION_ENV = "SGLSPARSE_GPU_SELECTION"
 

@@ -6,8 +6,10 @@ byte tile once (contiguous per slot) and takes chunk ``c`` from it with a mask: 
 ``[c W, (c + 1) W)``, already in channel order (no reshape). It works on ``P`` chunks (``[rows, W]`` tiles, kept
 in tuples) instead of ``[rows, D]`` tiles:
 
-* :func:`code_bytes` loads a byte tile; :func:`chunk_float` turns chunk ``c`` into exact fp32 codes with an AND
-  and a float add an element, after one OR a byte for all its chunks (the int -> float convert is slower);
+* :func:`code_tile` loads a byte tile (uint8), :func:`code_bytes` the same as int32; :func:`chunks_16` turns every
+  chunk of a tile into 16-bit floats ``OFFSET + code * unit`` for the tensor cores, in PTX on the GPU (a ``prmt``
+  per 4 bytes, a ``lop3`` per 2 codes: KIVI's decode); :func:`chunk_float` chunk ``c`` into exact fp32 codes with
+  an AND and a float add an element, after one OR a byte for all its chunks (the int -> float convert is slower);
   :func:`chunk_code` into integer codes (a shift and a mask) for a codebook gather;
 * :func:`query_chunks` splits the queries into the same chunks once per program, :func:`dot_nt` is the logits
   of one chunk, :func:`store_split_chunks` stores the split state from ``[GP, U]`` pieces of the output.
@@ -177,7 +179,8 @@ def chunks_16(b, LANE: tl.constexpr, FP16: tl.constexpr, NATIVE: tl.constexpr):
     """Every chunk of a uint8 byte tile ``b`` as ``OFFSET + code * unit`` (:func:`chunk_offset`, :func:`chunk_unit`;
     a tuple of ``8 / LANE`` tiles of ``b``'s shape), fp16 (``FP16``) or bf16, for the tensor cores: the caller folds
     ``1 / unit`` into its scale and the offset into a sum of its other operand (``x . (OFFSET + v) = x . v + OFFSET
-    * sum(x)``, with the same rounded ``x``: exact cancellation). On the GPU 4 bytes at a time in PTX
+    * sum(x)``, with the same rounded ``x``: the offset cancels in the algebra, the fp32 sums carry its magnitude).
+    On the GPU 4 bytes at a time in PTX
     (:func:`_packed_asm`: ~0.75 instructions an element at 4 bits, no conversion, no float op); under
     ``TRITON_INTERPRET=1`` (no inline assembly, and no 16-bit float dots) the same values in fp32 by arithmetic."""
     if NATIVE:

@@ -9,30 +9,34 @@ V scale and zero ``[slots, Hkv, D / GS]``, fp16; the residual ``[rows, GS, Hkv, 
 positions past its last whole page, in the model dtype.
 
 Decode grid: request x KV head x ``splits`` (``splits.decode_splits``: more for wide rows and small batches),
-merged in torch. Each program walks whole pages of its row (the pool's page size is the group size ``GS``), a
-page an iteration (two under 16 slots): one ``req_to_token`` read gives the page's ``GS`` contiguous slots; the
-row's open page (the residual) is read once, by the last split. The queries are read once, as ``P`` chunks
-``[G, W]`` (scaled). Per page:
+merged in torch. Each program walks whole pages of its row (the pool's page size is the group size ``GS``),
+``PPI`` pages an iteration (128 positions' worth for pages of 16 to 128 slots, enough for 16 positions under 16):
+one ``req_to_token`` read gives a page's ``GS`` contiguous slots; the row's open page (the residual) is read once,
+by the last split. The queries are read once, as ``P`` chunks ``[G, W]`` (scaled). Per page:
 
 * keys: the ``[GS, W]`` byte tile is read once (contiguous) and every chunk turned into bf16 ``128 + code * unit``
   by :func:`chunks.chunks_16` (in PTX on the GPU: a ``prmt`` per 4 bytes, a ``lop3`` per 2 codes, no conversion);
   the page's key scale (and ``1 / unit``) is folded into the query chunk (``q'_c = q_c * ks_c`` in bf16: ``G x W``
   multiplies a page, not ``GS x W``), the zero point and the offset into one constant a query row
-  (``q . kz - 128 * sum(q')``, the same bf16 ``q'``: the offset cancels exactly); logits ``+= dot(q'_c, k_c^T)`` on
-  the tensor cores;
+  (``q . kz - 128 * sum(q')``, the same bf16 ``q'``: the offset cancels in the algebra; the fp32 sums carry its
+  magnitude, ~4 bits of their 24); logits ``+= dot(q'_c, k_c^T)`` on the tensor cores; several pages an iteration
+  stack their pages' ``q'`` as the rows of one tile (:func:`_logits_stacked`);
 * values: per piece (``U = min(W, GS)`` channels of one chunk in one value group: ``D / U`` pieces, each its
-  own ``[G, U]`` accumulator, stored at its channels), the codes as fp16 ``1024 + code * unit`` (3 more mantissa
-  bits than bf16; probabilities times scales are small), the tokens' scale folded into the probabilities
-  (``p' = p * vs`` in fp16, ``G x GS`` a piece) and their zero point and the offset into a row sum
-  (``p . vz - 1024 * sum(p')``).
+  own ``[G, U]`` accumulator, stored at its channels), the codes as bf16 ``128 + code * unit`` as for keys, the
+  tokens' scale folded into the probabilities (``p' = p * vs`` in bf16, ``G x GS`` a piece) and their zero point
+  and the offset into a row sum (``p . vz - 128 * sum(p')``). Not fp16: ``p * vs / unit`` of a long context's
+  many small weights falls under fp16's normal range (6e-5) and rounds to 0 under 3e-8, a systematic loss (a
+  review's CPU emulation at 131K positions, values of std 0.01: 5e-2 of the output's largest value, against
+  3e-3 in bf16).
 
 History (``benchmarks/quant_decode.py`` on the H200, per layer at 6 x 130K, Llama-3-8B heads, against the pools'
 HBM floors of 232 us at 4 bits and 139 at 2, and bf16's 743 us, which reads twice KIVI-4's bytes): a bit-plane
 layout (``bits`` planes of ``D / 8`` bytes) took 3,340 and 2,725 us, ALU-bound at ~4 integer ops per bit and
 element plus a reshape a page; chunk-major codes taken as fp32 (an AND and a float add an element, TF32 dots)
 1,691 and 1,027 us; the 16-bit codes above 1,255 and 1,001 us, and 1,024 and 887 with 4 pages an iteration
-(2026-12-03, tenth session), equal to the torch path within rounding. ``benchmarks/sass_counts.py`` (compiled
-for sm_90 without a GPU): 7.7 SASS instructions an element in the loop at 1 page an iteration, 6.4 at 4, of which
+(2026-12-03, tenth session; values in fp16 then, bf16 since, not re-timed), equal to the torch path within
+rounding. ``benchmarks/sass_counts.py`` (compiled
+for sm_90 without a GPU): 7.7 SASS instructions an element in the loop at 1 page an iteration, 6.5 at 4, of which
 unpacking is ~1; the rest is the per-block cost of tiles of 4 query rows (shared-memory layout conversions, index
 arithmetic, the softmax, a p' for each value piece): still above bf16's floor.
 
@@ -81,11 +85,13 @@ from sgl_sparse.kernels.splits import (
     workspace_span,
 )
 
-# Decode: whole pages an iteration where a page has >= 16 slots; 2 or more stack their key scales
-# (_logits_stacked). Timed on the H200 (benchmarks/quant_decode.py --kivi-pages, 2026-12-03, per layer at 6 x 130K,
-# KIVI-4 / KIVI-2): 1 page 1,255 / 1,007 us; 2 pages 1,129 / 1,661; 4 pages 1,024 / 887; 8 pages 1,360 / 1,145, all
-# at 2 warps (4 warps slower in every case, 1 warp faster only for KIVI-2 at 4 pages: 860).
-PAGES = 4
+# Decode: positions an iteration where a page has >= 16 slots, in whole pages (2 or more stack their key scales,
+# _logits_stacked). Timed on the H200 at 32-slot pages (benchmarks/quant_decode.py --kivi-pages, 2026-12-03, per layer
+# at 6 x 130K, KIVI-4 / KIVI-2, values in fp16 then): 1 page 1,255 / 1,007 us; 2 pages 1,129 / 1,661; 4 pages
+# (128 positions) 1,024 / 887; 8 pages 1,360 / 1,145, all at 2 warps (4 warps slower in every case, 1 warp faster
+# only for KIVI-2 at 4 pages: 860). Other page sizes keep the 128 positions: 64- and 128-slot pages as 2 and 1 (4
+# of them would spill, 648 and 7,328 bytes of stack at 2 warps, benchmarks/sass_counts.py --page).
+BLOCK_POSITIONS = 128
 WS_TOKENS = 1 << 18  # prefix tokens dequantized per pass (K and V: 1 GB at 8 KV heads x 128 in bf16)
 DEQUANT_BLOCK = 64
 
@@ -169,8 +175,9 @@ def _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_c
             GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
             PPI: tl.constexpr, NATIVE: tl.constexpr):
     """Logits ``[GP, BLOCK]`` of the query chunks ``qs`` (scaled) over the keys at ``slot``, the byte tile read once.
-    One page (``PPI == 1``): every chunk as bf16 ``OFFSET + code * 2**(c BITS)`` (:func:`chunks_bf16`) against the
-    query chunk times the page's key scale in bf16 (``[GP, W]`` a page, not ``[BLOCK, W]``), on the tensor cores;
+    One page (``PPI == 1``): every chunk as bf16 ``OFFSET + code * unit`` (:func:`chunks_16`, :func:`chunk_unit`)
+    against the query chunk times the page's key scale in bf16 (``[GP, W]`` a page, not ``[BLOCK, W]``), on the
+    tensor cores;
     the zero point and the offset fold into one constant a query row (``q . kz - OFFSET * sum(q')``, with the same
     bf16 ``q'``). Several pages (``GS < 16``): fp32 codes (:func:`chunk_float`), dequantized per element."""
     W: tl.constexpr = D * BITS // 8
@@ -230,26 +237,26 @@ def _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, str
     """The output pieces ``acc`` (``D / U`` pieces ``[GP, U]``, ``U = min(W, GS)``: each piece one chunk's channels
     in one value group) rescaled by ``alpha`` plus ``p`` times the values at ``slot``. A piece's scale and zero are
     ``[BLOCK]`` vectors (one group a token): the scale folds into the probabilities (``p' = p * vs`` in bf16, against
-    the codes as :func:`chunks_bf16` gives them), the zero point and the offset into one row sum
+    the codes as :func:`chunks_16` gives them), the zero point and the offset into one row sum
     (``p . vz - OFFSET * sum(p')``)."""
     W: tl.constexpr = D * BITS // 8
     U: tl.constexpr = W if W < GS else GS
     NS: tl.constexpr = W // U
     vc = ()
     for sub in tl.static_range(NS):
-        # fp16 on the value side (probabilities times scales: small), 3 more bits than bf16
-        t = chunks_16(code_tile(v_codes, slot, h, stride_cs, stride_ch, ok, sub * U, BLOCK, U), BITS, True, NATIVE)
+        # bf16, not fp16: p * vs falls under fp16's normal range over long contexts (module docstring)
+        t = chunks_16(code_tile(v_codes, slot, h, stride_cs, stride_ch, ok, sub * U, BLOCK, U), BITS, False, NATIVE)
         for ci in tl.static_range(8 // BITS):
             vc = vc + (t[ci],)  # flat: sub-tile sub's chunk ci at sub * P + ci
     out = ()
     for k in tl.static_range(D // U):
         c = k // NS
         vso = slot * stride_vss + h * stride_vsh + (k * U) // GS
-        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * chunk_unit(c, BITS, True)
+        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * chunk_unit(c, BITS, False)
         vz = tl.load(v_zero + vso, mask=ok, other=0.0).to(tl.float32)
         vk = vc[(k % NS) * (8 // BITS) + k // NS]
         pb = (p * vs[None, :]).to(vk.dtype)
-        off = tl.sum(p * vz[None, :], 1) - chunk_offset(True) * tl.sum(pb.to(tl.float32), 1)
+        off = tl.sum(p * vz[None, :], 1) - chunk_offset(False) * tl.sum(pb.to(tl.float32), 1)
         pv = tl.dot(pb, vk) + off[:, None]
         out = out + (acc[k] * alpha[:, None] + pv,)
     return out
@@ -281,8 +288,8 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                    scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr, NSPLIT: tl.constexpr,
                    NATIVE: tl.constexpr, STACK: tl.constexpr):
-    """Program (request x KV head, split): its share of the row's whole pages, ``PPI`` pages an iteration (one
-    unless a page is under ``tl.dot``'s 16 rows), then, in the last split, the row's open page (the residual).
+    """Program (request x KV head, split): its share of the row's whole pages, ``PPI`` pages an iteration (stacked
+    with ``STACK``), then, in the last split, the row's open page (the residual).
     The server's page size is ``GS`` (``KIVIStore._check``), so a row's page ``p`` is the ``GS`` contiguous
     slots from ``req_to_token[row, p * GS]``: one slot read per page. The queries are read once, as chunks;
     the output is kept as ``D / U`` pieces (:func:`_values`)."""
@@ -347,7 +354,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
     the kernel reads a page as the ``group`` slots following its first. ``warps``: the kernel's warps (by
     default from the block, see below); ``pages``: pages an iteration (a power of two; by default
-    :data:`PAGES` for pages of 16 slots or more, else enough for 16 positions); both for timing other choices."""
+    :data:`BLOCK_POSITIONS` worth for pages of 16 slots or more, else enough for 16 positions); both for timing
+    other choices."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -364,8 +372,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)
     # p @ V reduces over the block's positions: tl.dot needs 16 of them on a GPU. Pages of 16 or more: stacked
-    # (_logits_stacked) from 2 on.
-    ppi = max(1, 16 // group, pages or (PAGES if group >= 16 else 1))
+    # (_logits_stacked) from 2 on, BLOCK_POSITIONS by default.
+    ppi = max(1, 16 // group, pages or (BLOCK_POSITIONS // group if group >= 16 else 1))
     assert ppi & (ppi - 1) == 0, "pages an iteration: a power of two"
     block = ppi * group
     _decode_kernel[(bs * hkv, splits)](
@@ -380,7 +388,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         STACK=group >= 16 and ppi > 1,
         # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
         # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 2 too
-        # (timed, see PAGES: 4 warps were slower at 2 and 4 pages); 4 and 8 for single 64- and 128-slot pages. Two
+        # (timed, see BLOCK_POSITIONS: 4 warps were slower at 2 and 4 pages); 8 for a single 128-slot page. Two
         # stages: the next page's slot and codes can be in flight while this one is computed.
         num_warps=warps or (2 if group >= 16 and ppi > 1 else max(2, block // 16)), num_stages=2)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)

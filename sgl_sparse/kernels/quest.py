@@ -197,8 +197,11 @@ def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_
     want = triton.next_power_of_2(max(1, -(-TARGET_PROGRAMS // (bs * hkv))))
     nprog = min(max(MIN_PROGRAMS_PER_ROW, min(PROGRAMS_PER_ROW, want)), triton.cdiv(max_pages, BLOCK_PAGES))
     if mma:
-        # The dot's rows: the group padded to 16 (tl.dot's minimum); under the interpreter, which has no 16-bit
-        # float dots, in fp32.
+        # The queries go to the summaries' dtype (exact for bf16 queries against bf16 or fp32 summaries), so only
+        # float summaries. The dot's rows: the group padded to 16, the tensor cores' tile (at 4 rows the compiled
+        # loop has more instructions: 3.5 a summary element against 2.6). Under the interpreter, which has no
+        # 16-bit float dots, fp32.
+        assert kmin.dtype in (torch.float16, torch.bfloat16, torch.float32), "float page summaries"
         sums = kmin if q.is_cuda else kmin.float()
         _score_kernel_mma[(bs * hkv, nprog)](
             q.contiguous(), sums, kmax if q.is_cuda else kmax.float(), req_to_token, req_pool_indices, seq_lens,
