@@ -376,6 +376,9 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     ppi = max(1, 16 // group, pages or (BLOCK_POSITIONS // group if group >= 16 else 1))
     assert ppi & (ppi - 1) == 0, "pages an iteration: a power of two"
     block = ppi * group
+    # One page an iteration takes _logits' single-page path: stacking a single page compiles to ~13% more
+    # instructions (benchmarks/sass_counts.py: 8.9 against 7.9 an element at 32-slot pages).
+    stack = group >= 16 and ppi > 1
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
         seq_lens, ws_m, ws_l, ws_acc, q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
@@ -385,12 +388,12 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         # pads a dot's rows to the tensor cores' 16 itself): every per-page op on the query side (the key scale's
         # fold, the softmax, the rescale) scales with these rows.
         GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits, NATIVE=q.is_cuda,
-        STACK=group >= 16 and ppi > 1,
+        STACK=stack,
         # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
         # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 2 too
         # (timed, see BLOCK_POSITIONS: 4 warps were slower at 2 and 4 pages); 8 for a single 128-slot page. Two
         # stages: the next page's slot and codes can be in flight while this one is computed.
-        num_warps=warps or (2 if group >= 16 and ppi > 1 else max(2, block // 16)), num_stages=2)
+        num_warps=warps or (2 if stack else max(2, block // 16)), num_stages=2)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
