@@ -106,6 +106,19 @@ def _score_row(seq_lens, req_pool_indices, scores, max_pages, HKV: tl.constexpr,
 
 
 @triton.jit
+def _block_summaries(kmin, kmax, req_to_token, row, h, blk, npages, stride_r2t: tl.constexpr, HKV: tl.constexpr,
+                     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Page block ``blk`` of a row: its page indices and KV head ``h``'s summaries ``[BLOCK_P, D]`` in their own
+    dtype, read through each page's first slot (0 past the row's pages)."""
+    offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid = offs_p < npages
+    slot = tl.load(req_to_token + row * stride_r2t + offs_p * PAGE, mask=valid, other=0).to(tl.int64)
+    base = ((slot // PAGE) * HKV + h)[:, None] * D + tl.arange(0, D)[None, :]
+    return (offs_p, tl.load(kmin + base, mask=valid[:, None], other=0.0),
+            tl.load(kmax + base, mask=valid[:, None], other=0.0))
+
+
+@triton.jit
 def _store_block(out_row, offs_p, best, npages, sink_pages, recent_pages, max_pages):
     """A block's scores: sink and recent pages ``+inf`` (always selected), pages past the row ``-inf``."""
     forced = (offs_p < sink_pages) | (offs_p >= npages - recent_pages)
@@ -134,12 +147,9 @@ def _score_kernel(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, score
     offs_d = tl.arange(0, D)
     q_row = q + (i * HKV * GROUP + h * GROUP).to(tl.int64) * D
     for blk in range(pid, nblk, NPROG):
-        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
-        valid = offs_p < npages
-        slot = tl.load(req_to_token + row * stride_r2t + offs_p * PAGE, mask=valid, other=0).to(tl.int64)
-        base = ((slot // PAGE) * HKV + h)[:, None] * D + offs_d[None, :]
-        lo = tl.load(kmin + base, mask=valid[:, None], other=0.0).to(tl.float32)
-        hi = tl.load(kmax + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        offs_p, lo, hi = _block_summaries(kmin, kmax, req_to_token, row, h, blk, npages, stride_r2t, HKV, D, PAGE,
+                                          BLOCK_P)
+        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
         best = tl.full((BLOCK_P,), float("-inf"), tl.float32)
         for g in tl.static_range(GROUP):
             qg = tl.load(q_row + g * D + offs_d).to(tl.float32)
@@ -168,12 +178,8 @@ def _score_kernel_mma(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, s
     qpos = tl.maximum(qg, 0.0).to(kmin.dtype.element_ty)
     qneg = tl.minimum(qg, 0.0).to(kmin.dtype.element_ty)
     for blk in range(pid, nblk, NPROG):
-        offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
-        valid = offs_p < npages
-        slot = tl.load(req_to_token + row * stride_r2t + offs_p * PAGE, mask=valid, other=0).to(tl.int64)
-        base = ((slot // PAGE) * HKV + h)[:, None] * D + offs_d[None, :]
-        lo = tl.load(kmin + base, mask=valid[:, None], other=0.0)
-        hi = tl.load(kmax + base, mask=valid[:, None], other=0.0)
+        offs_p, lo, hi = _block_summaries(kmin, kmax, req_to_token, row, h, blk, npages, stride_r2t, HKV, D, PAGE,
+                                          BLOCK_P)
         if IEEE:
             s = tl.dot(qpos, tl.trans(hi), input_precision="ieee") + tl.dot(qneg, tl.trans(lo), input_precision="ieee")
         else:
