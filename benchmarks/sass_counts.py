@@ -110,11 +110,11 @@ def main() -> None:
     print("| kernel | registers | stack | instructions / element | by kind |")
     print("| --- | --- | --- | --- | --- |")
     ppi = max(1, 16 // a.page, a.pages or (kivi_attention.BLOCK_POSITIONS // a.page if a.page >= 16 else 1))
+    stack = ppi > 1 and a.page >= 16  # as kivi_attention.decode_attention decides, warps too
     for bits in (4, 2):
-        stack = ppi > 1 and a.page >= 16
         consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True, STACK=stack)
         count(f"kivi{bits}", kivi_attention._decode_kernel, KIVI_ARGS, consts,
-              a.warps or max(2, ppi * a.page // 16 if not stack else 2), ppi * a.page * d * 2)
+              a.warps or (2 if stack else max(2, ppi * a.page // 16)), ppi * a.page * d * 2)
     for bits, qjl in ((4, False), (3, False), (2, False), (4, True)):
         lane = 4 if bits == 3 else bits
         consts = dict(HKV=8, G=g, GP=gp, D=d, LANE=lane, BITS=bits, NLEV=2**bits, QJL=qjl, BLOCK=32, NSPLIT=64)

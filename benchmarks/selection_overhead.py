@@ -63,10 +63,11 @@ def _omnikv_row(bs: int, n: int, budget: int) -> str:
     scores_mma = torch.full_like(scores, float("-inf"))
     omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores_mma, 64, 512, mma=True)
     t_mma = graph_us(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores_mma, 64, 512, mma=True))
-    same_mma = torch.equal(pages.select_pages(scores, budget), pages.select_pages(scores_mma, budget))
+    sel = pages.select_pages(scores, budget)
+    same_mma = torch.equal(sel, pages.select_pages(scores_mma, budget))
     t_topk = graph_us(lambda: pages.select_pages(scores, budget))
     t_tri = graph_us(lambda: pages.select_pages_triton(scores, budget, seq))
-    same = torch.equal(pages.select_pages(scores, budget), pages.select_pages_triton(scores, budget, seq))
+    same = torch.equal(sel, pages.select_pages_triton(scores, budget, seq))
     return (f"| {bs} x {n} | {t_score:.1f} | {t_mma:.1f} (same: {same_mma}) | {t_topk:.1f} | "
             f"{t_tri:.1f} (same lists: {same}) | {bs * n * HKV * D * 2 / HBM * 1e6:.1f} |")
 
