@@ -191,7 +191,7 @@ def test_decode_kernel_equals_the_store_reference(bits: int) -> None:
     q = torch.randn(len(lens), HKV * G, D, generator=gen)
     want = store.decode(1, q, r2t, rpi.long(), seq.long(), SCALE)
     got = kivi_attention.decode_attention(q, *store._buffers(1), r2t, rpi, seq, SCALE, bits, GS, splits=3)
-    torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)  # the fp16 offset, see test_kivi_decode
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
