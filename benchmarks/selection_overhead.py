@@ -58,8 +58,8 @@ def _omnikv_row(bs: int, n: int, budget: int) -> str:
     k_cache = torch.randn(bs * WIDTH + 1, HKV, D, device=dev, dtype=torch.bfloat16)
     q = torch.randn(bs, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
     scores = torch.full((bs, WIDTH), float("-inf"), device=dev)
-    omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512)
-    t_score = graph_us(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512))
+    omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512, mma=False)
+    t_score = graph_us(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores, 64, 512, mma=False))
     scores_mma = torch.full_like(scores, float("-inf"))
     omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores_mma, 64, 512, mma=True)
     t_mma = graph_us(lambda: omnikv.score_tokens(q, k_cache, r2t, rpi, seq, scores_mma, 64, 512, mma=True))
@@ -89,9 +89,9 @@ def _row(bs: int, n: int, k: int) -> str:
     indptr = torch.zeros(bs * HKV + 1, dtype=torch.int32, device=dev)
     indptr[1:] = lens.cumsum(0)
     out = torch.empty(int(indptr[-1]), dtype=torch.int32, device=dev)
-    quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32)
+    quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32, mma=False)
     sel = pages.select_pages(scores, k)
-    t_score = graph_us(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32))
+    t_score = graph_us(lambda: quest.score_pages(q, kmin, kmax, r2t, rpi, seq, scores, PS, 4, 32, mma=False))
     # The tensor-core form (quest._score_kernel_mma) on the same inputs: its time, whether it selects the same pages,
     # and its largest difference from the CUDA-core scores (finite entries; sink and recent pages are +inf in both).
     scores_mma = torch.empty_like(scores)

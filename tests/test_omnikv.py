@@ -108,7 +108,7 @@ def test_triton_scores_match_torch() -> None:
             ref = torch.empty(len(seq), r2t.shape[1])
             omnikv.score_tokens_torch(q, k_cache, r2t, rpi, seq, ref, sink, recent)
             got = torch.full_like(ref, float("-inf"))
-            omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, sink, recent)
+            omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, sink, recent, mma=False)
             assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
             mma = torch.full_like(ref, float("-inf"))   # the tensor-core form
             omnikv.score_tokens(q, k_cache, r2t, rpi, seq, mma, sink, recent, mma=True)

@@ -115,7 +115,7 @@ def test_triton_kernels_match_torch_paths() -> None:
             ref = torch.empty(len(seq) * t.HKV, 20)
             quest.score_pages_torch(q, kmin, kmax, r2t, rpi, seq, ref, t.PS, sink, recent)
             got = torch.full_like(ref, 7.0)
-            quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, t.PS, sink, recent)
+            quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, t.PS, sink, recent, mma=False)
             assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
             # the tensor-core form: q+ . max + q- . min, the same bounds
             mma = torch.full_like(ref, 7.0)

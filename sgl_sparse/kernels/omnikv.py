@@ -24,6 +24,8 @@ MIN_PROGRAMS_PER_ROW = 64
 MAX_PROGRAMS_PER_ROW = 1024
 TARGET_PROGRAMS = 2048
 BLOCK_TOKENS = 64
+# K caches the tensor-core scoring kernel reads as they are (the default path for them).
+FLOAT_CACHES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def programs_per_row(bs: int) -> int:
@@ -102,11 +104,12 @@ def _score_tokens_kernel_mma(q, k_cache, req_to_token, req_pool_indices, seq_len
 
 def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, sink: int,
-                 recent: int, mma: bool = False) -> None:
+                 recent: int, mma: bool | None = None) -> None:
     """``out[i, t]`` (``[bs, W]`` float32) for ``t < seq_lens[i]``; entries past a row's length are not
     written. ``q`` ``[bs, Hq, D]``, ``k_cache`` ``[slots, Hkv, D]``. ``mma``: the tensor-core kernel
-    (:func:`_score_tokens_kernel_mma`, the same logits summed in another order), off until timed and tested on a
-    GPU."""
+    (:func:`_score_tokens_kernel_mma`, the same logits summed in another order); ``None`` (the default) takes it
+    for a float K cache: on the H200 it scores 6 x 130K in 448 us against the CUDA-core kernel's 817, same
+    selection (benchmarks/selection_overhead.py, 2026-12-03)."""
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
     if bs == 0:
@@ -114,11 +117,13 @@ def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Ten
     assert d & (d - 1) == 0, "head_dim must be a power of two"
     assert k_cache.stride(2) == 1 and q.stride(2) == 1
     programs = programs_per_row(bs)
+    if mma is None:
+        mma = k_cache.dtype in FLOAT_CACHES
     if mma:
         # The queries go to the cache's dtype, so only a float cache. The dot's rows: the group padded to 16, the
         # tensor cores' tile (at 4 rows the compiled loop has more instructions: 2.5 a K element against 2.0).
         # Under the interpreter, which has no 16-bit float dots, fp32.
-        assert k_cache.dtype in (torch.float16, torch.bfloat16, torch.float32), "a float K cache"
+        assert k_cache.dtype in FLOAT_CACHES, "a float K cache"
         kc = k_cache if q.is_cuda else k_cache.float()
         _score_tokens_kernel_mma[(bs, programs)](
             q, kc, req_to_token, req_pool_indices, seq_lens, out, q.stride(0), q.stride(1), kc.stride(0),

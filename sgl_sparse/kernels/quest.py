@@ -40,6 +40,8 @@ PROGRAMS_PER_ROW = 128  # at most
 TARGET_PROGRAMS = 2048
 NEG = float("-inf")
 POS = float("inf")
+# Summaries the tensor-core scoring kernel reads as they are (the default path for them).
+FLOAT_SUMMARIES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def update_page_summaries(kmin: torch.Tensor, kmax: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
@@ -191,10 +193,12 @@ def _score_kernel_mma(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, s
 
 def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor, page_size: int,
-                sink_pages: int, recent_pages: int, mma: bool = False) -> torch.Tensor:
+                sink_pages: int, recent_pages: int, mma: bool | None = None) -> torch.Tensor:
     """Page scores ``[bs * Hkv, max_pages]`` (fp32, written into ``scores``) of a decode batch: ``q``
     ``[bs, Hq, D]``, ``seq_lens`` ``[bs]`` including this step's token. ``mma``: the tensor-core kernel
-    (:func:`_score_kernel_mma`; same bounds, summed in another order), off until timed and tested on a GPU."""
+    (:func:`_score_kernel_mma`; same bounds, summed in another order); ``None`` (the default) takes it for float
+    summaries: on the H200 it scores 5 x 130K in 46.6 us against the CUDA-core kernel's 70.1, same selection
+    (benchmarks/selection_overhead.py, 2026-12-03)."""
     bs, hq, d = q.shape
     hkv = kmin.shape[1]
     max_pages = scores.shape[1]
@@ -202,12 +206,14 @@ def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_
         return scores[:0]
     want = triton.next_power_of_2(max(1, -(-TARGET_PROGRAMS // (bs * hkv))))
     nprog = min(max(MIN_PROGRAMS_PER_ROW, min(PROGRAMS_PER_ROW, want)), triton.cdiv(max_pages, BLOCK_PAGES))
+    if mma is None:
+        mma = kmin.dtype in FLOAT_SUMMARIES
     if mma:
         # The queries go to the summaries' dtype (exact for bf16 queries against bf16 or fp32 summaries), so only
         # float summaries. The dot's rows: the group padded to 16, the tensor cores' tile (at 4 rows the compiled
         # loop has more instructions: 3.5 a summary element against 2.6). Under the interpreter, which has no
         # 16-bit float dots, fp32.
-        assert kmin.dtype in (torch.float16, torch.bfloat16, torch.float32), "float page summaries"
+        assert kmin.dtype in FLOAT_SUMMARIES, "float page summaries"
         sums = kmin if q.is_cuda else kmin.float()
         _score_kernel_mma[(bs * hkv, nprog)](
             q.contiguous(), sums, kmax if q.is_cuda else kmax.float(), req_to_token, req_pool_indices, seq_lens,

@@ -44,7 +44,7 @@ def test_quest_kernels_at_a_serving_shape_match_torch_and_do_not_sync() -> None:
     got = torch.empty(len(lens) * hkv, max_pages, device=DEV)
     with sync_debug("error"):
         quest.update_page_summaries(kmin, kmax, loc, k_buf[loc], ps)
-        quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, ps, 4, 32)
+        quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, ps, 4, 32, mma=False)
         sel = pages.select_pages(got, 128)
     ref = torch.empty_like(got)
     quest.score_pages_torch(q, kmin, kmax, r2t, rpi, seq, ref, ps, 4, 32)
@@ -112,7 +112,7 @@ def test_triton_select_and_omnikv_scores_at_serving_shapes_match_torch_and_do_no
     q = torch.randn(len(lens), hkv * grp, d, generator=g).to(DEV, torch.bfloat16)
     got = torch.full((len(lens), width), float("-inf"), device=DEV)
     with sync_debug("error"):
-        omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, 64, 512)
+        omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, 64, 512, mma=False)
     ref = torch.empty_like(got)
     omnikv.score_tokens_torch(q, k_cache, r2t, rpi, seq, ref, 64, 512)
     finite = ref.isfinite()
