@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from bench_agent import report
+from bench_agent.replay import PRUNE_POLICIES, REQUEST_ONLY_POLICIES
 from bench_agent.workload import Trace, WorkloadConfig, generate
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "swe_agent.toml"
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> None:
                         "N most recent through POST /v1/prefix_cache/prune")
     r.add_argument("--prune-roles", default="tool", help="comma-separated roles pruned in pruning mode")
     r.add_argument("--prune-keep-ratio", type=float, default=0.0,
-                   help="pruning mode: keep this fraction of each prune's tokens, scored by key norm (policy knorm)")
+                   help="pruning mode: keep this fraction of each prune's tokens, scored by --prune-policy")
+    r.add_argument("--prune-policy", choices=PRUNE_POLICIES, default="knorm",
+                   help="pruning mode's scored keep: knorm (key norm, through POST /v1/prefix_cache/prune after each "
+                        "turn) or snapkv_global (the turn's own request prunes its prompt, scored by its last "
+                        "queries; needs --prune-keep-ratio > 0)")
 
     c = sub.add_parser("compare", help="start vanilla SGLang, replay, stop; then sgl_sparse; print side by side")
     c.add_argument("--model-path", required=True)
@@ -65,10 +70,16 @@ def main(argv: list[str] | None = None) -> None:
                         "N most recent through POST /v1/prefix_cache/prune; each method runs twice, without and with")
     c.add_argument("--prune-roles", default="tool", help="comma-separated roles pruned in pruning mode")
     c.add_argument("--prune-keep-ratio", type=float, default=0.0,
-                   help="pruning mode: keep this fraction of each prune's tokens, scored by key norm (policy knorm)")
+                   help="pruning mode: keep this fraction of each prune's tokens, scored by --prune-policy")
+    c.add_argument("--prune-policy", choices=PRUNE_POLICIES, default="knorm",
+                   help="pruning mode's scored keep: knorm (key norm, through POST /v1/prefix_cache/prune after each "
+                        "turn) or snapkv_global (the turn's own request prunes its prompt, scored by its last "
+                        "queries; needs --prune-keep-ratio > 0)")
     args = p.parse_args(argv)
     if args.cmd in ("replay", "compare") and not 0 <= args.prune_keep_ratio < 1:
         p.error(f"--prune-keep-ratio {args.prune_keep_ratio}: expected a number in [0, 1)")
+    if args.cmd in ("replay", "compare") and args.prune_policy in REQUEST_ONLY_POLICIES and not args.prune_keep_ratio:
+        p.error(f"--prune-policy {args.prune_policy} scores what each prune keeps: give --prune-keep-ratio > 0")
 
     if args.cmd == "generate":
         data = {}
@@ -93,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         tok = _tokenizer(args.tokenizer)
         result = replay(args.url, trace, tok, client=args.client, label=args.label or args.url,
                         time_scale=args.time_scale, prune_lag=args.prune_lag,
-                        prune_roles=args.prune_roles.split(","), prune_keep_ratio=args.prune_keep_ratio)
+                        prune_roles=args.prune_roles.split(","), prune_keep_ratio=args.prune_keep_ratio,
+                        prune_policy=args.prune_policy)
         summaries = report.save([result], args.out)
     else:
         from bench_agent.compare import compare
@@ -106,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
                           client=args.client, cpu=args.cpu, server_args=args.server_args.split(),
                           out_dir=args.out, time_scale=args.time_scale, skip_vanilla=args.skip_vanilla,
                           vanilla_backend=args.vanilla_backend, prune_lag=args.prune_lag,
-                          prune_roles=args.prune_roles.split(","), prune_keep_ratio=args.prune_keep_ratio)
+                          prune_roles=args.prune_roles.split(","), prune_keep_ratio=args.prune_keep_ratio,
+                          prune_policy=args.prune_policy)
         summaries = report.save(results, args.out)
     print(report.table(summaries))
     print(json.dumps(summaries), file=sys.stderr)

@@ -21,7 +21,8 @@ def compare(model_path: str, trace: Trace, tokenizer: Any, methods: list[tuple[s
             cpu: bool = False, server_args: list[str] | None = None, out_dir: str | Path = "bench_out",
             time_scale: float = 1.0, skip_vanilla: bool = False,
             vanilla_backend: str = "flashinfer", prune_lag: int | None = None,
-            prune_roles: list[str] | None = None, prune_keep_ratio: float = 0.0) -> list[RunResult]:
+            prune_roles: list[str] | None = None, prune_keep_ratio: float = 0.0,
+            prune_policy: str = "knorm") -> list[RunResult]:
     """``methods``: (sparse_method, sparse_config JSON) pairs replayed after vanilla. ``vanilla_backend``:
     vanilla's ``--attention-backend`` on GPU (on CPU it is torch_native, as ours). ``prune_lag``: each method
     is replayed a second time in pruning mode (bench_agent/replay.py), labelled ``sgl_sparse:NAME+prune``."""
@@ -48,7 +49,7 @@ def compare(model_path: str, trace: Trace, tokenizer: Any, methods: list[tuple[s
         with ServerProcess(model_path, flags, module=module, startup_timeout=900, log_path=str(log)) as srv:
             results.append(replay(srv.base_url, trace, tokenizer, client=client, label=label,
                                   time_scale=time_scale, prune_lag=lag, prune_roles=prune_roles,
-                                  prune_keep_ratio=prune_keep_ratio))
+                                  prune_keep_ratio=prune_keep_ratio, prune_policy=prune_policy))
         # Each finished run is on disk before the next server starts (a run cut short keeps them).
         report.save(results, out, plots=False)
     return results

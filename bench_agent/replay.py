@@ -17,6 +17,10 @@ Pruning mode (``prune_lag``, OpenAI client only): after each turn the session as
 own tool results but the ``prune_lag`` most recent (``POST /v1/prefix_cache/prune`` with the turn's messages,
 ``roles`` and ``lag``: docs/prefix-cache-pruning.md), while the tool runs, before its next turn; each prune is
 recorded (:class:`PruneRecord`), and the next turn's ``cached_tokens`` shows whether it still hit the cache.
+With ``prune_policy="snapkv_global"`` the prune travels instead in the turn's own request (``custom_params``
+``sgl_sparse_prune`` with ``roles``, ``lag``, ``keep_ratio`` and the policy): the request keeps the fraction of the
+old tool tokens its own prompt's last queries attend to most and prunes the rest after its prefill (recorded with
+status ``in_request``; the route's answer fields stay 0).
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ import requests
 
 from bench_agent.text import TextSource
 from bench_agent.workload import Session, Trace
+
+# Policies only a request's own prune serves (its prompt's last queries score the ranges): pruning mode then sends
+# the prune with the turn's request instead of POST /v1/prefix_cache/prune after it.
+REQUEST_ONLY_POLICIES = ("snapkv_global",)
+PRUNE_POLICIES = ("knorm", *REQUEST_ONLY_POLICIES)
 
 
 @dataclass
@@ -54,7 +63,7 @@ class PruneRecord:
     turn: int  # the turn whose prompt was pruned (the next turn continues it)
     start_s: float
     end_s: float
-    status: str  # completed | blocked | failed | error (HTTP or connection)
+    status: str  # completed | blocked | failed | error (HTTP or connection) | in_request (the turn's own prune)
     ranges: int = 0
     pruned_tokens: int = 0
     freed_slots: int = 0
@@ -76,6 +85,7 @@ class RunResult:
     prunes: list[PruneRecord] = field(default_factory=list)
     prune_lag: int | None = None
     prune_keep_ratio: float = 0.0
+    prune_policy: str = "knorm"
 
 
 def kv_slots_in_use(base_url: str) -> tuple[int, int] | None:
@@ -120,10 +130,12 @@ class _Materialiser:
         self.tools = [source.text(t.tool_tokens, rng) for t in session.turns]
 
 
-def _openai_turn(base_url: str, model: str, messages: list[dict], max_tokens: int, timeout: float
-                 ) -> tuple[str, float | None, dict]:
+def _openai_turn(base_url: str, model: str, messages: list[dict], max_tokens: int, timeout: float,
+                 custom_params: dict[str, Any] | None = None) -> tuple[str, float | None, dict]:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if custom_params:
+        body["custom_params"] = custom_params
     t0 = time.monotonic()
     ttft, text, usage = None, [], {}
     with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=timeout) as r:
@@ -176,12 +188,19 @@ def _prune_turn(base_url: str, session: Session, turn: int, messages: list[dict]
 
 def _run_openai_session(base_url: str, model: str, session: Session, texts: _Materialiser, t0: float,
                         result: RunResult, timeout: float, time_scale: float, prune_lag: int | None = None,
-                        prune_roles: list[str] | None = None, prune_keep_ratio: float = 0.0) -> None:
+                        prune_roles: list[str] | None = None, prune_keep_ratio: float = 0.0,
+                        prune_policy: str = "knorm") -> None:
     messages = [{"role": "system", "content": texts.system}, {"role": "user", "content": texts.task}]
+    roles = prune_roles or ["tool"]
+    in_request = prune_lag is not None and prune_policy in REQUEST_ONLY_POLICIES
     for i, turn in enumerate(session.turns):
         start = time.monotonic()
+        # The turn's own prune: its prompt holds more tool results than the lag spares.
+        own = in_request and sum(m["role"] in roles for m in messages) > (prune_lag or 0)
+        cp = {"sgl_sparse_prune": json.dumps({"roles": roles, "lag": prune_lag, "keep_ratio": prune_keep_ratio,
+                                              "policy": prune_policy})} if own else None
         try:
-            reply, ttft, usage = _openai_turn(base_url, model, messages, turn.output_tokens, timeout)
+            reply, ttft, usage = _openai_turn(base_url, model, messages, turn.output_tokens, timeout, cp)
         except Exception as e:  # noqa: BLE001 - recorded, the session stops
             result.errors.append(f"{session.id} turn {i}: {e}")
             result.turns.append(TurnRecord(session.id, i, start - t0, time.monotonic() - t0, None, 0, 0, 0, str(e)))
@@ -190,9 +209,11 @@ def _run_openai_session(base_url: str, model: str, session: Session, texts: _Mat
         details = usage.get("prompt_tokens_details") or {}
         result.turns.append(TurnRecord(session.id, i, start - t0, end - t0, ttft, int(usage.get("prompt_tokens", 0)),
                                        int(usage.get("completion_tokens", 0)), int(details.get("cached_tokens") or 0)))
+        if own:  # pruned while this turn ran; the next turn continues the pruned prompt
+            result.prunes.append(PruneRecord(session.id, i, start - t0, end - t0, "in_request"))
         # Only a turn with a later one benefits, and only once a tool result is older than the lag.
         n_tools = sum(m["role"] in (prune_roles or ["tool"]) for m in messages)
-        if prune_lag is not None and turn.tool_tokens and n_tools > prune_lag:
+        if prune_lag is not None and not in_request and turn.tool_tokens and n_tools > prune_lag:
             # The prune runs while the tool "executes", as an agent framework would do it: off the critical path.
             p0 = time.monotonic()
             _prune_turn(base_url, session, i, list(messages), prune_roles or ["tool"], prune_lag, t0, result,
@@ -247,19 +268,24 @@ def _run_frontend_session(backend: Any, program: Any, session: Session, texts: _
 def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", label: str = "",
            model: str = "default", request_timeout: float = 3600.0, time_scale: float = 1.0,
            progress: bool = True, prune_lag: int | None = None, prune_roles: list[str] | None = None,
-           prune_keep_ratio: float = 0.0) -> RunResult:
+           prune_keep_ratio: float = 0.0, prune_policy: str = "knorm") -> RunResult:
     """Replay every session of ``trace``; ``time_scale`` multiplies arrival and wait times. ``prune_lag``:
     pruning mode (module docstring), sparing that many most recent ``prune_roles`` (default ``["tool"]``)
-    messages."""
+    messages; ``prune_policy``: the scored keep's (``knorm`` through the route after each turn, ``snapkv_global``
+    in the turn's own request, which needs ``prune_keep_ratio`` > 0)."""
     if client not in ("openai", "frontend"):
         raise ValueError(f"client must be 'openai' or 'frontend', got {client!r}")
     if prune_lag is not None and (client != "openai" or prune_lag < 0):
         raise ValueError("pruning mode needs the openai client (the frontend client has no tool role and sends "
                          f"text) and prune_lag >= 0; got client {client!r}, prune_lag {prune_lag}")
+    if prune_policy not in PRUNE_POLICIES:
+        raise ValueError(f"prune_policy {prune_policy!r}: one of {', '.join(PRUNE_POLICIES)}")
+    if prune_policy in REQUEST_ONLY_POLICIES and not prune_keep_ratio:
+        raise ValueError(f"prune_policy {prune_policy!r} scores what it keeps: give prune_keep_ratio > 0")
     source = TextSource(tokenizer)
     texts = {s.id: _Materialiser(source, s) for s in trace.sessions}
     result = RunResult(label=label or base_url, client=client, prune_lag=prune_lag,
-                       prune_keep_ratio=prune_keep_ratio if prune_lag is not None else 0.0)
+                       prune_keep_ratio=prune_keep_ratio if prune_lag is not None else 0.0, prune_policy=prune_policy)
     t0 = time.monotonic()
     monitor = KVMonitor(base_url, t0, result)
     monitor.start()
@@ -276,7 +302,7 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
             time.sleep(delay)
         if client == "openai":
             _run_openai_session(base_url, model, session, texts[session.id], t0, result, request_timeout, time_scale,
-                                prune_lag, prune_roles, prune_keep_ratio)
+                                prune_lag, prune_roles, prune_keep_ratio, prune_policy)
         else:
             _run_frontend_session(backend, program, session, texts[session.id], t0, result, time_scale)
         if bar is not None:

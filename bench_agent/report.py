@@ -65,13 +65,17 @@ def _prune_summary(r: RunResult, ok: list[Any]) -> dict[str, Any]:
     if r.prune_lag is None:
         return {}
     done = [p for p in r.prunes if p.status == "completed"]
-    pruned_turns = {(p.session, p.turn + 1) for p in done if p.pruned_tokens}
+    # A turn's own prune (prune_policy snapkv_global) reports no counts: its turn's latency is not a prune's.
+    own = [p for p in r.prunes if p.status == "in_request"]
+    pruned_turns = {(p.session, p.turn + 1) for p in done if p.pruned_tokens} | {(p.session, p.turn + 1) for p in own}
     after = [t for t in ok if (t.session, t.turn) in pruned_turns]
-    latency = percentile([p.end_s - p.start_s for p in r.prunes], 0.5)
+    latency = percentile([p.end_s - p.start_s for p in r.prunes if p.status != "in_request"], 0.5)
     return {
         "prune_lag": r.prune_lag,
         "prune_keep_ratio": r.prune_keep_ratio,
+        "prune_policy": r.prune_policy,
         "prunes": len(r.prunes),
+        "prunes_in_request": len(own),
         "prunes_completed": len(done),
         "prunes_blocked": sum(p.status == "blocked" for p in r.prunes),
         "prunes_failed": sum(p.status in ("failed", "error") for p in r.prunes),
@@ -88,9 +92,9 @@ def _prune_summary(r: RunResult, ok: list[Any]) -> dict[str, Any]:
 ROWS = ["wall_s", "sessions", "turns", "errors", "output_tokens", "output_tok_s", "session_completion_s_p50",
         "session_completion_s_max", "ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "tpot_s_p50", "tpot_s_p90",
         "tpot_s_p99", "turn_latency_s_p50", "prefix_hit_ratio", "prefix_hit_ratio_turn2plus", "peak_kv_slots",
-        "kv_capacity", "max_prompt_tokens", "prune_lag", "prune_keep_ratio", "prunes", "prunes_completed",
-        "prunes_blocked", "prunes_failed", "pruned_tokens", "prune_kept_tokens", "freed_slots", "evicted_branch_slots",
-        "prune_s_p50", "prefix_hit_ratio_after_prune"]
+        "kv_capacity", "max_prompt_tokens", "prune_lag", "prune_keep_ratio", "prune_policy", "prunes",
+        "prunes_in_request", "prunes_completed", "prunes_blocked", "prunes_failed", "pruned_tokens",
+        "prune_kept_tokens", "freed_slots", "evicted_branch_slots", "prune_s_p50", "prefix_hit_ratio_after_prune"]
 
 
 def _fmt(v: Any) -> str:

@@ -17,18 +17,91 @@ running the model again; neither is served. The policy served is query-agnostic:
   every rank keeps the same positions.
 * ``drop``: keeps nothing (``keep_tokens`` 0).
 
+A request's own prune (``custom_params['sgl_sparse_prune']``, docs/prefix-cache-pruning.md "Per request") runs in
+the step that completes the prompt, where the prompt's last queries exist, so it serves one more policy:
+
+* ``snapkv_global``: SparseEngine's token-shared SnapKV (one mask per position): SnapKV's score
+  (:func:`sgl_sparse.methods.eviction.snapkv.observation_scores`, with SnapKV's defaults: the last 32 queries,
+  average pooling over 5 positions) of each retained key, the softmax over every retained key of the request,
+  summed over heads and layers; the ``keep_tokens`` highest of the ranges' retained positions stay.
+
 Ties go to the earlier position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-DROP, KNORM = "drop", "knorm"
-POLICIES = (DROP, KNORM)
+from sgl_sparse.contract import ObservationWindow, in_ranges
+
+DROP, KNORM, SNAPKV_GLOBAL = "drop", "knorm", "snapkv_global"
+POLICIES = (DROP, KNORM)  # POST /v1/prefix_cache/prune: between batches, no queries
 SCORED = (KNORM,)
+REQUEST_POLICIES = (DROP, KNORM, SNAPKV_GLOBAL)  # a request's own prune: its prompt's last queries exist
+REQUEST_SCORED = (SNAPKV_GLOBAL, KNORM)  # the first: the default when something is kept
+# snapkv_global's window and pooling: SnapKV's defaults (its method's config, Li et al. 2024).
+SNAPKV_WINDOW, SNAPKV_KERNEL, SNAPKV_POOLING = 32, 5, "avgpool"
+
+
+class KeepError(ValueError):
+    """A ``keep_tokens`` / ``keep_ratio`` / ``policy`` that cannot serve; ``field`` names the body field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def parse_keep(body: Mapping[str, Any], size: int, page_size: int, policies: tuple[str, ...],
+               scored: tuple[str, ...], no_policy_hint: str = "") -> tuple[int, str]:
+    """``keep_tokens`` / ``keep_ratio`` / ``policy`` of a prune body over ranges whose union holds ``size`` tokens
+    -> ``(keep_tokens, policy)``. ``keep_ratio`` is taken over the union, rounded down to whole pages (SparseEngine's
+    agent harness keeps a fraction of the tool tokens; with ``roles`` the client does not know the ranges' size).
+    No policy: the first scored one when something is kept, else ``drop``. Raises :class:`KeepError`."""
+    keep = body.get("keep_tokens", 0)
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise KeepError("keep_tokens", f"expected an integer >= 0, got {keep!r}")
+    ratio = body.get("keep_ratio")
+    if ratio is not None:
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
+            raise KeepError("keep_ratio", f"expected a number in [0, 1), got {ratio!r}")
+        if "keep_tokens" in body:
+            raise KeepError("keep_ratio", "give keep_tokens or keep_ratio, not both")
+        keep = int(ratio * size) // page_size * page_size
+    policy = body.get("policy")
+    if policy is None:
+        policy = scored[0] if keep or ratio else DROP
+    if policy not in policies:
+        raise KeepError("policy", f"{policy!r}: expected one of {', '.join(policies)}{no_policy_hint}")
+    if (keep or ratio) and policy not in scored:
+        field = "keep_ratio" if ratio else "keep_tokens"
+        raise KeepError(field, f"policy {policy!r} keeps nothing: give {field} 0, or a scored policy "
+                               f"({', '.join(scored)})")
+    if keep % page_size:
+        raise KeepError("keep_tokens", f"{keep} is not a multiple of the page size {page_size} (a page is kept or "
+                                       "dropped whole)")
+    if keep and size and keep >= size:
+        raise KeepError("keep_tokens", f"{keep} must be less than the ranges' size, {size} tokens (their union): "
+                                       "keeping them all prunes nothing")
+    return keep, policy
+
+
+@dataclass(frozen=True)
+class PruneSpec:
+    """A request's own prune: sorted, merged prompt ranges and, when ``keep_tokens`` > 0, how many of their
+    retained positions stay and by which policy's score (the budget is over the union)."""
+
+    ranges: tuple[tuple[int, int], ...]
+    keep_tokens: int = 0
+    policy: str = DROP
+
+    @property
+    def scores(self) -> bool:
+        """Whether the prune scores (it then needs the prompt's last queries captured)."""
+        return self.keep_tokens > 0 and self.policy in REQUEST_SCORED
 
 
 def knorm_scores(keys: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -57,3 +130,39 @@ def select_keep(positions: torch.Tensor, scores: torch.Tensor, keep: int) -> tor
     # A stable sort of the negated scores: equal scores stay in position order, so the earlier one goes first.
     order = torch.argsort(-scores.detach().double().cpu(), stable=True)[:keep]
     return positions[order.sort().values]
+
+
+def policy_scores(policy: str, window: ObservationWindow) -> torch.Tensor:
+    """``[n]`` scores (CPU float64) of ``window``'s retained keys (``window.k_pos``) under ``policy``, summed over
+    every head of the model (``window.reduce_heads``: under TP every rank then keeps the same positions)."""
+    if policy == KNORM:
+        total = knorm_scores(window.keys(layer)[0] for layer in range(window.num_layers))
+    elif policy == SNAPKV_GLOBAL:
+        from sgl_sparse.methods.eviction.snapkv import observation_scores
+
+        queries = {layer: q[-SNAPKV_WINDOW:] for layer, q in window.queries.items()}
+        n_w = next(iter(queries.values())).shape[0]
+        total = observation_scores(
+            ObservationWindow(queries=queries, q_pos=window.q_pos[-n_w:], key_buffer=window.key_buffer,
+                              key_rows=window.key_rows, k_pos=window.k_pos, num_layers=window.num_layers,
+                              scale=window.scale),
+            SNAPKV_KERNEL, SNAPKV_POOLING)
+    else:
+        raise ValueError(f"no scorer for policy {policy!r}")
+    return window.reduce_heads(total).double().cpu()
+
+
+def request_prune_leaves(kept: torch.Tensor, spec: PruneSpec, window: Callable[[], ObservationWindow]) -> torch.Tensor:
+    """Which of the retained positions ``kept`` (sorted, CPU) a request's own prune takes away (bool ``[n]``): those
+    in its ranges, less the ``keep_tokens`` of them its policy scores highest (``window()`` builds the scoring view
+    over ``kept``, only when a score is needed). No more of them retained than ``keep_tokens``: none leaves."""
+    leave = in_ranges(kept, list(spec.ranges))
+    n = int(leave.sum())
+    if spec.keep_tokens <= 0 or n == 0:
+        return leave
+    if n <= spec.keep_tokens:
+        return torch.zeros_like(leave)
+    scores = policy_scores(spec.policy, window())
+    candidates = leave.nonzero().flatten()
+    leave[select_keep(candidates, scores[candidates], spec.keep_tokens)] = False
+    return leave

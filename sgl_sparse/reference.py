@@ -27,9 +27,9 @@ from sgl_sparse.contract import (
     SparseMethod,
     StepInfo,
     check_keep_plan,
-    in_ranges,
 )
 from sgl_sparse.kernels.pages import selected_positions_mask
+from sgl_sparse.prune_keep import SNAPKV_WINDOW, PruneSpec, request_prune_leaves
 
 
 class ToyAttentionStack:
@@ -86,11 +86,14 @@ class RequestTrace:
 
 
 def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: list[int], prompt_len: int,
-                chunk_size: int, prune: list[tuple[int, int]] | None = None) -> RequestTrace:
+                chunk_size: int, prune: list[tuple[int, int]] | PruneSpec | None = None) -> RequestTrace:
     """Prefill ``tokens[:prompt_len]`` in chunks, then decode the rest one token at a time (teacher
     forcing: the sequence is given, so dense and sparse runs are compared position by position).
-    ``prune``: logical ``[l, r)`` ranges of the prompt the request prunes from its own prompt (as
-    ``custom_params['sgl_sparse_prune']``), leaving at the end of the final chunk through ``on_prune``."""
+    ``prune``: the request's prune of its own prompt (as ``custom_params['sgl_sparse_prune']``): logical ``[l, r)``
+    ranges, or a :class:`~sgl_sparse.prune_keep.PruneSpec` with a scored keep; what leaves does so at the end of
+    the final chunk through ``on_prune``, as on the server (:func:`~sgl_sparse.prune_keep.request_prune_leaves`)."""
+    if prune is not None and not isinstance(prune, PruneSpec):
+        prune = PruneSpec(tuple(prune))
     h_all = model.embed[torch.tensor(tokens)]
     n_total = len(tokens)
     keys = [torch.zeros(n_total, model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
@@ -98,6 +101,8 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     retained = torch.zeros(n_total, dtype=torch.bool)  # the "row": which positions still have K/V
     state = method.new_state("ref")
     w = method.observation_window()
+    # Captured: the longer of the method's window and a scored prune's (as the server's capture).
+    w_cap = max(w, SNAPKV_WINDOW) if prune is not None and prune.scores else w
     window_q: dict[int, torch.Tensor] = {}
     outs: list[torch.Tensor] = []
     trace = RequestTrace(outputs=torch.empty(0))
@@ -145,8 +150,8 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
                 out = attend(q, keys[layer][kv_pos], vals[layer][kv_pos], q_pos, kv_pos)
             if sel is not None and not is_prefill and sel.observes(layer):
                 sel.observe(layer, q, k_pool[layer], r2t, rpi, seq)
-            if w:
-                window_q[layer] = torch.cat([window_q.get(layer, q[:0]), q])[-w:]
+            if w_cap:
+                window_q[layer] = torch.cat([window_q.get(layer, q[:0]), q])[-w_cap:]
             h = out.reshape(end - start, -1)
         outs.append(h)
         if sel is not None and sel.maintains:
@@ -159,7 +164,8 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
                         token_ids=(lambda a, b, e=end: tokens[a:min(b, e)]) if method.needs_token_ids() else None)
         if step.final_prefill and prune:
             kept = state.kept
-            gone = in_ranges(kept, prune)
+            gone = request_prune_leaves(kept, prune, lambda e=end, k=kept: _window(window_q, SNAPKV_WINDOW, e, keys, k,
+                                                                                   model))
             if bool(gone.any()):
                 method.on_prune(state, kept[gone])
                 retained[kept[gone]] = False
@@ -169,12 +175,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
             for replay in method.replays(state, step, max_tokens=1 << 30):
                 _run_replay(method, model, state, replay, keys, vals, positions)
         if w and method.wants_observation(state, step):
-            n_w = window_q[0].shape[0]
-            positions = retained.nonzero().flatten()
-            window = ObservationWindow(
-                queries=dict(window_q), q_pos=torch.arange(end - n_w, end), key_buffer=lambda layer: keys[layer],
-                key_rows=positions, k_pos=positions, num_layers=model.n_layers, scale=model.head_dim**-0.5)
-            method.on_observation(state, window)
+            method.on_observation(state, _window(window_q, w, end, keys, retained.nonzero().flatten(), model))
         plan = method.on_step_end(state, step)
         if plan is not None:
             keep = check_keep_plan(method, plan, state.kept)
@@ -186,6 +187,16 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     trace.outputs = torch.cat(outs)
     trace.state = state
     return trace
+
+
+def _window(window_q: dict[int, torch.Tensor], w: int, end: int, keys: list[torch.Tensor], positions: torch.Tensor,
+            model: ToyAttentionStack) -> ObservationWindow:
+    """The last ``w`` captured queries (ending at position ``end``) over the retained keys at ``positions``."""
+    queries = {layer: q[-w:] for layer, q in window_q.items()}
+    n_w = queries[0].shape[0]
+    return ObservationWindow(queries=queries, q_pos=torch.arange(end - n_w, end), key_buffer=lambda layer: keys[layer],
+                             key_rows=positions, k_pos=positions, num_layers=model.n_layers,
+                             scale=model.head_dim**-0.5)
 
 
 def _run_replay(method: SparseMethod[Any], model: ToyAttentionStack, state: Any, replay: Replay,

@@ -29,6 +29,7 @@ from typing import Any
 from sgl_sparse.compose import is_composed
 from sgl_sparse.contract import SparseMethod, served_hooks_problem
 from sgl_sparse.errors import SparseConfigError
+from sgl_sparse.prune_keep import REQUEST_POLICIES, REQUEST_SCORED, KeepError, PruneSpec, parse_keep
 from sgl_sparse.registry import create_method
 
 METHOD_KEY = "sgl_sparse_method"
@@ -36,10 +37,12 @@ CONFIG_KEY = "sgl_sparse_config"
 KEYS = frozenset({METHOD_KEY, CONFIG_KEY})
 # Per-request Prefix-Cache Pruning (docs/prefix-cache-pruning.md, "Per request"): a JSON string
 # ``{"ranges": [[l, r], ...]}`` of this request's prompt positions hidden from its attention after its final
-# prefill, and from the sequence the tree stores at its finish. Any method serves it: the runtime tells the
+# prefill, and from the sequence the tree stores at its finish; with ``keep_tokens`` / ``keep_ratio`` and a
+# ``policy``, the best-scored of them stay (sgl_sparse/prune_keep.py). Any method serves it: the runtime tells the
 # method which positions leave (``SparseMethod.on_prune``) before the method plans, so state indexed by the
 # retained set (H2O's scores, PyramidKV's layer masks) stays aligned.
 PRUNE_KEY = "sgl_sparse_prune"
+PRUNE_FIELDS = frozenset({"ranges", "keep_tokens", "keep_ratio", "policy"})
 
 OFF, EVICTION = "off", "eviction"
 POLICIES = (OFF, EVICTION)
@@ -182,20 +185,22 @@ def _config_fields(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
-def parse_prune_param(value: Any, prompt_len: int | None) -> list[tuple[int, int]]:
-    """``custom_params[PRUNE_KEY]`` -> sorted, merged ``[l, r)`` ranges of prompt positions, ``0 <= l < r <=
-    prompt_len`` (unchecked against the prompt when its length is not known here). Raises
-    :class:`RequestMethodError` naming the key."""
+def parse_prune_param(value: Any, prompt_len: int | None) -> PruneSpec:
+    """``custom_params[PRUNE_KEY]`` -> a :class:`~sgl_sparse.prune_keep.PruneSpec`: sorted, merged ``[l, r)`` ranges
+    of prompt positions, ``0 <= l < r <= prompt_len`` (unchecked against the prompt when its length is not known
+    here), and the scored keep (``keep_tokens`` or ``keep_ratio``, ``policy``) as ``POST /v1/prefix_cache/prune``
+    takes it, with ``snapkv_global`` besides ``knorm`` (the default when something is kept: the prompt's last
+    queries score the ranges). Raises :class:`RequestMethodError` naming the key."""
+    shape = ("'{\"ranges\": [[start, end], ...]}', optionally with keep_tokens or keep_ratio and policy (on "
+             "/v1/chat/completions, '{\"roles\": [\"tool\"], \"lag\": n}' may replace ranges)")
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise RequestMethodError(PRUNE_KEY, f"invalid JSON ({e}); expected '{{\"ranges\": [[start, end], ...]}}'"
-                                     ) from None
-    if not isinstance(value, Mapping) or set(value) != {"ranges"}:
-        raise RequestMethodError(PRUNE_KEY, "expected a JSON object with exactly one field, ranges: "
-                                            "'{\"ranges\": [[start, end], ...]}' (or, on /v1/chat/completions "
-                                            "only, '{\"roles\": [\"tool\"], \"lag\": n}')")
+            raise RequestMethodError(PRUNE_KEY, f"invalid JSON ({e}); expected {shape}") from None
+    if not isinstance(value, Mapping) or "ranges" not in value or not set(value) <= PRUNE_FIELDS:
+        extra = sorted(set(value) - PRUNE_FIELDS) if isinstance(value, Mapping) else []
+        raise RequestMethodError(PRUNE_KEY, (f"unknown field {extra[0]!r}; " if extra else "") + f"expected {shape}")
     ranges = value["ranges"]
     if not isinstance(ranges, list) or not ranges:
         raise RequestMethodError(PRUNE_KEY, "ranges: expected a non-empty list of [start, end] pairs")
@@ -217,7 +222,12 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> list[tuple[int, int
             merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
         else:
             merged.append((lo, hi))
-    return merged
+    try:
+        # Our servers' pools have pages of one token (a request's own prune hides single positions).
+        keep, policy = parse_keep(value, sum(hi - lo for lo, hi in merged), 1, REQUEST_POLICIES, REQUEST_SCORED)
+    except KeepError as e:
+        raise RequestMethodError(PRUNE_KEY, f"{e.field}: {e}") from None
+    return PruneSpec(tuple(merged), keep, policy)
 
 
 def prune_problem(resolver: MethodResolver) -> str | None:

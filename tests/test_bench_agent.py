@@ -152,7 +152,42 @@ def test_replay_pruning_mode_with_a_scored_keep(mixed_server: ServerProcess, tin
     _assert_idle_and_sound(mixed_server)
 
 
+@pytest.mark.server
+def test_replay_pruning_mode_in_the_turns_own_request(mixed_server: ServerProcess, tiny_model: str) -> None:
+    """``prune_policy="snapkv_global"``: no prune call; each turn whose prompt holds more tool results than the lag
+    prunes its own (custom_params sgl_sparse_prune: roles, lag, keep_ratio, policy), keeping the quarter of those
+    tokens its prompt's last queries attend to most. Every such turn is recorded, the cached sequence hides the
+    rest, the next turn is still a hit, and nothing leaks."""
+    import requests
+    from transformers import AutoTokenizer
+
+    from tests.test_eviction_e2e import _assert_idle_and_sound, _state
+
+    assert requests.post(f"{mixed_server.base_url}/flush_cache", timeout=30).status_code == 200
+    before = _state(mixed_server)["evicted_tokens_total"]
+    trace = generate(WorkloadConfig.from_toml(CONFIGS / "tiny.toml"))
+    result = replay(mixed_server.base_url, trace, AutoTokenizer.from_pretrained(tiny_model), client="openai",
+                    label="own", progress=False, prune_lag=1, prune_keep_ratio=0.25, prune_policy="snapkv_global")
+    s = report.summarize(result)
+    assert s["errors"] == 0, result.errors
+    # Turn i prunes its own prompt when that prompt (tool results of turns < i) holds more than `lag` of them.
+    expected = {(sess.id, i) for sess in trace.sessions for i in range(len(sess.turns))
+                if sum(1 for t in sess.turns[:i] if t.tool_tokens) > 1}
+    assert expected and {(p.session, p.turn) for p in result.prunes} == expected
+    assert all(p.status == "in_request" for p in result.prunes) and s["prunes_in_request"] == len(expected)
+    prompts = {(t.session, t.turn): t for t in result.turns}
+    for p in result.prunes:
+        if (p.session, p.turn + 1) in prompts:
+            nxt = prompts[(p.session, p.turn + 1)]
+            assert nxt.cached_tokens >= 0.9 * prompts[(p.session, p.turn)].prompt_tokens, (p, nxt)
+    assert _state(mixed_server)["evicted_tokens_total"] > before  # the pruned tool tokens left (3/4 of them)
+    assert s["prune_policy"] == "snapkv_global" and "| prunes_in_request |" in report.table([s])
+    _assert_idle_and_sound(mixed_server)
+
+
 def test_pruning_mode_needs_the_openai_client(tiny_model: str) -> None:
     trace = generate(WorkloadConfig.from_toml(CONFIGS / "tiny.toml"))
     with pytest.raises(ValueError, match="openai client"):
         replay("http://127.0.0.1:9", trace, None, client="frontend", prune_lag=1, progress=False)
+    with pytest.raises(ValueError, match="give prune_keep_ratio > 0"):
+        replay("http://127.0.0.1:9", trace, None, prune_lag=1, prune_policy="snapkv_global", progress=False)

@@ -220,6 +220,9 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     *[(["--sparse-method", "snapkv", "--device", "cuda", *f], "a replayed prefill graph has no request ids")
       for f in (["--cuda-graph-backend-prefill", "breakable"], ["--cuda-graph-backend-prefill", "tc_piecewise"],
                 ["--enable-breakable-cuda-graph"], ["--cuda-graph-config", '{"prefill": {"backend": "full"}}'])],
+    # An evicting method without a window: a request's own scored prune captures the prompt's last queries.
+    (["--sparse-method", "streamingllm", "--device", "cuda", "--cuda-graph-backend-prefill", "breakable"],
+     "could not score its ranges"),
     # Graphs cannot run on CPU.
     (["--device", "cpu", "--cuda-graph-backend-decode", "full"], "CUDA graphs cannot run on CPU"),
     (["--device", "cpu", "--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'],
@@ -292,10 +295,11 @@ def test_rkv_with_decode_graphs_off_also_turns_the_prefill_graph_off() -> None:
     ("snapkv", "cuda", ["--disable-piecewise-cuda-graph"], "disabled", None),
     ("snapkv", "cuda", ["--cuda-graph-backend-prefill", "disabled"], "disabled", None),
     ("snapkv", "cuda", ["--disable-prefill-cuda-graph"], None, None),
-    # Methods without an observation window keep every SGLang default.
+    # A dense server keeps every SGLang default; an evicting one without a window turns the prefill graph off
+    # (a request's own scored prune reads the prompt's last queries; an explicit one is a launch error).
     ("dense", "cuda", [], None, None),
-    ("streamingllm", "cuda", [], None, None),
-    ("streamingllm", "cuda", ["--cuda-graph-backend-prefill", "breakable"], "breakable", None),
+    ("streamingllm", "cuda", [], "disabled", "a request's own prune"),
+    ("streamingllm", "cuda", ["--disable-piecewise-cuda-graph"], "disabled", None),
     ("dense", "cuda", ["--enable-breakable-cuda-graph"], "breakable", None),
 ])
 def test_prefill_cuda_graph_switch(method: str, device: str, flags: list[str], prefill: str | None,
@@ -311,15 +315,16 @@ def test_prefill_cuda_graph_switch(method: str, device: str, flags: list[str], p
         assert requested_graph_backend(args, "prefill") == "disabled"
 
 
-def test_dense_and_streamingllm_keep_sglang_graph_defaults() -> None:
-    """Nothing graph-related changes for methods without an observation window."""
+def test_dense_keeps_sglang_graph_defaults_and_streamingllm_all_but_prefill() -> None:
+    """Dense changes nothing graph-related; StreamingLLM only the prefill graph (a request's own scored prune)."""
     from sgl_sparse.integration.launch import build_parser
 
     for method in ("dense", "streamingllm"):
         argv = ["--model-path", "m", "--device", "cuda", "--sparse-method", method]
         args, _ = parse_args(argv)
         stock = build_parser().parse_args(argv)
-        graph_fields = [k for k in vars(stock) if "cuda_graph" in k]
+        graph_fields = [k for k in vars(stock) if "cuda_graph" in k and not (method == "streamingllm" and k ==
+                                                                             "cuda_graph_backend_prefill")]
         assert graph_fields and all(getattr(args, k) == getattr(stock, k) for k in graph_fields)
         assert all(getattr(args, k) in (None, False) for k in graph_fields if "backend" in k or "disable" in k)
 

@@ -360,3 +360,17 @@ def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: st
     r = requests.post(f"{server.base_url}/v1/chat/completions", json=bad, timeout=60)
     assert r.status_code == 400 and "sgl_sparse_prune" in r.text and "lagg" in r.text, r.text[:300]
     _assert_idle_and_sound(server)
+
+    # With a scored keep (here a fraction of the ranges' union): the keep fields travel with the resolved ranges.
+    _flush(server)
+    keep = {**body, "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lag": 1,
+                                                                       "keep_ratio": 0.25})}}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=keep, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    m = _post(server, "match", {"token_ids": prompt}).json()
+    assert m["hidden_tokens"] == expected - int(0.25 * expected), (m, expected)
+    bad = {**body, "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lag": 1,
+                                                                      "keep_tokens": expected})}}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and "keep_tokens" in r.text and "less than the ranges' size" in r.text, r.text[:300]
+    _assert_idle_and_sound(server)

@@ -17,13 +17,15 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 from sgl_sparse.integration.prune_api import BadPruneRequest, parse_body, pool_scorer
-from sgl_sparse.prune_keep import knorm_scores, select_keep
+from sgl_sparse.prune_keep import PruneSpec, knorm_scores, request_prune_leaves, select_keep
 from sgl_sparse.radix import prune as tree_prune
 from sgl_sparse.radix.tree import SparseRadixCache
+from sgl_sparse.reference import ToyAttentionStack, run_request
 from sgl_sparse.registry import create_method
 from sgl_sparse.request_methods import EVICTION, MethodResolver
 from tests.test_prune import _finished
 from tests.test_sparse_tree import POOL, _holes_in, _invariant, _match
+from tests.toy_reference import attend_retained
 
 LAYERS, HKV, D = 3, 2, 8
 
@@ -234,3 +236,85 @@ def test_a_scored_keep_on_a_shared_prefix_is_copy_on_write() -> None:
     assert len(mb.device_indices) == len(b) and _holes_in(mb.device_indices) == []
     tree.evict(EvictParams(num_tokens=POOL))
     assert alloc.available_size() == POOL and _invariant(tree, alloc) == 0
+
+
+# -- a request's own prune with a scored keep (custom_params sgl_sparse_prune + keep_tokens/policy) ---------------
+
+def _request_keep_reference(model: ToyAttentionStack, tokens: list[int], prompt_len: int,
+                            ranges: list[tuple[int, int]], keep: int, policy: str) -> tuple[list[int], torch.Tensor]:
+    """Plain loops: the prompt through the toy stack densely, then each candidate position (in the ranges) scored
+    by ``policy`` (snapkv_global: per layer and KV head, the softmax probability each of the last 32 queries of
+    the group's heads gives it, summed, averaged over the 5 positions around it; knorm: minus its keys' norms),
+    summed over layers and heads in float64; the ``keep`` best candidates stay (ties: earlier). Then the decode
+    over what stays. Returns the retained positions and every output."""
+    n_total, w = len(tokens), min(32, prompt_len)
+    keys = [torch.zeros(n_total, model.n_kv_heads, model.head_dim) for _ in range(model.n_layers)]
+    vals = [torch.zeros_like(keys[0]) for _ in range(model.n_layers)]
+    qc = [torch.zeros(0, model.n_heads, model.head_dim) for _ in range(model.n_layers)]
+    h = model.embed[torch.tensor(tokens[:prompt_len])]
+    outs = []
+    for layer in range(model.n_layers):
+        h = attend_retained(model, layer, h, 0, prompt_len, list(range(prompt_len)), keys, vals, qc, w, double=True)
+    outs.append(h)
+    group, d = model.n_heads // model.n_kv_heads, model.head_dim
+    total = [0.0] * prompt_len
+    for layer in range(model.n_layers):
+        for kv in range(model.n_kv_heads):
+            if policy == "knorm":
+                for c in range(prompt_len):
+                    total[c] -= float(keys[layer][c, kv].double().norm())
+                continue
+            per_key = [0.0] * prompt_len
+            for i, pos in enumerate(range(prompt_len - w, prompt_len)):
+                for head in range(kv * group, (kv + 1) * group):
+                    logits = (keys[layer][: pos + 1, kv].double() @ qc[layer][i, head].double()) / d**0.5
+                    for c, pr in enumerate(logits.softmax(0).tolist()):
+                        per_key[c] += pr
+            for c in range(prompt_len):
+                seg = per_key[max(0, c - 2):c + 3]
+                total[c] += sum(seg) / len(seg)
+    candidates = [p for lo, hi in ranges for p in range(lo, hi)]
+    best = sorted(candidates, key=lambda c: (-total[c], c))[:keep]
+    retained = [p for p in range(prompt_len) if p not in set(candidates) - set(best)]
+    for pos in range(prompt_len, n_total):
+        h = model.embed[torch.tensor(tokens[pos:pos + 1])]
+        retained.append(pos)
+        for layer in range(model.n_layers):
+            h = attend_retained(model, layer, h, pos, pos + 1, retained, keys, vals, qc, w, double=True)
+        outs.append(h)
+    return retained, torch.cat(outs)
+
+
+@pytest.mark.parametrize(("policy", "ranges", "keep", "chunk"), [
+    ("snapkv_global", [(5, 20), (30, 41)], 7, 16),  # 26 candidates, one budget over both ranges
+    ("snapkv_global", [(0, 50)], 12, 60),  # the range runs into the window: its queries still score
+    ("knorm", [(5, 20), (30, 41)], 7, 16),
+])
+def test_a_request_scored_keep_equals_plain_loops(policy: str, ranges: list[tuple[int, int]], keep: int,
+                                                  chunk: int) -> None:
+    """The reference driver's prune at the prompt's end, as the server's (both call request_prune_leaves): the
+    ``keep`` positions of the ranges the policy scores highest stay, the rest leave, and the decode reads exactly
+    what stays."""
+    model = ToyAttentionStack()
+    tokens = torch.randint(0, 256, (66,), generator=torch.Generator().manual_seed(5)).tolist()
+    trace = run_request(create_method("dense"), model, tokens, prompt_len=60, chunk_size=chunk,
+                        prune=PruneSpec(tuple(ranges), keep, policy))
+    retained, outs = _request_keep_reference(model, tokens, 60, ranges, keep, policy)
+    assert trace.state.kept.tolist() == retained
+    assert trace.kept_after_step[-1] == len(retained)
+    kept_in_ranges = [p for p in retained if any(lo <= p < hi for lo, hi in ranges)]
+    assert len(kept_in_ranges) == keep and kept_in_ranges != [p for lo, hi in ranges for p in range(lo, hi)][:keep]
+    torch.testing.assert_close(trace.outputs, outs.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_request_keep_covering_what_is_left_drops_nothing_and_no_score_is_taken() -> None:
+    """Fewer retained positions in the ranges than keep_tokens (an earlier eviction took the rest): none leaves,
+    and the window is never built (a drop, or nothing to choose, needs no queries)."""
+    kept = torch.tensor([0, 1, 2, 9, 10, 30, 31])
+
+    def no_window() -> Any:
+        raise AssertionError("scored without a choice to make")
+
+    assert not request_prune_leaves(kept, PruneSpec(((5, 20),), 2, "snapkv_global"), no_window).any()
+    assert request_prune_leaves(kept, PruneSpec(((5, 20),)), no_window).tolist() == [False] * 3 + [True] * 2 + \
+        [False] * 2

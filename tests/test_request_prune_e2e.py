@@ -211,3 +211,55 @@ def test_a_continuation_prunes_its_restored_prefix(small: dict, method: str, con
         _prefix(server, "inspect", seq2 + question + third["output_ids"], method, config))
     assert _state(server)["requests_tracked"] == 0
     _assert_idle_and_sound(server)
+
+
+def _reference_scores(model_dir: str, prompt: list[int], policy: str) -> torch.Tensor:
+    """The scored keep's score of every prompt position, from HF transformers (fp32, eager attention) over the
+    whole prompt: ``snapkv_global``: the softmax attention of the prompt's last 32 queries, summed over each KV
+    head's query group and the window, average-pooled over 5 positions per KV head, summed over heads and layers
+    (SnapKV's score, prune_keep.py); ``knorm``: minus each post-RoPE key's L2 norm, summed over heads and layers."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    n, hkv = len(prompt), model.config.num_key_value_heads
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True, output_attentions=True)
+    total = torch.zeros(n, dtype=torch.float64)
+    for layer in range(model.config.num_hidden_layers):
+        if policy == "snapkv_global":
+            per_head = out.attentions[layer][0, :, -32:, :].reshape(hkv, -1, n).sum(1)  # [Hkv, n]
+            pooled = F.avg_pool1d(per_head[:, None, :], 5, stride=1, padding=2, count_include_pad=False)[:, 0]
+            total += pooled.sum(0).double()
+        else:
+            total -= torch.linalg.vector_norm(out.past_key_values.layers[layer].keys[0], dim=-1).double().sum(0)
+    return total
+
+
+@pytest.mark.parametrize("policy", ["snapkv_global", "knorm"])
+def test_a_scored_keep_keeps_the_best_scored_positions_of_its_ranges(small: dict, policy: str) -> None:
+    """A dense request prunes two ranges of its own prompt but keeps 64 of their 400 tokens, the ones its policy
+    scores highest (one budget over both): exactly 336 end hidden, the 64 kept are the reference's top 64 (up to
+    float near-ties), and its decode equals the HF reference that reads every position but the hidden ones after
+    the prompt's forward. Leak-free."""
+    server, ids = small["server"], small["ids"]
+    ranges, keep = [[100, 300], [500, 700]], 64
+    candidates = [p for lo, hi in ranges for p in range(lo, hi)]
+    _flush(server)
+    out = server.generate(input_ids=ids, max_new_tokens=N_OUT, ignore_eos=True, custom_params={
+        "sgl_sparse_prune": json.dumps({"ranges": ranges, "keep_tokens": keep, "policy": policy})})
+    _assert_idle_and_sound(server)
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": ids + out["output_ids"]},
+                      timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    hidden = _hidden(r.json())
+    assert hidden <= set(candidates) and len(hidden) == len(candidates) - keep, sorted(hidden)[:20]
+    kept = sorted(set(candidates) - hidden)
+    assert kept != candidates[:keep] and kept != candidates[-keep:]  # scored, not positional
+
+    scores = _reference_scores(small["model"], ids, policy)
+    ranked = scores[torch.tensor(candidates)].sort(descending=True).values
+    kth, tol = float(ranked[keep - 1]), 1e-5 * float(ranked.abs().max())
+    assert min(float(scores[p]) for p in kept) >= kth - tol, (policy, kth)
+    assert max(float(scores[p]) for p in hidden) <= kth + tol, (policy, kth)
+    assert out["output_ids"] == _masked_reference(small["model"], ids, hidden, [], N_OUT)[0]

@@ -222,12 +222,29 @@ def test_per_request_prune_is_checked_in_the_http_process() -> None:
     for server_only in ("pyramidkv", "kvzip", "snapkv+fp8_kv"):  # a server's own method, never a request's
         check(ok, MethodResolver(create_method(server_only)))
     check({"sgl_sparse_prune": '{"ranges": [[1, 3]]}'}, text="a b c d")
+    for keep in ({"keep_tokens": 59}, {"keep_tokens": 8, "policy": "knorm"}, {"keep_ratio": 0.25},
+                 {"keep_tokens": 0, "policy": "drop"}, {"keep_ratio": 0.5, "policy": "snapkv_global"}):
+        check({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10], [50, 100]], **keep})})
     for cp, resolver, text, words in (
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 101]]})}, mixed, None, "ranges[0]: [0, 101)"),
         ({"sgl_sparse_prune": '{"ranges": [[1, 5]]}'}, mixed, "a b c d", "prompt length 4"),
         ({"sgl_sparse_prune": '{"ranges": []}'}, mixed, None, "non-empty list"),
         ({"sgl_sparse_prune": '{"ranges": [[3, 3]]}'}, mixed, None, "ranges[0]"),
-        ({"sgl_sparse_prune": '{"rangez": [[0, 3]]}'}, mixed, None, "exactly one field"),
+        ({"sgl_sparse_prune": '{"rangez": [[0, 3]]}'}, mixed, None, "unknown field 'rangez'"),
+        ({"sgl_sparse_prune": '{"keep_tokens": 2}'}, mixed, None, "expected '{\"ranges\""),
+        # The scored keep: one budget over the union (here 10 + 50 tokens), a policy that scores.
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10], [50, 100]], "keep_tokens": 60})}, mixed, None,
+         "keep_tokens: 60 must be less than the ranges' size, 60"),
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_tokens": -1})}, mixed, None,
+         "keep_tokens: expected an integer >= 0"),
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_tokens": 2, "policy": "drop"})}, mixed, None,
+         "keep_tokens: policy 'drop' keeps nothing"),
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_tokens": 2, "policy": "kvzip_global"})}, mixed,
+         None, "policy: 'kvzip_global': expected one of drop, knorm, snapkv_global"),
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_ratio": 1.0})}, mixed, None,
+         "keep_ratio: expected a number in [0, 1)"),
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_ratio": 0.5, "keep_tokens": 5})}, mixed, None,
+         "keep_ratio: give keep_tokens or keep_ratio, not both"),
         ({"sgl_sparse_prune": "{not json"}, mixed, None, "invalid JSON"),
         (ok, stock, None, "stock attention lists"),
     ):

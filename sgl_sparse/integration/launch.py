@@ -161,13 +161,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         if requested_graph_backend(args, "prefill") != DISABLED:
             prefill_off = "no CUDA graphs on CPU"
         args.disable_cuda_graph = True
-    elif (method.observation_window() > 0 or probe is not None) and requested_graph_backend(args, "prefill") is None:
+    elif ((method.observation_window() > 0 or method.evicts or probe is not None)
+          and requested_graph_backend(args, "prefill") is None):
         # A replayed prefill graph runs attention on a static ForwardBatch without rids
         # (model_executor/runner/prefill_cuda_graph_runner.py L1481-1539), so the window queries the method
-        # scores would never be captured. Set as --cuda-graph-backend-prefill disabled would.
+        # scores would never be captured; on any evicting server a request's own prune with a scored keep
+        # (custom_params sgl_sparse_prune, policy snapkv_global) reads them too. Set as
+        # --cuda-graph-backend-prefill disabled would.
         args.cuda_graph_backend_prefill = DISABLED
-        prefill_off = (f"{method.name} captures prefill queries" if probe is None else
-                       f"per-request eviction methods ({FLAG} eviction) capture prefill queries")
+        prefill_off = (f"{method.name} captures prefill queries" if method.observation_window() > 0 else
+                       f"per-request eviction methods ({FLAG} eviction) capture prefill queries" if probe else
+                       "a request's own prune (custom_params sgl_sparse_prune) may score its ranges with the "
+                       "prompt's last queries")
         prefill_off += ", which a replayed prefill graph skips"
     elif method.store is not None and requested_graph_backend(args, "prefill") is None:
         # Our extend over a method-owned layout reads the new tokens through FlashInfer's ragged prefill,
@@ -437,6 +442,11 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
             problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
                             "has no request ids, so the method cannot capture its window queries; drop the flag "
                             "(the launcher turns prefill CUDA graphs off for it)")
+        elif method.evicts and prefill not in (None, DISABLED):
+            problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
+                            "has no request ids, so a request's own prune could not score its ranges with the "
+                            "prompt's last queries (custom_params sgl_sparse_prune with keep_tokens); drop the flag "
+                            "(the launcher turns prefill CUDA graphs off on evicting servers)")
     return problems
 
 

@@ -31,7 +31,7 @@ import torch
 from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 
-from sgl_sparse.prune_keep import DROP, KNORM, POLICIES, SCORED, knorm_scores
+from sgl_sparse.prune_keep import KNORM, POLICIES, SCORED, SNAPKV_GLOBAL, KeepError, knorm_scores, parse_keep
 from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
 
 PRUNE, INSPECT = "prune", "inspect"
@@ -174,39 +174,17 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
     else:
         out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
     size = sum(hi - lo for lo, hi in out["ranges"])
-    keep = body.get("keep_tokens", 0)
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-        raise BadPruneRequest("keep_tokens", f"expected an integer >= 0, got {keep!r}")
-    ratio = body.get("keep_ratio")
-    if ratio is not None:
-        # SparseEngine's agent harness keeps a fraction of the tool tokens; with roles the client does not know
-        # the ranges' size, so the fraction is taken here, over their union, rounded down to whole pages.
-        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
-            raise BadPruneRequest("keep_ratio", f"expected a number in [0, 1), got {ratio!r}")
-        if "keep_tokens" in body:
-            raise BadPruneRequest("keep_ratio", "give keep_tokens or keep_ratio, not both")
-        keep = int(ratio * size) // page_size * page_size
-    policy = body.get("policy")
-    if policy is None:
-        policy = KNORM if keep or ratio else DROP
-    if policy not in POLICIES:
-        raise BadPruneRequest("policy", f"{policy!r}: expected one of {', '.join(POLICIES)} (SnapKV's and KVzip's "
-                                        "scores need queries of a forward pass, which a prune does not have)")
-    if (keep or ratio) and policy not in SCORED:
-        field = "keep_ratio" if ratio else "keep_tokens"
-        raise BadPruneRequest(field, f"policy {policy!r} keeps nothing: give {field} 0, or a scored "
-                                     f"policy ({', '.join(SCORED)})")
-    if keep % page_size:
-        raise BadPruneRequest("keep_tokens", f"{keep} is not a multiple of the page size {page_size} (a page is "
-                                             "kept or dropped whole)")
+    try:
+        keep, policy = parse_keep(body, size, page_size, POLICIES, SCORED, no_policy_hint=(
+            f" ({SNAPKV_GLOBAL!r} needs the queries of a forward pass, which a prune between batches does not have: "
+            "ask for it in the next request's custom_params['sgl_sparse_prune'], which prunes its own prompt)"))
+    except KeepError as e:
+        raise BadPruneRequest(e.field, str(e)) from None
     out["keep_tokens"], out["policy"] = keep, policy
     evict = body.get("evict_branches", False)
     if not isinstance(evict, bool):
         raise BadPruneRequest("evict_branches", f"expected true or false, got {evict!r}")
     out["evict_branches"] = evict
-    if keep and size and keep >= size:
-        raise BadPruneRequest("keep_tokens", f"{keep} must be less than the ranges' size, {size} tokens (their "
-                                             "union): keeping them all prunes nothing")
     return out
 
 
@@ -413,9 +391,11 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
     if not isinstance(spec, Mapping) or "roles" not in spec:
         return result
     where = f"custom_params[{PRUNE_KEY!r}]"
-    unknown = sorted(set(spec) - {"roles", "lag"})
+    keep_fields = {"keep_tokens", "keep_ratio", "policy"}
+    unknown = sorted(set(spec) - {"roles", "lag"} - keep_fields)
     if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}; the chat form is {{\"roles\": [...], \"lag\": n}}")
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}; the chat form is {{\"roles\": [...], \"lag\": n}}, "
+                         "optionally with keep_tokens or keep_ratio and policy")
     if not isinstance(adapted.input_ids, list) or not adapted.input_ids or isinstance(adapted.input_ids[0], list):
         raise ValueError(f"{where}: roles need the route's rendered token ids (a text-only chat template): give "
                          "ranges")
@@ -430,8 +410,8 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
         ranges = chat_ranges(render, messages, adapted.input_ids, spec.get("roles"), spec.get("lag", 0))
     except BadPruneRequest as e:
         raise ValueError(f"{where}: {e}") from None
-    if ranges:
-        cp[PRUNE_KEY] = json.dumps({"ranges": ranges})
+    if ranges:  # the keep fields are checked with the ranges, by the generate-request validation
+        cp[PRUNE_KEY] = json.dumps({"ranges": ranges, **{k: v for k, v in spec.items() if k in keep_fields}})
     else:  # nothing older than the lag: the request is an ordinary one
         del cp[PRUNE_KEY]
     return result

@@ -31,6 +31,7 @@ from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
+from sgl_sparse.prune_keep import SNAPKV_WINDOW
 from sgl_sparse.registry import create_method
 from sgl_sparse.request_methods import (
     EVICTION,
@@ -45,7 +46,7 @@ from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)
 SERVED_ATTR = "_sgl_sparse_served"  # set on SGLang's Req at admission: the Served method of the request
-PRUNE_ATTR = "_sgl_sparse_prune"  # set on SGLang's Req at admission: its own prompt ranges to prune, or absent
+PRUNE_ATTR = "_sgl_sparse_prune"  # set on SGLang's Req at admission: its own prune (a PruneSpec), or absent
 
 
 @dataclass
@@ -102,7 +103,9 @@ class SparseRuntime:
             raise ValueError(f"sgl_sparse: {why}")
         per_request = self.resolver is not None and self.resolver.policy == EVICTION
         self.evicting = m.evicts or per_request
-        self.observes = m.observation_window() > 0 or per_request
+        # An evicting server's requests may prune their own prompts with a scored keep, which reads the prompt's
+        # last queries: capture in prefill there (a request that needs none costs a dict lookup per layer).
+        self.observes = m.observation_window() > 0 or self.evicting
         self.observes_decode = (m.observation_window() > 0 and m.observes_decode()) or per_request
         self.active = self.evicting or self.observes
         self.capture = QueryCapture()
@@ -125,10 +128,10 @@ class SparseRuntime:
             try:
                 served = self.resolver.resolve(custom_params)
                 if isinstance(custom_params, dict) and PRUNE_KEY in custom_params:
-                    ranges = parse_prune_param(custom_params[PRUNE_KEY], len(req.origin_input_ids))
+                    spec = parse_prune_param(custom_params[PRUNE_KEY], len(req.origin_input_ids))
                     if (why := prune_problem(self.resolver)) is not None:
                         raise RequestMethodError(PRUNE_KEY, why)
-                    setattr(req, PRUNE_ATTR, ranges)
+                    setattr(req, PRUNE_ATTR, spec)
             except RequestMethodError as e:
                 # The HTTP process validates every request first; this is a request that bypassed it.
                 req.set_finish_with_abort(f"custom_params.{e.key}: {e}")
@@ -187,8 +190,15 @@ class SparseRuntime:
             method.restore_state(st, payload)
         t = Tracked(st, int(req.req_pool_idx), method)
         self.tracked[req.rid] = t
-        if method.observation_window() > 0:
-            self.capture.start(req.rid, method.observation_window(), method.observes_decode())
+        window = method.observation_window()
+        spec = getattr(req, PRUNE_ATTR, None)
+        if spec is not None and spec.scores:
+            # Its own prune scores the ranges with the prompt's last queries (snapkv_global; knorm reads keys only,
+            # but one window for both keeps this simple): capture at least SnapKV's window; the method is handed
+            # only its own (step._window).
+            window = max(window, SNAPKV_WINDOW)
+        if window > 0:
+            self.capture.start(req.rid, window, method.observation_window() > 0 and method.observes_decode())
         return t
 
     def finish(self, req: Any) -> Any:

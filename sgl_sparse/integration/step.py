@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan, in_ranges
+from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
+from sgl_sparse.prune_keep import SNAPKV_WINDOW, PruneSpec, request_prune_leaves
 from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         ids = functools.partial(_token_ids, req) if method.needs_token_ids() else None
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
                         token_ids=ids)
-        if final and (ranges := getattr(req, PRUNE_ATTR, None)):
-            _prune(rt, req, t, ranges, model_runner)
+        if final and (spec := getattr(req, PRUNE_ATTR, None)):
+            _prune(rt, req, t, spec, model_runner)
         if final and type(method).replays is not SparseMethod.replays:
             replays = method.replays(st, info, replay.room(model_runner, st.logical_len))
             if replays:
@@ -65,7 +66,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
             if not is_prefill and not rt.capture.observes_decode(req.rid):
                 raise RuntimeError(f"sgl_sparse: {method.name}.wants_observation is true in decode but "
                                    "observes_decode() is false, so no decode queries were captured")
-            method.on_observation(st, _window(rt, req, t, model_runner))
+            method.on_observation(st, _window(rt, req, t, model_runner, method.observation_window()))
         if final:
             t.prompt_done = True
             rt.capture.prompt_done(req.rid)
@@ -86,22 +87,26 @@ def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
     return [*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)]]
 
 
-def _prune(rt: SparseRuntime, req: Any, t: Tracked, ranges: list[tuple[int, int]], model_runner: Any) -> None:
+def _prune(rt: SparseRuntime, req: Any, t: Tracked, spec: PruneSpec, model_runner: Any) -> None:
     """The request's own prune (custom_params sgl_sparse_prune), in the step that completed its prompt, after the
     forward (its prompt attended the ranges) and before its method replays, observes or plans (nothing after it
     does): the method is told which retained positions leave (``on_prune``), then they are freed at once, so the
     replays' rows, the observation window and the plan check all see the rest, and the tree stores the sequence
-    without them. Positions already gone (an earlier turn's eviction) are not handed over. The ranges come with
-    the request, identical on every TP rank."""
+    without them. Positions already gone (an earlier turn's eviction) are not handed over. A scored keep keeps
+    the ``keep_tokens`` of the ranges' retained positions its policy scores highest (the prompt's last queries
+    over every retained key, summed over the TP group: every rank keeps the same). The spec comes with the
+    request, identical on every TP rank."""
     kept = t.state.kept
-    drop = in_ranges(kept, ranges)
+    drop = request_prune_leaves(kept, spec, lambda: _window(rt, req, t, model_runner, SNAPKV_WINDOW))
     if not bool(drop.any()):
         return
     t.method.on_prune(t.state, kept[drop])
     _apply(rt, [(req, t, kept[~drop])], model_runner)
 
 
-def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> ObservationWindow:
+def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any, w: int) -> ObservationWindow:
+    """The request's last ``w`` captured queries over its retained keys (the capture may hold more: the longer of
+    its method's window and its own prune's)."""
     st = t.state
     queries = rt.capture.get(req.rid)
     n_layers = rt.capture.num_layers
@@ -109,6 +114,7 @@ def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any) -> Obser
         raise RuntimeError(f"sgl_sparse: {t.method.name} needs the last queries of every layer, but the "
                            f"attention backend captured {len(queries)} layer(s) for request {req.rid} "
                            "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
+    queries = {layer: q[-w:] for layer, q in queries.items()}
     n_w = queries[0].shape[0]
     row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]
     slots = row[to_device(st.kept, row.device)].long()

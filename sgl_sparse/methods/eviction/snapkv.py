@@ -85,6 +85,22 @@ def window_scores(q: torch.Tensor, k_buffer: torch.Tensor, k_rows: torch.Tensor,
     return per_head.sum(0)
 
 
+def observation_scores(window: ObservationWindow, kernel_size: int, pooling: str) -> torch.Tensor:
+    """``[n]``: :func:`window_scores` of ``window``'s retained keys summed over its layers (this rank's heads; the
+    caller sums over the TP group). Also the scored keep ``snapkv_global`` of a request's own prune
+    (:mod:`sgl_sparse.prune_keep`)."""
+    total: torch.Tensor | None = None
+    on_device: tuple[torch.Tensor, ...] | None = None  # copied once, not per layer
+    for layer in range(window.num_layers):
+        buf = window.key_buffer(layer)
+        if on_device is None:
+            on_device = (window.key_rows.to(buf.device), window.q_pos.to(buf.device), window.k_pos.to(buf.device))
+        s = window_scores(window.queries[layer], buf, *on_device, window.scale, kernel_size, pooling)
+        total = s if total is None else total + s
+    assert total is not None
+    return total
+
+
 @register_method
 class SnapKV(SparseMethod[SnapKVConfig]):
     name = "snapkv"
@@ -108,18 +124,8 @@ class SnapKV(SparseMethod[SnapKVConfig]):
         return not step.is_prefill and di > 0 and step.decoded_tokens % di == 0
 
     def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
-        total: torch.Tensor | None = None
-        on_device: tuple[torch.Tensor, ...] | None = None  # copied once, not per layer
-        for layer in range(window.num_layers):
-            buf = window.key_buffer(layer)
-            if on_device is None:
-                on_device = (window.key_rows.to(buf.device), window.q_pos.to(buf.device), window.k_pos.to(buf.device))
-            s = window_scores(window.queries[layer], buf, *on_device, window.scale, self.config.kernel_size,
-                              self.config.pooling)
-            total = s if total is None else total + s
-        assert total is not None
         # Under TP this rank scored its own heads; every rank must select from the sum over all of them.
-        total = window.reduce_heads(total)
+        total = window.reduce_heads(observation_scores(window, self.config.kernel_size, self.config.pooling))
         state.extra["scores"] = (window.k_pos.cpu(), total.cpu())
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
