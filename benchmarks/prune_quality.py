@@ -1,0 +1,123 @@
+"""Quality of a request's own prune when the fact asked for sits in the pruned history (issue: Prefix-Cache Pruning).
+
+    python benchmarks/prune_quality.py --tokens 2048 --n 50 --keep-ratios 0.05 0.1 0.25 --json out.json
+
+The agent task (``agent_recall``: a transcript of tool results, each carrying one fact; the last user turn asks for
+one of the facts of the earlier tool results) through one server of ours (``--sparse-request-methods eviction``,
+the trained small model by default). Each request prunes the content of its tool messages but the most recent one
+(``--lag``, default 1: the asked fact is always in a pruned message) with ``custom_params`` ``sgl_sparse_prune``
+(ranges found as ``{"roles": ["tool"], "lag": n}`` would find them), under each policy:
+
+* ``none``: no prune (the dense answer);
+* ``drop``: the ranges leave whole;
+* ``knorm@r`` / ``snapkv_global@r``: a fraction ``r`` of the ranges' tokens stays, those of lowest key norm or those
+  the prompt's last 32 queries (which hold the question) attend to most (docs/prefix-cache-pruning.md).
+
+The prune comes after the prompt's forward, so the first answer token still sees every position; the tokens after
+it (a multi-digit port) read only what is left, as every later turn of the conversation would. Greedy, 24 new
+tokens, scored by the suite's scorer. Prints one row per policy: accuracy, the tokens pruned (ranges' size) and
+kept per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sgl_sparse.integration.prune_api import message_spans, role_ranges  # noqa: E402
+from sgl_sparse.quality.eval import MAX_NEW_TOKENS, fit_example, positive_int, render  # noqa: E402
+from sgl_sparse.quality.tasks import score  # noqa: E402
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, GPU_SERVER_FLAGS, ServerProcess  # noqa: E402
+
+POLICIES = ("drop", "knorm", "snapkv_global")
+
+
+def ranges_of(example: Any, tokenizer: Any, lag: int) -> list[list[int]]:
+    """The content spans of the example's tool messages but the ``lag`` most recent, in the ids ``render`` sends
+    (the same text template, tokenized without special tokens)."""
+    def ids(messages: list[dict[str, str]]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return [list(r) for r in role_ranges(message_spans(ids, example.messages), example.messages, ["tool"], lag)]
+
+
+def run(url: str, ids: list[int], prune: dict[str, Any] | None) -> str:
+    sp: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
+    if prune is not None:
+        sp["custom_params"] = {"sgl_sparse_prune": json.dumps(prune)}
+    r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=600)
+    r.raise_for_status()
+    return str(r.json()["text"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    from sgl_sparse.quality.models import small_model_path
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=None, help="default: the shipped small model")
+    p.add_argument("--tokens", type=positive_int, default=2048)
+    p.add_argument("--n", type=positive_int, default=50)
+    p.add_argument("--seed", type=int, default=10_000)
+    p.add_argument("--lag", type=int, default=1)
+    p.add_argument("--keep-ratios", type=float, nargs="+", default=[0.05, 0.1, 0.25])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--parallel", type=positive_int, default=4)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.lag < 0:
+        p.error("--lag must be >= 0")
+    if not all(0 < r < 1 for r in args.keep_ratios):
+        p.error("--keep-ratios: each in (0, 1)")
+    model = args.model_dir or str(small_model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+    items = []
+    for i in range(args.n):
+        ex = fit_example("agent_recall", args.seed + i, tok, args.tokens)
+        items.append((ex, render(ex, tok, chain=False).turns[0], ranges_of(ex, tok, args.lag)))
+    conditions: list[tuple[str, dict[str, Any] | None]] = [("none", None)]
+    conditions += [("drop", {"policy": "drop"})]
+    conditions += [(f"{pol}@{r:g}", {"policy": pol, "keep_ratio": r}) for r in args.keep_ratios
+                   for pol in POLICIES[1:]]
+    flags = [*(CPU_SERVER_FLAGS if args.device == "cpu" else GPU_SERVER_FLAGS), "--sparse-request-methods",
+             "eviction", "--context-length", str(args.tokens + 64)]
+    rows = []
+    with ServerProcess(model, flags, startup_timeout=900) as server:
+        for name, keep in conditions:
+            def one(item: tuple[Any, list[int], list[list[int]]], keep: dict[str, Any] | None = keep) -> bool:
+                ex, ids, ranges = item
+                prune = None if keep is None else {"ranges": ranges, **keep}
+                return score(ex, run(server.base_url, ids, prune))
+
+            with ThreadPoolExecutor(args.parallel) as pool:
+                ok = list(pool.map(one, items))
+            size = sum(sum(hi - lo for lo, hi in r) for _, _, r in items) / len(items)
+            kept = 0.0 if keep is None or "keep_ratio" not in keep else \
+                sum(int(keep["keep_ratio"] * sum(hi - lo for lo, hi in r)) for _, _, r in items) / len(items)
+            rows.append({"policy": name, "accuracy": sum(ok) / len(ok), "n": len(ok),
+                         "pruned_tokens_mean": 0.0 if keep is None else size, "kept_tokens_mean": kept,
+                         "prompt_tokens_mean": sum(len(ids) for _, ids, _ in items) / len(items)})
+            print(f"{name}: {rows[-1]['accuracy']:.2f}", file=sys.stderr, flush=True)
+    print(f"agent_recall, {args.tokens} tokens, n={args.n}, lag {args.lag} (the asked fact is in a pruned tool "
+          f"message), model {Path(model).name}")
+    print("| policy | accuracy | tokens in the pruned ranges (mean) | kept of them (mean) | prompt tokens (mean) |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['policy']} | {r['accuracy']:.2f} | {r['pruned_tokens_mean']:.0f} | {r['kept_tokens_mean']:.0f} "
+              f"| {r['prompt_tokens_mean']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
