@@ -16,8 +16,9 @@ import torch
 
 @dataclass
 class QueryCapture:
-    """Per request (its method's window and whether it observes decode, set by :meth:`start` when the
-    runtime first tracks it; requests of methods without a window are never captured)."""
+    """Per request (its method's window, or SnapKV's 32 when its own prune scores its ranges, whichever is longer,
+    and whether it observes decode; set by :meth:`start` when the runtime first tracks it; other requests of
+    methods without a window are never captured)."""
 
     num_layers: int = 0
     scale: float | None = None
