@@ -126,6 +126,30 @@ def test_tp2_scored_prune_keeps_what_tp1_keeps(tp1: ServerProcess, tp2: ServerPr
     assert nexts["tp2"]["meta_info"]["cached_tokens"] == nexts["tp1"]["meta_info"]["cached_tokens"] > 300
 
 
+def test_tp2_request_scored_keep_keeps_what_tp1_keeps(tp1: ServerProcess, tp2: ServerProcess) -> None:
+    """A request's own prune with a scored keep (custom_params sgl_sparse_prune, policy snapkv_global) at --tp-size 2:
+    each rank scores its own KV head with the prompt's last queries, the sum over the TP group picks the kept
+    positions (then SnapKV evicts down to its budget from what is left), so both ranks hide the same ones, those
+    --tp-size 1 hides, and decode the same tokens."""
+    ids = _ids(random.Random(27), 320)
+    prune = json.dumps({"ranges": [[30, 130], [160, 260]], "keep_tokens": 40, "policy": "snapkv_global"})
+    outs, hidden = {}, {}
+    for name, server in (("tp1", tp1), ("tp2", tp2)):
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True,
+                                                      "custom_params": {"sgl_sparse_prune": prune}}}
+        r = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
+        assert r.status_code == 200, r.text[:300]
+        outs[name] = r.json()["output_ids"]
+        insp = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": ids + outs[name]},
+                             timeout=60).json()
+        hidden[name] = {q for lo, hi in insp["hidden_ranges"] for q in range(lo, hi)}
+        _assert_idle_and_sound(server)
+    in_ranges = {q for q in hidden["tp1"] if 30 <= q < 130 or 160 <= q < 260}
+    assert len(in_ranges) >= 200 - 40 and hidden["tp1"], sorted(hidden["tp1"])[:20]
+    assert hidden["tp2"] == hidden["tp1"] and outs["tp2"] == outs["tp1"]
+    assert "TP ranks planned different keep sets" not in tp2.log_tail(400)
+
+
 def test_dp2_one_tree_per_rank_and_affinity(tp1: ServerProcess, dp2: ServerProcess) -> None:
     """Each DP rank runs its own scheduler, tree and runtime; a conversation pinned to one rank
     (``routed_dp_rank``, what the X-Data-Parallel-Rank header sets) resumes there from its compacted KV."""
