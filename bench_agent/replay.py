@@ -285,7 +285,8 @@ def replay(base_url: str, trace: Trace, tokenizer: Any, client: str = "openai", 
     source = TextSource(tokenizer)
     texts = {s.id: _Materialiser(source, s) for s in trace.sessions}
     result = RunResult(label=label or base_url, client=client, prune_lag=prune_lag,
-                       prune_keep_ratio=prune_keep_ratio if prune_lag is not None else 0.0, prune_policy=prune_policy)
+                       prune_keep_ratio=prune_keep_ratio if prune_lag is not None else 0.0,
+                       prune_policy=prune_policy if prune_keep_ratio else "drop")
     t0 = time.monotonic()
     monitor = KVMonitor(base_url, t0, result)
     monitor.start()

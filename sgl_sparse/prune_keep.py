@@ -38,7 +38,7 @@ import torch
 
 from sgl_sparse.contract import ObservationWindow, in_ranges
 
-DROP, KNORM, SNAPKV_GLOBAL = "drop", "knorm", "snapkv_global"
+DROP, KNORM, SNAPKV_GLOBAL, KVZIP_GLOBAL = "drop", "knorm", "snapkv_global", "kvzip_global"
 POLICIES = (DROP, KNORM)  # POST /v1/prefix_cache/prune: between batches, no queries
 SCORED = (KNORM,)
 REQUEST_POLICIES = (DROP, KNORM, SNAPKV_GLOBAL)  # a request's own prune: its prompt's last queries exist
@@ -56,11 +56,12 @@ class KeepError(ValueError):
 
 
 def parse_keep(body: Mapping[str, Any], size: int, page_size: int, policies: tuple[str, ...],
-               scored: tuple[str, ...], no_policy_hint: str = "") -> tuple[int, str]:
+               scored: tuple[str, ...], hints: Mapping[str, str] | None = None) -> tuple[int, str]:
     """``keep_tokens`` / ``keep_ratio`` / ``policy`` of a prune body over ranges whose union holds ``size`` tokens
     -> ``(keep_tokens, policy)``. ``keep_ratio`` is taken over the union, rounded down to whole pages (SparseEngine's
     agent harness keeps a fraction of the tool tokens; with ``roles`` the client does not know the ranges' size).
-    No policy: the first scored one when something is kept, else ``drop``. Raises :class:`KeepError`."""
+    No policy: the first scored one when something is kept, else ``drop``. ``hints``: a sentence added to the error
+    for a known policy name this caller does not serve. Raises :class:`KeepError`."""
     keep = body.get("keep_tokens", 0)
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
         raise KeepError("keep_tokens", f"expected an integer >= 0, got {keep!r}")
@@ -75,7 +76,8 @@ def parse_keep(body: Mapping[str, Any], size: int, page_size: int, policies: tup
     if policy is None:
         policy = scored[0] if keep or ratio else DROP
     if policy not in policies:
-        raise KeepError("policy", f"{policy!r}: expected one of {', '.join(policies)}{no_policy_hint}")
+        hint = (hints or {}).get(policy) if isinstance(policy, str) else None
+        raise KeepError("policy", f"{policy!r}: expected one of {', '.join(policies)}" + (f" ({hint})" if hint else ""))
     if (keep or ratio) and policy not in scored:
         field = "keep_ratio" if ratio else "keep_tokens"
         raise KeepError(field, f"policy {policy!r} keeps nothing: give {field} 0, or a scored policy "
@@ -149,7 +151,10 @@ def policy_scores(policy: str, window: ObservationWindow) -> torch.Tensor:
             SNAPKV_KERNEL, SNAPKV_POOLING)
     else:
         raise ValueError(f"no scorer for policy {policy!r}")
-    return window.reduce_heads(total).double().cpu()
+    # Summed over the TP group in float64, as the route's scores (pool_scorer): every rank, and --tp-size 1, then
+    # ranks near-ties alike.
+    total = total.double().contiguous()
+    return (total if window.all_reduce is None else window.all_reduce(total)).cpu()
 
 
 def request_prune_leaves(kept: torch.Tensor, spec: PruneSpec, window: Callable[[], ObservationWindow]) -> torch.Tensor:

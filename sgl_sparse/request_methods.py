@@ -107,12 +107,15 @@ class MethodResolver:
     the keys are an error) or ``eviction``. ``decode_graphs``: the server replays decode CUDA graphs,
     which skip the Python capture of decode queries, so methods that observe decode are refused."""
 
-    def __init__(self, default: SparseMethod[Any], policy: str = OFF, decode_graphs: bool = False) -> None:
+    def __init__(self, default: SparseMethod[Any], policy: str = OFF, decode_graphs: bool = False,
+                 scored_prune: str | None = None) -> None:
         if (why := policy_problem(default, policy)) is not None:
             raise SparseConfigError(why)
         self.default = Served(default, default.config.fingerprint(), "server")
         self.policy = policy
         self.decode_graphs = decode_graphs
+        # Why a request's own prune cannot keep a scored part of its ranges here (the launcher's handoff); None: it can.
+        self.scored_prune = scored_prune
         self._cache: dict[tuple[str, str], Served] = {}
 
     def resolve(self, custom_params: Mapping[str, Any] | None) -> Served:
@@ -230,10 +233,13 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> PruneSpec:
     return PruneSpec(tuple(merged), keep, policy)
 
 
-def prune_problem(resolver: MethodResolver) -> str | None:
-    """Why a request on this server cannot prune its own prompt (``None``: it can). Every method a request can
-    get here can: a dense one has nothing to realign, an evicting one is told what leaves (``on_prune``)."""
+def prune_problem(resolver: MethodResolver, spec: PruneSpec | None = None) -> str | None:
+    """Why a request on this server cannot prune its own prompt as ``spec`` asks (``None``: it can). Every method a
+    request can get here can: a dense one has nothing to realign, an evicting one is told what leaves
+    (``on_prune``). A scored keep also needs the prompt's last queries and float keys (``resolver.scored_prune``)."""
     if not (resolver.default.method.evicts or resolver.policy == EVICTION):
         return (f"this server reads SGLang's stock attention lists, which cannot skip pruned KV: start it with an "
                 f"eviction method or {FLAG} eviction")
+    if spec is not None and spec.scores and resolver.scored_prune is not None:
+        return f"{spec.policy} (keep_tokens / keep_ratio) cannot be served here: {resolver.scored_prune}"
     return None

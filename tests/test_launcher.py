@@ -108,7 +108,7 @@ def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
                                    prefill_cuda_graph_off="no CUDA graphs on CPU")
     assert json.loads(hand.dump()) == {"method": "dense", "config": {}, "device": "cpu", "base": "torch_native",
                                        "prefill_cuda_graph_off": "no CUDA graphs on CPU", "request_methods": "off",
-                                       "decode_graphs": False}
+                                       "decode_graphs": False, "scored_prune_problem": None}
 
 
 @pytest.mark.parametrize(("argv", "policy"), [
@@ -220,9 +220,6 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     *[(["--sparse-method", "snapkv", "--device", "cuda", *f], "a replayed prefill graph has no request ids")
       for f in (["--cuda-graph-backend-prefill", "breakable"], ["--cuda-graph-backend-prefill", "tc_piecewise"],
                 ["--enable-breakable-cuda-graph"], ["--cuda-graph-config", '{"prefill": {"backend": "full"}}'])],
-    # An evicting method without a window: a request's own scored prune captures the prompt's last queries.
-    (["--sparse-method", "streamingllm", "--device", "cuda", "--cuda-graph-backend-prefill", "breakable"],
-     "could not score its ranges"),
     # Graphs cannot run on CPU.
     (["--device", "cpu", "--cuda-graph-backend-decode", "full"], "CUDA graphs cannot run on CPU"),
     (["--device", "cpu", "--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'],
@@ -300,6 +297,8 @@ def test_rkv_with_decode_graphs_off_also_turns_the_prefill_graph_off() -> None:
     ("dense", "cuda", [], None, None),
     ("streamingllm", "cuda", [], "disabled", "a request's own prune"),
     ("streamingllm", "cuda", ["--disable-piecewise-cuda-graph"], "disabled", None),
+    # An explicit prefill graph stays (its requests' scored prunes are refused: below).
+    ("streamingllm", "cuda", ["--cuda-graph-backend-prefill", "breakable"], "breakable", None),
     ("dense", "cuda", ["--enable-breakable-cuda-graph"], "breakable", None),
 ])
 def test_prefill_cuda_graph_switch(method: str, device: str, flags: list[str], prefill: str | None,
@@ -313,6 +312,32 @@ def test_prefill_cuda_graph_switch(method: str, device: str, flags: list[str], p
         assert args.disable_cuda_graph is False and requested_graph_backend(args, "decode") is None
     if method == "snapkv":
         assert requested_graph_backend(args, "prefill") == "disabled"
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--sparse-method", "streamingllm", "--device", "cuda"], None),
+    (["--sparse-method", "snapkv", "--device", "cuda"], None),
+    (["--sparse-method", "streamingllm", "--device", "cpu"], None),
+    (["--sparse-method", "streamingllm", "--device", "cuda", "--cuda-graph-backend-prefill", "breakable"],
+     "replays prefill CUDA graphs (backend breakable)"),
+    (["--sparse-method", "streamingllm", "--device", "cuda", "--kv-cache-dtype", "fp8_e4m3"], "raw FP8 keys"),
+])
+def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str], words: str | None) -> None:
+    """The handoff says why a request's own prune cannot keep a scored part of its ranges on this server (its
+    requests then get a 400 naming custom_params['sgl_sparse_prune']); the server itself starts."""
+    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.registry import create_method
+    from sgl_sparse.request_methods import MethodResolver, prune_problem
+
+    _, hand = parse_args(["--model-path", "m", *flags])
+    assert (hand.scored_prune_problem is None) if words is None else (words in hand.scored_prune_problem)
+    assert handoff.Handoff(**{**vars(hand)}).scored_prune_problem == hand.scored_prune_problem
+    resolver = MethodResolver(create_method(hand.method, hand.config), hand.request_methods, hand.decode_graphs,
+                              hand.scored_prune_problem)
+    assert prune_problem(resolver, PruneSpec(((0, 10),))) is None  # a drop needs no scores
+    why = prune_problem(resolver, PruneSpec(((0, 10),), 4, "snapkv_global"))
+    assert (why is None) if words is None else ("snapkv_global (keep_tokens / keep_ratio) cannot be served here"
+                                                in why and words in why)
 
 
 def test_dense_keeps_sglang_graph_defaults_and_streamingllm_all_but_prefill() -> None:

@@ -369,8 +369,17 @@ def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: st
     assert r.status_code == 200, r.text[:300]
     m = _post(server, "match", {"token_ids": prompt}).json()
     assert m["hidden_tokens"] == expected - int(0.25 * expected), (m, expected)
-    bad = {**body, "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lag": 1,
-                                                                      "keep_tokens": expected})}}
-    r = requests.post(f"{server.base_url}/v1/chat/completions", json=bad, timeout=60)
-    assert r.status_code == 400 and "keep_tokens" in r.text and "less than the ranges' size" in r.text, r.text[:300]
+    # A keep_tokens covering every token the roles select (the client cannot know how many): nothing to prune.
+    _flush(server)
+    covering = {**body, "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], "lag": 1,
+                                                                           "keep_tokens": expected})}}
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=covering, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert _post(server, "match", {"token_ids": prompt}).json()["hidden_tokens"] == 0
+    # Bad keep fields are a 400 even when the roles select nothing (lag 9 spares every tool message).
+    for spec, words in (({"lag": 9, "keep_tokens": -3}, "keep_tokens: expected an integer >= 0"),
+                        ({"lag": 1, "keep_ratio": 0.5, "policy": "bogus"}, "policy: 'bogus'")):
+        bad = {**body, "custom_params": {"sgl_sparse_prune": json.dumps({"roles": ["tool"], **spec})}}
+        r = requests.post(f"{server.base_url}/v1/chat/completions", json=bad, timeout=60)
+        assert r.status_code == 400 and "sgl_sparse_prune" in r.text and words in r.text, r.text[:300]
     _assert_idle_and_sound(server)

@@ -32,11 +32,15 @@ class Handoff:
     # (they skip the capture of decode queries): what a request may choose (sgl_sparse/request_methods.py).
     request_methods: str = "off"
     decode_graphs: bool = False
+    # Why a request's own prune cannot keep a scored part of its ranges here (keep_tokens / keep_ratio: the scores
+    # read the prompt's last queries and the pool's keys); None when it can.
+    scored_prune_problem: str | None = None
 
     def dump(self) -> str:
         return json.dumps({"method": self.method, "config": self.config, "device": self.device, "base": self.base,
                            "prefill_cuda_graph_off": self.prefill_cuda_graph_off,
-                           "request_methods": self.request_methods, "decode_graphs": self.decode_graphs})
+                           "request_methods": self.request_methods, "decode_graphs": self.decode_graphs,
+                           "scored_prune_problem": self.scored_prune_problem})
 
 
 def publish(handoff: Handoff) -> None:
@@ -52,4 +56,5 @@ def read() -> Handoff:
     data = json.loads(raw)
     return Handoff(method=data["method"], config=data.get("config") or {}, device=data.get("device"),
                    base=data.get("base"), prefill_cuda_graph_off=data.get("prefill_cuda_graph_off"),
-                   request_methods=data.get("request_methods", "off"), decode_graphs=bool(data.get("decode_graphs")))
+                   request_methods=data.get("request_methods", "off"), decode_graphs=bool(data.get("decode_graphs")),
+                   scored_prune_problem=data.get("scored_prune_problem"))

@@ -194,7 +194,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     decode_graphs = device != "cpu" and requested_graph_backend(args, "decode") != DISABLED
     return args, handoff.Handoff(method.name, method.config.to_dict(), device, base=base,
                                  prefill_cuda_graph_off=prefill_off, request_methods=policy,
-                                 decode_graphs=decode_graphs)
+                                 decode_graphs=decode_graphs, scored_prune_problem=scored_prune_problem(args, device))
 
 
 BOUNDARY_FIELD = "boundary_token_ids"  # a method config's sentence-boundary ids (skipkv); empty: derived here
@@ -442,12 +442,21 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
             problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
                             "has no request ids, so the method cannot capture its window queries; drop the flag "
                             "(the launcher turns prefill CUDA graphs off for it)")
-        elif method.evicts and prefill not in (None, DISABLED):
-            problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
-                            "has no request ids, so a request's own prune could not score its ranges with the "
-                            "prompt's last queries (custom_params sgl_sparse_prune with keep_tokens); drop the flag "
-                            "(the launcher turns prefill CUDA graphs off on evicting servers)")
     return problems
+
+
+def scored_prune_problem(args: argparse.Namespace, device: str) -> str | None:
+    """Why a request's own prune cannot keep a scored part of its ranges on this server (checked per request, HTTP
+    400 naming custom_params['sgl_sparse_prune']); None when it can. Called after the launcher's graph choices."""
+    kv_dtype = str(args.kv_cache_dtype or "auto")
+    if kv_dtype.startswith("fp8"):
+        return (f"--kv-cache-dtype {kv_dtype}: the scores would read the raw FP8 keys and ignore k_scale; prune "
+                "with policy drop, or serve with the model dtype")
+    prefill = requested_graph_backend(args, "prefill")
+    if device != "cpu" and prefill not in (None, DISABLED):
+        return (f"this server replays prefill CUDA graphs (backend {prefill}), which skip the capture of the "
+                "prompt's last queries the scores need; prune with policy drop, or start without the flag")
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,8 @@ def http_resolver() -> MethodResolver:
         from sgl_sparse.registry import create_method
 
         h = handoff.read()
-        _http_resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.decode_graphs)
+        _http_resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.decode_graphs,
+                                        h.scored_prune_problem)
     return _http_resolver
 
 

@@ -31,7 +31,18 @@ import torch
 from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 
-from sgl_sparse.prune_keep import KNORM, POLICIES, SCORED, SNAPKV_GLOBAL, KeepError, knorm_scores, parse_keep
+from sgl_sparse.prune_keep import (
+    KNORM,
+    KVZIP_GLOBAL,
+    POLICIES,
+    REQUEST_POLICIES,
+    REQUEST_SCORED,
+    SCORED,
+    SNAPKV_GLOBAL,
+    KeepError,
+    knorm_scores,
+    parse_keep,
+)
 from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
 
 PRUNE, INSPECT = "prune", "inspect"
@@ -175,9 +186,11 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
         out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
     size = sum(hi - lo for lo, hi in out["ranges"])
     try:
-        keep, policy = parse_keep(body, size, page_size, POLICIES, SCORED, no_policy_hint=(
-            f" ({SNAPKV_GLOBAL!r} needs the queries of a forward pass, which a prune between batches does not have: "
-            "ask for it in the next request's custom_params['sgl_sparse_prune'], which prunes its own prompt)"))
+        keep, policy = parse_keep(body, size, page_size, POLICIES, SCORED, hints={
+            SNAPKV_GLOBAL: "it needs the queries of a forward pass, which a prune between batches does not have: ask "
+                           "for it in the next request's custom_params['sgl_sparse_prune'], which prunes its own "
+                           "prompt",
+            KVZIP_GLOBAL: "KVzip's scores need a context-reconstruction forward pass, which a prune does not run"})
     except KeepError as e:
         raise BadPruneRequest(e.field, str(e)) from None
     out["keep_tokens"], out["policy"] = keep, policy
@@ -410,9 +423,17 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
         ranges = chat_ranges(render, messages, adapted.input_ids, spec.get("roles"), spec.get("lag", 0))
     except BadPruneRequest as e:
         raise ValueError(f"{where}: {e}") from None
-    if ranges:  # the keep fields are checked with the ranges, by the generate-request validation
-        cp[PRUNE_KEY] = json.dumps({"ranges": ranges, **{k: v for k, v in spec.items() if k in keep_fields}})
-    else:  # nothing older than the lag: the request is an ordinary one
+    keep = {k: v for k, v in spec.items() if k in keep_fields}
+    try:  # the keep fields whatever the ranges (their size is checked below)
+        keep_tokens, _ = parse_keep(keep, 0, 1, REQUEST_POLICIES, REQUEST_SCORED)
+    except KeepError as e:
+        raise ValueError(f"{where}: {e.field}: {e}") from None
+    size = sum(hi - lo for lo, hi in ranges)
+    if ranges and keep_tokens < size:
+        cp[PRUNE_KEY] = json.dumps({"ranges": ranges, **keep})
+    else:
+        # Nothing older than the lag, or a keep_tokens that covers every token the roles select (the client cannot
+        # know their size): nothing to prune, the request is an ordinary one.
         del cp[PRUNE_KEY]
     return result
 

@@ -129,7 +129,7 @@ class SparseRuntime:
                 served = self.resolver.resolve(custom_params)
                 if isinstance(custom_params, dict) and PRUNE_KEY in custom_params:
                     spec = parse_prune_param(custom_params[PRUNE_KEY], len(req.origin_input_ids))
-                    if (why := prune_problem(self.resolver)) is not None:
+                    if (why := prune_problem(self.resolver, spec)) is not None:
                         raise RequestMethodError(PRUNE_KEY, why)
                     setattr(req, PRUNE_ATTR, spec)
             except RequestMethodError as e:
@@ -296,6 +296,6 @@ def get_runtime() -> SparseRuntime:
     if _runtime is None:
         h = handoff.read()
         method = create_method(h.method, h.config)
-        resolver = MethodResolver(method, h.request_methods, h.decode_graphs)
+        resolver = MethodResolver(method, h.request_methods, h.decode_graphs, h.scored_prune_problem)
         _runtime = SparseRuntime(method=method, fingerprint=method.config.fingerprint(), resolver=resolver)
     return _runtime

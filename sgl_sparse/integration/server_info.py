@@ -15,7 +15,8 @@ from sgl_sparse.integration.runtime import get_runtime
 
 def prefill_cuda_graph(scheduler: Any, hand: handoff.Handoff) -> str:
     """Who decided the prefill CUDA graph and what it is: the launcher turns it off for methods that
-    capture prefill queries (and on CPU); otherwise it is SGLang's, as resolved in the scheduler's args."""
+    capture prefill queries and on evicting servers (a request's own scored prune captures them), and on CPU;
+    otherwise it is SGLang's, as resolved in the scheduler's args."""
     if hand.prefill_cuda_graph_off:
         return f"disabled by sgl_sparse: {hand.prefill_cuda_graph_off}"
     config = getattr(scheduler.server_args, "cuda_graph_config", None)

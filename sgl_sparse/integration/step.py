@@ -40,6 +40,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         return
     seq_lens = batch.seq_lens_cpu.tolist()
     plans: list[tuple[Any, Tracked, torch.Tensor]] = []
+    pruned: list[torch.Tensor] = []  # the retained sets its own prunes left, for the TP check
     for i, req in enumerate(batch.reqs):
         if req.is_retracted or req.req_pool_idx is None:
             continue
@@ -57,7 +58,8 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
                         token_ids=ids)
         if final and (spec := getattr(req, PRUNE_ATTR, None)):
-            _prune(rt, req, t, spec, model_runner)
+            if (left := _prune(rt, req, t, spec, model_runner)) is not None:
+                pruned.append(left)
         if final and type(method).replays is not SparseMethod.replays:
             replays = method.replays(st, info, replay.room(model_runner, st.logical_len))
             if replays:
@@ -73,8 +75,8 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         plan = method.on_step_end(st, info)
         if plan is not None and (keep := check_keep_plan(method, plan, st.kept)).numel() < st.num_kept:
             plans.append((req, t, keep))
-    if TP_CHECK:
-        check_ranks_agree([keep for _, _, keep in plans])
+    if TP_CHECK:  # a scored keep's choice as much as a method's plan
+        check_ranks_agree([*pruned, *(keep for _, _, keep in plans)])
     if plans:
         _apply(rt, plans, model_runner)
 
@@ -87,7 +89,7 @@ def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
     return [*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)]]
 
 
-def _prune(rt: SparseRuntime, req: Any, t: Tracked, spec: PruneSpec, model_runner: Any) -> None:
+def _prune(rt: SparseRuntime, req: Any, t: Tracked, spec: PruneSpec, model_runner: Any) -> torch.Tensor | None:
     """The request's own prune (custom_params sgl_sparse_prune), in the step that completed its prompt, after the
     forward (its prompt attended the ranges) and before its method replays, observes or plans (nothing after it
     does): the method is told which retained positions leave (``on_prune``), then they are freed at once, so the
@@ -95,13 +97,14 @@ def _prune(rt: SparseRuntime, req: Any, t: Tracked, spec: PruneSpec, model_runne
     without them. Positions already gone (an earlier turn's eviction) are not handed over. A scored keep keeps
     the ``keep_tokens`` of the ranges' retained positions its policy scores highest (the prompt's last queries
     over every retained key, summed over the TP group: every rank keeps the same). The spec comes with the
-    request, identical on every TP rank."""
+    request, identical on every TP rank. Returns the retained positions left (None: the prune removed nothing)."""
     kept = t.state.kept
     drop = request_prune_leaves(kept, spec, lambda: _window(rt, req, t, model_runner, SNAPKV_WINDOW))
     if not bool(drop.any()):
-        return
+        return None
     t.method.on_prune(t.state, kept[drop])
     _apply(rt, [(req, t, kept[~drop])], model_runner)
+    return kept[~drop]
 
 
 def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any, w: int) -> ObservationWindow:

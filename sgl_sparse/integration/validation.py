@@ -129,8 +129,8 @@ def _check_custom_params(custom_params: Any, where: str, resolver: MethodResolve
         try:
             resolver.resolve(custom_params)
             if PRUNE_KEY in custom_params:
-                parse_prune_param(custom_params[PRUNE_KEY], prompt_len)
-                if (why := prune_problem(resolver)) is not None:
+                spec = parse_prune_param(custom_params[PRUNE_KEY], prompt_len)
+                if (why := prune_problem(resolver, spec)) is not None:
                     raise RequestMethodError(PRUNE_KEY, why)
         except RequestMethodError as e:
             raise RequestValidationError(f"{where}[{e.key!r}]: {e}") from None
