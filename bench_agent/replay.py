@@ -212,11 +212,11 @@ def _run_openai_session(base_url: str, model: str, session: Session, texts: _Mat
         if own:  # pruned while this turn ran; the next turn continues the pruned prompt
             result.prunes.append(PruneRecord(session.id, i, start - t0, end - t0, "in_request"))
         # Only a turn with a later one benefits, and only once a tool result is older than the lag.
-        n_tools = sum(m["role"] in (prune_roles or ["tool"]) for m in messages)
+        n_tools = sum(m["role"] in roles for m in messages)
         if prune_lag is not None and not in_request and turn.tool_tokens and n_tools > prune_lag:
             # The prune runs while the tool "executes", as an agent framework would do it: off the critical path.
             p0 = time.monotonic()
-            _prune_turn(base_url, session, i, list(messages), prune_roles or ["tool"], prune_lag, t0, result,
+            _prune_turn(base_url, session, i, list(messages), roles, prune_lag, t0, result,
                         prune_keep_ratio)
             wait_left = turn.wait_s * time_scale - (time.monotonic() - p0)
         else:

@@ -389,7 +389,7 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
     exist only here); the generate-request validation then checks it as any ranges. A ValueError here is the
     route's HTTP 400."""
     from sgl_sparse.integration import BACKEND_NAME
-    from sgl_sparse.request_methods import PRUNE_KEY
+    from sgl_sparse.request_methods import PRUNE_FIELDS, PRUNE_KEY
 
     tm = serving.tokenizer_manager
     adapted, request = result
@@ -404,7 +404,7 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
     if not isinstance(spec, Mapping) or "roles" not in spec:
         return result
     where = f"custom_params[{PRUNE_KEY!r}]"
-    keep_fields = {"keep_tokens", "keep_ratio", "policy"}
+    keep_fields = PRUNE_FIELDS - {"ranges"}
     unknown = sorted(set(spec) - {"roles", "lag"} - keep_fields)
     if unknown:
         raise ValueError(f"{where}: unknown field {unknown[0]!r}; the chat form is {{\"roles\": [...], \"lag\": n}}, "

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_sparse.kernels.pages import MMA_SCORE_DTYPES
+
 INF = float("inf")
 # Programs per request, so that a batch of a few 130K-token requests still fills the GPU: each program
 # loops over every PROGRAMS-th block of its row's real tokens (the loop bound comes from seq_lens, so a
@@ -24,8 +26,6 @@ MIN_PROGRAMS_PER_ROW = 64
 MAX_PROGRAMS_PER_ROW = 1024
 TARGET_PROGRAMS = 2048
 BLOCK_TOKENS = 64
-# K caches the tensor-core scoring kernel reads as they are (the default path for them).
-FLOAT_CACHES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def programs_per_row(bs: int) -> int:
@@ -118,12 +118,12 @@ def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Ten
     assert k_cache.stride(2) == 1 and q.stride(2) == 1
     programs = programs_per_row(bs)
     if mma is None:
-        mma = k_cache.dtype in FLOAT_CACHES
+        mma = k_cache.dtype in MMA_SCORE_DTYPES
     if mma:
         # The queries go to the cache's dtype, so only a float cache. The dot's rows: the group padded to 16, the
         # tensor cores' tile (at 4 rows the compiled loop has more instructions: 2.5 a K element against 2.0).
         # Under the interpreter, which has no 16-bit float dots, fp32.
-        assert k_cache.dtype in FLOAT_CACHES, "a float K cache"
+        assert k_cache.dtype in MMA_SCORE_DTYPES, "a float K cache"
         kc = k_cache if q.is_cuda else k_cache.float()
         _score_tokens_kernel_mma[(bs, programs)](
             q, kc, req_to_token, req_pool_indices, seq_lens, out, q.stride(0), q.stride(1), kc.stride(0),

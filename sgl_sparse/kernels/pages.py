@@ -15,6 +15,9 @@ import triton
 import triton.language as tl
 
 NEG = float("-inf")
+# Dtypes the selection scoring kernels' tensor-core forms (Quest's page scores, OmniKV's token scores) read as they
+# are: their default path for summaries / K caches of these dtypes.
+MMA_SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def page_counts(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.pages import page_counts
+from sgl_sparse.kernels.pages import MMA_SCORE_DTYPES, page_counts
 
 BLOCK_PAGES = 64  # pages per block a scoring program scores at once
 # Scoring programs per (request, KV head), each looping over its share of page blocks: ~2,048 in all, 16-128
@@ -40,8 +40,6 @@ PROGRAMS_PER_ROW = 128  # at most
 TARGET_PROGRAMS = 2048
 NEG = float("-inf")
 POS = float("inf")
-# Summaries the tensor-core scoring kernel reads as they are (the default path for them).
-FLOAT_SUMMARIES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def update_page_summaries(kmin: torch.Tensor, kmax: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
@@ -207,13 +205,13 @@ def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_
     want = triton.next_power_of_2(max(1, -(-TARGET_PROGRAMS // (bs * hkv))))
     nprog = min(max(MIN_PROGRAMS_PER_ROW, min(PROGRAMS_PER_ROW, want)), triton.cdiv(max_pages, BLOCK_PAGES))
     if mma is None:
-        mma = kmin.dtype in FLOAT_SUMMARIES
+        mma = kmin.dtype in MMA_SCORE_DTYPES
     if mma:
         # The queries go to the summaries' dtype (exact for bf16 queries against bf16 or fp32 summaries), so only
         # float summaries. The dot's rows: the group padded to 16, the tensor cores' tile (at 4 rows the compiled
         # loop has more instructions: 3.5 a summary element against 2.6). Under the interpreter, which has no
         # 16-bit float dots, fp32.
-        assert kmin.dtype in FLOAT_SUMMARIES, "float page summaries"
+        assert kmin.dtype in MMA_SCORE_DTYPES, "float page summaries"
         sums = kmin if q.is_cuda else kmin.float()
         _score_kernel_mma[(bs * hkv, nprog)](
             q.contiguous(), sums, kmax if q.is_cuda else kmax.float(), req_to_token, req_pool_indices, seq_lens,
