@@ -13,7 +13,8 @@
 #                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60, and x 6), so one
 #                                                vanilla run serves every comparison; table130k prints the table.
 #   bash benchmarks/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x
-#                                                SELECT_BATCH (default 5 for Quest, what its pool fits, else 6), ours
+#                                                SELECT_BATCH (default 5 for Quest and RetroInfer, what their pools
+#                                                fit, 6 for OmniKV), ours
 #                                                only (table130k adds them). On a fresh machine the first server of
 #                                                each compiles FlashInfer kernels for its wrappers (minutes).
 #   bash benchmarks/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6 | turboquant130k | turboquant130k6
@@ -41,8 +42,10 @@
 #   bash benchmarks/device_session.sh layout     benchmarks/attention_layout.py: FlashInfer decode over contiguous,
 #                                                SnapKV-like and random slot layouts (LAYOUT_BATCH, default 60).
 #   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
-#                                                .toml: vanilla FlashInfer, snapkv 8192, dense (AGENT_DENSE=0: without
-#                                                dense); each replay ~6 min, a summary per run as it ends.
+#                                                .toml: vanilla FlashInfer, then AGENT_METHODS (METHOD or
+#                                                METHOD:CONFIG_JSON, no spaces; default snapkv:{"budget":8192} dense,
+#                                                AGENT_DENSE=0: without dense); each replay ~6 min, a summary per
+#                                                run as it ends. e.g. AGENT_METHODS="quest omnikv".
 #   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (test_gpu_eviction.py alone took ~9 min on
 #                                                a fresh machine, JIT included); GPU_TESTS="tests/gpu/a.py tests/gpu/b.py"
 #                                                runs only those.
@@ -127,8 +130,9 @@ vanilla130k|dense130k|snapkv130k|snapkv130k6)  # the 130K table one server per s
 quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / RetroInfer (default configs) at 130K x 6, ours
   install                # only (all three passed their GPU tests: no opt-in needed since 2026-12-03)
   m=${1%130k}
-  # Quest's page summaries (1/16 of K+V) leave a pool of 744,944 slots: 5 x 130K fit, not 6 (2026-12-03).
-  b="${SELECT_BATCH:-$([ "$m" = quest ] && echo 5 || echo 6)}"
+  # Quest's page summaries (1/16 of K+V) leave a pool of 744,944 slots, RetroInfer's index 738,800: 5 x 130K
+  # fit, not 6 (2026-12-03); OmniKV keeps vanilla's 788,603.
+  b="${SELECT_BATCH:-$([ "$m" = omnikv ] && echo 6 || echo 5)}"
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
       python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" \
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
@@ -229,13 +233,18 @@ diag)  # decode-step profile at SnapKV 8,192's per-request KV, cheap to prefill:
       > /root/bench/diag-table.txt 2>&1 || true
   kill $smi 2>/dev/null || true
   ;;
-agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer, snapkv 8192, dense
-  install
+agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer, then AGENT_METHODS
+  install  # (default: snapkv 8192, dense; AGENT_DENSE=0 drops dense), each METHOD or METHOD:CONFIG_JSON
+  methods=()
+  default_methods='snapkv:{"budget":8192}'; [ "${AGENT_DENSE:-1}" = 1 ] && default_methods="$default_methods dense"
+  for spec in ${AGENT_METHODS:-$default_methods}; do
+    name=${spec%%:*}; cfg='{}'; [ "$spec" != "$name" ] && cfg=${spec#*:}
+    methods+=(--sparse-method "$name" --sparse-config "$cfg")
+  done
   python3 -m bench_agent generate --config bench_agent/configs/agent_overflow_h200.toml --out /root/bench/agent.jsonl
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/agent.txt python3 -m bench_agent compare \
       --model-path $MODEL --trace /root/bench/agent.jsonl --time-scale 0.5 --out /root/bench/agent \
-      --sparse-method snapkv --sparse-config '{"budget": 8192}' \
-      $([ "${AGENT_DENSE:-1}" = 1 ] && echo "--sparse-method dense --sparse-config {}") \
+      "${methods[@]}" \
       --server-args='--load-format dummy --mem-fraction-static 0.80 --context-length 131072 --sampling-backend pytorch --disable-piecewise-cuda-graph --chunked-prefill-size 16384 --cuda-graph-max-bs 32'
   ;;
 gputests)  # the GPU test suite (GPU_TESTS: files or node ids, default all of tests/gpu); logs in /root/bench/gpu-logs
