@@ -178,11 +178,13 @@ def floor_tok_s(batch: int, weight_bytes: int, kv_bytes_per_token: int, kv_token
 def selection_kv_bytes(method: str, config: dict, cfg: dict, batch: int, kv_tokens: int,
                        dtype_bytes: int = 2) -> int | None:
     """KV bytes one decode step of a dynamic selection method reads (all layers), from its config and the KV in
-    use (``kv_tokens`` over ``batch`` equal requests); ``None`` for a method not modelled here (RetroInfer: its
-    reads depend on the clusters). Quest: its dense layers read everything, each selecting layer its
-    ``token_budget`` tokens and every page's key min and max (a page's summary is one token's K+V in size).
-    OmniKV: the layers up to its first filter layer and the filter layers read everything, the filter layers K
-    once more to score, the others ``token_budget`` tokens."""
+    use (``kv_tokens`` over ``batch`` equal requests); ``None`` for a method not modelled here. Quest: its dense
+    layers read everything, each selecting layer its ``token_budget`` tokens and every page's key min and max (a
+    page's summary is one token's K+V in size). OmniKV: the layers up to its first filter layer and the filter
+    layers read everything, the filter layers K once more to score, the others ``token_budget`` tokens.
+    RetroInfer: per selecting layer every usable cluster's centroid (and size) to rank, the estimated clusters'
+    centroids and value sums, and exactly the sink, the unclustered tail and the retrieved clusters' members
+    (clusters of ``cluster_size`` tokens on average); a request under ``min_index_tokens`` reads everything."""
     layers = cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_tok_layer = cfg["num_key_value_heads"] * hd * 2 * dtype_bytes  # K and V of one token in one layer
@@ -199,6 +201,25 @@ def selection_kv_bytes(method: str, config: dict, cfg: dict, batch: int, kv_toke
         full = min(filters) + len(filters)
         return int(full * kv_tokens * per_tok_layer + len(filters) * kv_tokens * per_tok_layer // 2
                    + (layers - full) * budget * per_tok_layer)
+    if method == "retroinfer":
+        import torch
+
+        from sgl_sparse.config import build_config
+        from sgl_sparse.methods.selection.retroinfer import RetroInferConfig
+
+        conf = build_config(RetroInferConfig, config)
+        lay = conf.layout()
+        n = int(per_req)
+        nseg = int(lay.num_segments(torch.tensor([n]))[0])
+        if not nseg:
+            return int(kv_tokens * per_tok_layer * layers)
+        c = nseg * lay.clusters_per_segment
+        r, e = (int(x[0]) for x in lay.budgets(torch.tensor([c])))
+        head_vec = cfg["num_key_value_heads"] * hd * dtype_bytes  # one centroid or value sum, every KV head
+        exact = (n - nseg * lay.seg) + r * lay.page  # sink + tail + retrieved members
+        per_layer = c * (head_vec + 4 * cfg["num_key_value_heads"]) + e * 2 * head_vec + exact * per_tok_layer
+        dense = conf.dense_layers
+        return int(batch * (dense * n * per_tok_layer + (layers - dense) * per_layer))
     return None
 
 

@@ -3,9 +3,13 @@ in a decode step), beside the bandwidth floors. Quest (every selecting layer): p
 kernel, and the tensor-core form ``score_pages(..., mma=True)`` beside it), top-k + sort
 (torch) or the Triton radix select, slot-list expansion, the decode step's summary update (the general path
 and the in-place decode kernel); against the summaries' and the dense KV's read. OmniKV (each filter layer):
-token scoring (reads the layer's K; also its tensor-core form), top-k + sort or the Triton select.
+token scoring (reads the layer's K; also its tensor-core form), top-k + sort or the Triton select. RetroInfer
+(every layer, default config, every segment indexed with 16-member clusters): centroid logits, the group's
+probabilities (torch / Triton), the ranking (sorted top-k / Triton tiers), the budgets, the decode kernel at
+several split counts; the old per-layer path's sum beside the served one's, against the bytes it must read.
 
     python benchmarks/selection_overhead.py [--shapes 1x130000 5x130000 6x130000 16x32768] [--token-budget 2048]
+        [--tables quest omnikv retroinfer] [--retro-splits 16 32 64]
 
 Llama-3-8B heads (8 KV heads, group 4, dim 128), bf16 summaries, 16-token pages, rows 131,076 wide as SGLang's
 (context length + 4; the scoring grid covers a row's full width, as inside a graph captured for the context
@@ -20,10 +24,13 @@ import torch
 from graph_timing import graph_us
 
 from sgl_sparse.kernels import omnikv, pages, quest
+from sgl_sparse.kernels import retroinfer as ri
+from sgl_sparse.methods.selection.retroinfer import RetroInferConfig
 
 PS, HKV, GROUP, D = 16, 8, 4, 128
 WIDTH = 131072 + 4  # SGLang's req_to_token rows: the context length (Llama-3-8B's) + 4
 HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
+DEVICE = "cuda"  # RetroInfer's table: "cpu" under TRITON_INTERPRET=1 for a smoke run (tests/test_benchmarks_cpu.py)
 
 
 def main() -> None:
@@ -31,7 +38,20 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["1x130000", "5x130000", "6x130000", "16x32768"],
                    help="BATCHxCONTEXT")
     p.add_argument("--token-budget", type=int, default=2048)
+    p.add_argument("--tables", nargs="+", default=["quest", "omnikv", "retroinfer"],
+                   choices=["quest", "omnikv", "retroinfer"])
+    p.add_argument("--retro-splits", nargs="+", type=int, default=[16, 32, 64],
+                   help="RetroInfer decode kernel split counts to time (the served one: ri.DECODE_SPLITS)")
     args = p.parse_args()
+    if "quest" in args.tables:
+        _quest_table(args)
+    if "omnikv" in args.tables:
+        _omnikv_table(args)
+    if "retroinfer" in args.tables:
+        _retroinfer_table(args)
+
+
+def _quest_table(args: argparse.Namespace) -> None:
     k = args.token_budget // PS
     print("| batch x context | score us | score on the tensor cores us (same selection; max score difference) | "
           "top-k + sort us | Triton select us | expand us | summary update us (general / decode kernel) | "
@@ -40,6 +60,9 @@ def main() -> None:
     for shape in args.shapes:
         bs, n = (int(x) for x in shape.split("x"))
         print(_row(bs, n, k))
+
+
+def _omnikv_table(args: argparse.Namespace) -> None:
     print("\nOmniKV, per filter layer:\n")
     print("| batch x context | token scores us | on the tensor cores us (same selection) | top-k + sort us | "
           "Triton select us | K read at floor us |")
@@ -116,6 +139,83 @@ def _row(bs: int, n: int, k: int) -> str:
             f"{t_tri:.1f} (same lists: {same}) | {t_expand:.1f} | "
             f"{t_sum:.1f} / {t_sum_dec:.1f} | {t_score + t_tri + t_expand + t_sum_dec:.1f} | "
             f"{summaries / HBM * 1e6:.1f} | {dense / HBM * 1e6:.1f} |")
+
+
+def _retroinfer_table(args: argparse.Namespace) -> None:
+    splits = " | ".join(f"decode, {n} splits us" for n in args.retro_splits)
+    print("\nRetroInfer, per layer (default config):\n")
+    print(f"| batch x context | logits us | group probs, torch / Triton us | sorted top-k / Triton tiers us (same "
+          f"sets) | budgets us | {splits} | old path us/layer | served path us/layer | read at floor us |")
+    print("| --- | --- | --- | --- | --- | " + "--- | " * len(args.retro_splits) + "--- | --- | --- |")
+    for shape in args.shapes:
+        bs, n = (int(x) for x in shape.split("x"))
+        print(_retroinfer_row(bs, n, args.retro_splits))
+
+
+def _retroinfer_row(bs: int, n: int, split_counts: list[int]) -> str:
+    """A synthetic index with the served layout: each request in its own whole pages, every segment usable,
+    cluster j of a segment = its j-th page's 16 tokens (sizes 16, members in order); random centroids and
+    values (the kernels' cost does not depend on what the clusters hold, the ranking's little)."""
+    dev = DEVICE
+    lay = RetroInferConfig().layout()
+    row_pages = -(-WIDTH // PS)
+    r2t = torch.zeros(bs + 1, WIDTH, dtype=torch.int32, device=dev)
+    r2t[1:] = (torch.arange(bs, device=dev)[:, None] * row_pages * PS + torch.arange(WIDTH, device=dev) + PS).int()
+    rpi = torch.arange(1, bs + 1, device=dev)
+    seq = torch.full((bs,), n, device=dev)
+    slots = (bs * row_pages + 1) * PS
+    k_cache = torch.randn(slots, HKV, D, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    store = ri.IndexStore.empty(slots, PS, HKV, D, torch.bfloat16, dev)
+    store.centroids.normal_()
+    store.value_sums.normal_().mul_(PS)
+    store.sizes.fill_(PS)
+    page_in_row = (torch.arange(slots // PS, device=dev) - 1) % row_pages  # page 0: padding
+    store.offsets.copy_((((page_in_row - lay.base // PS) % lay.clusters_per_segment) * PS)[:, None].int())
+    pos = (torch.arange(slots, device=dev) - PS) % (row_pages * PS)
+    store.order.copy_(((pos - lay.base) % lay.seg)[:, None].to(torch.int16))
+    max_seg = (WIDTH - lay.base) // lay.seg
+    seg_valid = torch.ones(bs, max_seg, dtype=torch.int8, device=dev)
+    q = torch.randn(bs, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
+    scale = D**-0.5
+    width = lay.max_ranked(WIDTH)
+    c = max_seg * lay.clusters_per_segment
+    logits = torch.empty(bs * HKV, GROUP, c, device=dev)
+
+    def run_logits() -> None:
+        ri._logits_kernel[(bs * HKV, min(ri.LOGIT_PROGRAMS, -(-c // ri.LOGIT_BLOCK)))](
+            q, store.centroids, store.sizes, r2t, rpi, seq, seg_valid, logits, q.stride(0), q.stride(1),
+            r2t.stride(0), seg_valid.stride(0), c, scale, BASE=lay.base, SEG=lay.seg, PAGE=lay.page,
+            RECENT=lay.recent, MIN_SEG=lay.min_segments, HKV=HKV, G=GROUP, D=D, BLOCK=ri.LOGIT_BLOCK,
+            NPROG=min(ri.LOGIT_PROGRAMS, -(-c // ri.LOGIT_BLOCK)))
+
+    t_logits = graph_us(run_logits)
+    t_probs_torch = graph_us(lambda: ri._group_probs(logits))
+    t_probs = graph_us(lambda: ri.group_probs(logits))
+    scores = ri.group_probs(logits)
+    r, e = ri.row_budgets(seq, seg_valid, lay, max_seg)
+    t_budgets = graph_us(lambda: ri.row_budgets(seq, seg_valid, lay, max_seg))
+    ranked = ri.rank_clusters(scores, width)
+    tiers = ri.rank_clusters_triton(scores, width, r, e, HKV)
+    same = all(sorted(x for x in a[lo:hi] if x >= 0) == sorted(x for x in b[lo:hi] if x >= 0)
+               for a, b, nr, ne in zip(ranked.tolist(), tiers.tolist(), r.repeat_interleave(HKV).tolist(),
+                                       e.repeat_interleave(HKV).tolist())
+               for lo, hi in ((0, nr), (nr, nr + ne)))
+    t_topk = graph_us(lambda: ri.rank_clusters(scores, width))
+    t_tiers = graph_us(lambda: ri.rank_clusters_triton(scores, width, r, e, HKV))
+    t_dec = {s: graph_us(lambda s=s: ri.decode_attention(q, k_cache, v_cache, store, r2t, rpi, seq, seg_valid, tiers,
+                                                          r, e, lay, scale, splits=s)) for s in split_counts}
+    served = t_dec.get(ri.DECODE_SPLITS, min(t_dec.values()))
+    old = t_logits + t_probs_torch + t_topk + t_budgets + served
+    new = t_logits + t_probs + t_tiers + served
+    cfg = {"num_hidden_layers": 1, "hidden_size": HKV * GROUP * D, "num_attention_heads": HKV * GROUP,
+           "num_key_value_heads": HKV}
+    from decode_throughput import selection_kv_bytes
+
+    read = selection_kv_bytes("retroinfer", {}, cfg, bs, bs * n)
+    decs = " | ".join(f"{t_dec[s]:.1f}" for s in split_counts)
+    return (f"| {bs} x {n} | {t_logits:.1f} | {t_probs_torch:.1f} / {t_probs:.1f} | {t_topk:.1f} / {t_tiers:.1f} "
+            f"({same}) | {t_budgets:.1f} | {decs} | {old:.1f} | {new:.1f} | {read / HBM * 1e6:.1f} |")
 
 
 if __name__ == "__main__":

@@ -119,7 +119,14 @@ def test_selection_floor_counts_what_a_step_reads() -> None:
     omni = {"token_budget": 2048, "filter_layers": "2,8,18"}
     # layers 0-1 and the filter layers 2, 8, 18 read all, the filters K again, 27 layers the budget
     assert dt.selection_kv_bytes("omnikv", omni, cfg, b, n) == 5 * n * tok + 3 * n * tok // 2 + 27 * b * 2048 * tok
-    assert dt.selection_kv_bytes("retroinfer", {}, cfg, b, n) is None
+    # RetroInfer's defaults at 130,000 tokens: 126 segments of 1,024 past the 16-token base and the 64 recent
+    # (8,064 clusters: 145 retrieved, 1,871 estimated); centroids + sizes of all, centroid + value sum of the
+    # estimated, the sink + tail (130,000 - 126 x 1,024 = 976 tokens) and 145 clusters of 16 exactly.
+    head_vec = 8 * 128 * 2
+    per_layer = 8064 * (head_vec + 4 * 8) + 1871 * 2 * head_vec + (976 + 145 * 16) * tok
+    assert dt.selection_kv_bytes("retroinfer", {}, cfg, b, n) == b * 32 * per_layer
+    # Under min_index_tokens: dense.
+    assert dt.selection_kv_bytes("retroinfer", {}, cfg, b, 6 * 10_000) == 6 * 10_000 * tok * 32
     # A budget above the context reads the context (no more).
     assert dt.selection_kv_bytes("omnikv", {**omni, "token_budget": 10**6}, cfg, b, n) == \
         5 * n * tok + 3 * n * tok // 2 + 27 * n * tok

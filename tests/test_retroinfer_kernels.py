@@ -73,10 +73,28 @@ def _run_both(q, k, v, store, req_to_token, rows, lens, seg_valid, layout, max_s
         finite = scores.isfinite()
         assert torch.equal(finite, got.isfinite())
         torch.testing.assert_close(got[finite], scores[finite], atol=1e-5, rtol=1e-5)
-    ranked = ri.rank_clusters(scores, layout.max_ranked(int(lens.max())))
+    width = layout.max_ranked(int(lens.max()))
+    ranked = ri.rank_clusters(scores, width)
     r, e = ri.row_budgets(lens, seg_valid, layout, max_seg)
     args = (q, k, v, store, req_to_token, rows, lens, seg_valid, ranked, r, e, layout, SCALE)
-    return ri.decode_attention_torch(*args), ri.decode_attention(*args, splits=3) if INTERPRETED else None, ranked, r, e
+    fast = None
+    if INTERPRETED:  # the served path: the Triton tiers (same sets, position order) into the Triton decode
+        tiers = ri.rank_clusters_triton(scores, width, r, e, HKV)
+        _assert_same_tiers(tiers, ranked, r, e, HKV)
+        fast = ri.decode_attention(*args[:8], tiers, *args[9:], splits=3)
+    return ri.decode_attention_torch(*args), fast, ranked, r, e
+
+
+def _assert_same_tiers(tiers: torch.Tensor, ranked: torch.Tensor, r: torch.Tensor, e: torch.Tensor, hkv: int) -> None:
+    """Row by row: the same retrieved set in ``[:r]`` and estimated set in ``[r:r + e]`` as the sorted ranking,
+    each tier ascending with its ``-1`` after it, ``-1`` past both."""
+    for row in range(tiers.shape[0]):
+        nr, ne = int(r[row // hkv]), int(e[row // hkv])
+        for lo, hi in ((0, nr), (nr, nr + ne)):
+            want = sorted(x for x in ranked[row, lo:hi].tolist() if x >= 0)
+            got = tiers[row, lo:hi].tolist()
+            assert got == want + [-1] * (hi - lo - len(want)), (row, lo, hi, got, want)
+        assert (tiers[row, nr + ne:] == -1).all()
 
 
 def _dense(q, k, v, req_to_token, rows, lens):
@@ -225,6 +243,54 @@ def test_short_requests_are_dense() -> None:
 def _close_if_run(out: torch.Tensor | None, ref: torch.Tensor) -> None:
     if out is not None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton kernel: run by test_triton_kernel_under_the_interpreter")
+def test_group_probs_kernel_equals_torch() -> None:
+    """Per row and query head the softmax over the row's usable clusters, summed over the group: rows with
+    unusable clusters, a row with none (all ``-inf``) and a width past one chunk."""
+    g = torch.Generator().manual_seed(5)
+    rows, grp, width = 5, 4, ri.GROUP_CHUNK + 300
+    logits = torch.randn(rows, grp, width, generator=g) * 3
+    unusable = torch.rand(rows, width, generator=g) < 0.3
+    unusable[2] = True
+    unusable[3, ri.GROUP_CHUNK:] = True
+    logits = logits.masked_fill(unusable[:, None, :], float("-inf"))
+    want = ri._group_probs(logits)
+    got = ri.group_probs(logits)
+    assert torch.equal(got.isinf(), want.isinf()) and bool(got[2].isinf().all())
+    torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton kernel: run by test_triton_kernel_under_the_interpreter")
+@pytest.mark.parametrize("width", [300, 16384 + 700])  # rows in registers / re-read in chunks
+def test_tiers_kernel_reads_the_same_clusters_as_a_sorted_top_k(width: int) -> None:
+    """Random scores (no ties) with unusable clusters; per request budgets covering every case: nothing, a
+    row with fewer usable clusters than ``r``, than ``r + e``, no estimated tier, and plenty of both."""
+    g = torch.Generator().manual_seed(6)
+    hkv = 2
+    budgets = [(0, 0), (40, 10), (10, 400), (7, 0), (12, 200)]
+    scores = torch.rand(len(budgets) * hkv, width, generator=g)
+    scores[torch.rand(scores.shape, generator=g) < 0.2] = float("-inf")
+    scores[0:2] = float("-inf")  # request 0: no usable cluster (r = e = 0 there, as row_budgets gives)
+    scores[2:4, 30:] = float("-inf")  # request 1: ~24 usable, under r
+    scores[4:6, 200:] = float("-inf")  # request 2: ~160 usable, between r and r + e
+    r = torch.tensor([b[0] for b in budgets], dtype=torch.int32)
+    e = torch.tensor([b[1] for b in budgets], dtype=torch.int32)
+    k = 420
+    ranked = ri.rank_clusters(scores, k)
+    tiers = ri.rank_clusters_triton(scores, k, r, e, hkv)
+    _assert_same_tiers(tiers, ranked, r, e, hkv)
+    assert (tiers[2:4, :10] >= 0).sum() < 40 and (tiers[4:6, 10:410] >= 0).sum() < 800  # the short cases ran
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton kernel: run by test_triton_kernel_under_the_interpreter")
+def test_tiers_kernel_breaks_ties_by_position() -> None:
+    scores = torch.zeros(2, 64)
+    scores[1, 50] = 1.0
+    tiers = ri.rank_clusters_triton(scores, 12, torch.tensor([3]), torch.tensor([5]), 2)
+    assert tiers[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, -1, -1, -1, -1]
+    assert tiers[1].tolist() == [0, 1, 50, 2, 3, 4, 5, 6, -1, -1, -1, -1]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")

@@ -94,27 +94,13 @@ def _write_taken(out_row, keys, start, n, t, need, carry, ties, BLOCK: tl.conste
 
 
 @triton.jit
-def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                   TAIL: tl.constexpr, ROWS_PER_COUNT: tl.constexpr, PAGE: tl.constexpr):
-    """One program per row: bisect the k-th largest key, then write the chosen positions in order."""
-    r = tl.program_id(0)
-    row = scores + r.to(tl.int64) * stride_s
-    out_row = out + r.to(tl.int64) * k
-    n = tl.minimum(tl.cdiv(tl.load(counts + r // ROWS_PER_COUNT).to(tl.int32), PAGE), width)
-    if ONE_BLOCK:
-        keys = _keys(row, 0, n, BLOCK)
-        if TAIL > 0:  # a width just past a power of two (SGLang's rows are context + 4 wide) keeps a small tail
-            tkeys = _keys(row, BLOCK, n, TAIL)
-        else:
-            tkeys = keys
-    else:
-        keys = tl.zeros((BLOCK,), tl.int32)  # unused: each pass re-reads the row
-        tkeys = keys
+def _kth_key(row, n, keys, tkeys, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """The row's threshold for its ``k`` largest selectable (above ``-inf``) entries: ``(t, need, m)``,
+    take every key ``> t`` and the first ``need`` keys ``== t``; ``m`` selectable entries (a row of at most
+    ``k`` takes all of them at ``t = key(-inf)``, ``need = 0``). Bisection on the int32 keys."""
     kmin = _KEY_NEG_INF + 1
     m = _count_ge(row, n, keys, tkeys, kmin, BLOCK, ONE_BLOCK, TAIL)  # selectable entries: real, above -inf
     # Invariants: count(key >= lo) >= k and count(key > hi) == above; the threshold t lies in [lo, hi].
-    # A row of at most k selectable entries starts done, at t = key(-inf): it takes all of them (and none
-    # of its ties, the -inf entries).
     small = m <= k
     lo = tl.where(small, kmin - 1, kmin).to(tl.int64)
     hi = tl.where(small, kmin - 1, 2147483647).to(tl.int64)
@@ -126,8 +112,36 @@ def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr,
         lo = tl.where(c > k, mid, tl.where(c == k, mid - 1, lo))
         hi = tl.where(c > k, hi, mid - 1)
         above = tl.where(c > k, above, c)
-    t = lo.to(tl.int32)
     need = tl.where(small, 0, k - above)  # entries equal to t to take, earliest first
+    return lo.to(tl.int32), need, m
+
+
+@triton.jit
+def _row_keys(row, n, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """A row's keys held in registers (its main block and its tail) when ``ONE_BLOCK``; placeholders
+    otherwise (each pass re-reads the row)."""
+    if ONE_BLOCK:
+        keys = _keys(row, 0, n, BLOCK)
+        if TAIL > 0:  # a width just past a power of two (SGLang's rows are context + 4 wide) keeps a small tail
+            tkeys = _keys(row, BLOCK, n, TAIL)
+        else:
+            tkeys = keys
+    else:
+        keys = tl.zeros((BLOCK,), tl.int32)
+        tkeys = keys
+    return keys, tkeys
+
+
+@triton.jit
+def _select_kernel(scores, counts, out, width, stride_s, k, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                   TAIL: tl.constexpr, ROWS_PER_COUNT: tl.constexpr, PAGE: tl.constexpr):
+    """One program per row: bisect the k-th largest key, then write the chosen positions in order."""
+    r = tl.program_id(0)
+    row = scores + r.to(tl.int64) * stride_s
+    out_row = out + r.to(tl.int64) * k
+    n = tl.minimum(tl.cdiv(tl.load(counts + r // ROWS_PER_COUNT).to(tl.int32), PAGE), width)
+    keys, tkeys = _row_keys(row, n, BLOCK, ONE_BLOCK, TAIL)
+    t, need, m = _kth_key(row, n, keys, tkeys, k, BLOCK, ONE_BLOCK, TAIL)
     taken = tl.minimum(m, k)
     carry = taken * 0
     ties = taken * 0

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_sparse.kernels.pages import SELECT_CHUNK, SELECT_MAX_BLOCK, _keys, _kth_key, _row_keys
 from sgl_sparse.kernels.splits import merge_splits, split_workspace, store_split
 from sgl_sparse.kernels.splits import online_step as _online
 
@@ -288,7 +289,49 @@ def cluster_scores(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tenso
         q.stride(1), req_to_token.stride(0), seg_valid.stride(0), width, scale, BASE=layout.base, SEG=layout.seg,
         PAGE=layout.page, RECENT=layout.recent, MIN_SEG=layout.min_segments, HKV=hkv, G=g, D=d, BLOCK=LOGIT_BLOCK,
         NPROG=nprog)
-    return _group_probs(logits)
+    return group_probs(logits)
+
+
+@triton.jit
+def _group_probs_kernel(logits, out, width, G: tl.constexpr, GP: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per row: each query head's log-sum-exp over the row (online, chunk by chunk), then every
+    cluster's probabilities summed over the group; ``-inf`` where the first head's logit is."""
+    r = tl.program_id(0)
+    base = logits + r.to(tl.int64) * G * width
+    gi = tl.arange(0, GP)
+    gm = gi < G
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    for start in range(0, width, CHUNK):
+        c = start + tl.arange(0, CHUNK)
+        x = tl.load(base + gi[:, None] * width + c[None, :], mask=gm[:, None] & (c < width)[None, :],
+                    other=float("-inf"))
+        new = tl.maximum(m, tl.max(x, axis=1))
+        shift = tl.where(new == float("-inf"), 0.0, new)
+        den = den * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        m = new
+    lse = tl.where(m == float("-inf"), 0.0, m + tl.log(den))  # a row with nothing usable: as torch's, 0
+    for start in range(0, width, CHUNK):
+        c = start + tl.arange(0, CHUNK)
+        x = tl.load(base + gi[:, None] * width + c[None, :], mask=gm[:, None] & (c < width)[None, :],
+                    other=float("-inf"))
+        p = tl.sum(tl.exp(x - lse[:, None]), axis=0)
+        first = tl.max(tl.where((gi == 0)[:, None], x, float("-inf")), axis=0)
+        tl.store(out + r.to(tl.int64) * width + c, tl.where(first == float("-inf"), float("-inf"), p), mask=c < width)
+
+
+GROUP_CHUNK = 1024
+
+
+def group_probs(logits: torch.Tensor) -> torch.Tensor:
+    """:func:`_group_probs` as one Triton program per row (torch's form is a dozen kernels a layer)."""
+    rows, g, width = logits.shape
+    out = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
+    if rows == 0 or width == 0:
+        return out
+    assert logits.is_contiguous()
+    _group_probs_kernel[(rows,)](logits, out, width, G=g, GP=max(2, triton.next_power_of_2(g)), CHUNK=GROUP_CHUNK)
+    return out
 
 
 def rank_clusters(scores: torch.Tensor, width: int) -> torch.Tensor:
@@ -300,6 +343,84 @@ def rank_clusters(scores: torch.Tensor, width: int) -> torch.Tensor:
     if k < width:
         idx = torch.cat([idx, idx.new_full((idx.shape[0], width - k), -1)], dim=1)
     return idx
+
+
+@triton.jit
+def _write_tiers(out_row, keys, start, n, t1, need1, t2, need2, r, k, c1, c2, ties1, ties2, BLOCK: tl.constexpr):
+    """Positions ``start..start + BLOCK`` of the row: the retrieved tier's (the ``r`` best: above ``t1`` or among
+    the first ``need1`` ties) written from 0, the estimated tier's (the next: in the ``r + e`` best by ``t2`` /
+    ``need2``, not retrieved) from ``r``, each after what earlier blocks wrote (``c1``, ``c2``)."""
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < n
+    tie1 = (keys == t1) & valid
+    take1 = (keys > t1) | (tie1 & (tl.cumsum(tie1.to(tl.int32), axis=0) + ties1 <= need1))
+    tie2 = (keys == t2) & valid
+    take2 = (keys > t2) | (tie2 & (tl.cumsum(tie2.to(tl.int32), axis=0) + ties2 <= need2))
+    est = take2 & ~take1
+    dst1 = tl.cumsum(take1.to(tl.int32), axis=0) - 1 + c1
+    tl.store(out_row + dst1, offs.to(tl.int32), mask=take1 & (dst1 < k))
+    dst2 = r + tl.cumsum(est.to(tl.int32), axis=0) - 1 + c2
+    tl.store(out_row + dst2, offs.to(tl.int32), mask=est & (dst2 < k))
+    return (c1 + tl.sum(take1.to(tl.int32), axis=0), c2 + tl.sum(est.to(tl.int32), axis=0),
+            ties1 + tl.sum(tie1.to(tl.int32), axis=0), ties2 + tl.sum(tie2.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _tiers_kernel(scores, retrieved, estimated, out, width, stride_s, k, HKV: tl.constexpr, BLOCK: tl.constexpr,
+                  ONE_BLOCK: tl.constexpr, TAIL: tl.constexpr, FILL: tl.constexpr):
+    """One program per (request, KV head) row: the thresholds of its ``r`` and ``r + e`` best clusters, then both
+    tiers written in position order (no sort), ``-1`` in the rest."""
+    rh = tl.program_id(0)
+    i = rh // HKV
+    row = scores + rh.to(tl.int64) * stride_s
+    out_row = out + rh.to(tl.int64) * k
+    r = tl.load(retrieved + i)
+    e = tl.load(estimated + i)
+    keys, tkeys = _row_keys(row, width, BLOCK, ONE_BLOCK, TAIL)
+    t1, need1, m = _kth_key(row, width, keys, tkeys, r, BLOCK, ONE_BLOCK, TAIL)
+    t2, need2, m = _kth_key(row, width, keys, tkeys, r + e, BLOCK, ONE_BLOCK, TAIL)
+    c1 = r * 0
+    c2 = r * 0
+    ties1 = r * 0
+    ties2 = r * 0
+    if ONE_BLOCK:
+        c1, c2, ties1, ties2 = _write_tiers(out_row, keys, 0, width, t1, need1, t2, need2, r, k, c1, c2, ties1,
+                                            ties2, BLOCK)
+        if TAIL > 0:
+            c1, c2, ties1, ties2 = _write_tiers(out_row, tkeys, BLOCK, width, t1, need1, t2, need2, r, k, c1, c2,
+                                                ties1, ties2, TAIL)
+    else:
+        for start in range(0, width, BLOCK):
+            c1, c2, ties1, ties2 = _write_tiers(out_row, _keys(row, start, width, BLOCK), start, width, t1, need1, t2,
+                                                need2, r, k, c1, c2, ties1, ties2, BLOCK)
+    for start in range(0, k, FILL):
+        offs = start + tl.arange(0, FILL)
+        unused = ((offs >= c1) & (offs < r)) | (offs >= r + c2)
+        tl.store(out_row + offs, tl.full((FILL,), -1, tl.int32), mask=unused & (offs < k))
+
+
+def rank_clusters_triton(scores: torch.Tensor, width: int, retrieved: torch.Tensor, estimated: torch.Tensor,
+                         rows_per_request: int) -> torch.Tensor:
+    """:func:`rank_clusters` for what the decode reads of it: per row the ``retrieved[i]`` best clusters in
+    ``[:r]`` and the next ``estimated[i]`` in ``[r:r + e]``, each tier in position order rather than best first
+    (the decode sums over a tier; the same sets as :func:`rank_clusters` when no score ties across a tier's
+    edge, earliest positions first on ties), ``-1`` in the rest. Two thresholds by bisection as
+    :func:`sgl_sparse.kernels.pages.select_pages_triton` (``torch.topk`` sorted ~2,000 of ~8,000 clusters a
+    row at 130K). Static shapes, no host sync."""
+    rows, n = scores.shape
+    out = torch.empty(rows, width, dtype=torch.int32, device=scores.device)
+    if rows == 0 or width == 0:
+        return out
+    if n == 0:
+        return out.fill_(-1)
+    scores = scores.contiguous()
+    one_block = n <= SELECT_MAX_BLOCK
+    block = 1 << (n.bit_length() - 1) if one_block else SELECT_CHUNK
+    tail = triton.next_power_of_2(n - block) if one_block and n > block else 0
+    _tiers_kernel[(rows,)](scores, retrieved, estimated, out, n, scores.stride(0), width, HKV=rows_per_request,
+                           BLOCK=block, ONE_BLOCK=one_block, TAIL=tail, FILL=min(1024, triton.next_power_of_2(width)),
+                           num_warps=max(1, min(16, block // 512)))
+    return out
 
 
 def row_budgets(seq_lens: torch.Tensor, seg_valid: torch.Tensor, layout: Layout,
@@ -393,7 +514,7 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
                    stride_ks, stride_kh, stride_r2t, stride_valid, stride_rank, scale, BASE: tl.constexpr,
                    SEG: tl.constexpr, PAGE: tl.constexpr, RECENT: tl.constexpr, MIN_SEG: tl.constexpr,
                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                   BLOCK: tl.constexpr, EBLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+                   BLOCK: tl.constexpr, EBLOCK: tl.constexpr, NSPLIT: tl.constexpr, VBLOCK: tl.constexpr):
     """Grid (request x KV head, NSPLIT): split ``pid`` takes every NSPLIT-th block of each kind of read
     (sink, tail, unusable segments, retrieved clusters, estimated clusters) and writes its partial
     softmax state (max, sum, weighted values) to the workspace; :func:`decode_attention` merges."""
@@ -425,7 +546,14 @@ def _decode_kernel(q, k_cache, v_cache, cent, vsum, sizes, offsets, order, req_t
                                  stride_kh, scale, D)
     # Names assigned under an `if` must not reuse an outer name of another type (Triton's compiler
     # rejects an int64 `b` redefined as int32, or the loop's `s` re-used for scores), hence sg / sb / spos / cb.
-    for sg in range(0, nseg):
+    # One vector pass counts them first: a loop of one scalar load a segment (127 at 130K) in every program
+    # is serial latency where, as almost always, every segment is usable.
+    unusable = nseg * 0
+    for sv0 in range(0, nseg, VBLOCK):
+        sv = sv0 + tl.arange(0, VBLOCK)
+        unusable += tl.sum((tl.load(seg_valid + i * stride_valid + sv, mask=sv < nseg, other=1) == 0).to(tl.int32),
+                           axis=0)
+    for sg in range(0, tl.where(unusable > 0, nseg, 0)):
         if tl.load(seg_valid + i * stride_valid + sg) == 0:
             for sb in range(pid, SEG // BLOCK, NSPLIT):
                 spos = BASE + sg * SEG + sb * BLOCK + tl.arange(0, BLOCK)
@@ -490,7 +618,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0), seg_valid.stride(0),
         ranked.stride(0), scale, BASE=layout.base, SEG=layout.seg, PAGE=layout.page, RECENT=layout.recent,
         MIN_SEG=layout.min_segments, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16,
-        EBLOCK=16, NSPLIT=splits)
+        EBLOCK=16, NSPLIT=splits, VBLOCK=128)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 

@@ -61,7 +61,15 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_and_does_not_sync() -> N
     r, e = ri.row_budgets(seq, seg_valid, lay, max_seg)
     assert r.tolist()[:3] == [max(round(0.018 * c), 1) for c in (38 * 64, 18 * 64)] + [0]
     with sync_debug("error"):
-        got = ri.decode_attention(q, k, v, store, r2t, rpi, seq, seg_valid, ranked, r, e, lay, scale)
+        tiers = ri.rank_clusters_triton(scores, lay.max_ranked(width), r, e, hkv)
+    # The served ranking: the sorted top-k's two tiers as sets, each in position order.
+    for row, (got_row, want_row) in enumerate(zip(tiers.tolist(), ranked.tolist())):
+        nr, ne = int(r[row // hkv]), int(e[row // hkv])
+        for lo, hi in ((0, nr), (nr, nr + ne)):
+            want = sorted(x for x in want_row[lo:hi] if x >= 0)
+            assert got_row[lo:hi] == want + [-1] * (hi - lo - len(want)), (row, lo, hi)
+    with sync_debug("error"):
+        got = ri.decode_attention(q, k, v, store, r2t, rpi, seq, seg_valid, tiers, r, e, lay, scale)
     ref = ri.decode_attention_torch(q.cpu(), k.cpu(), v.cpu(), _cpu(store), r2t.cpu(), rpi.cpu(), seq.cpu(),
                                     seg_valid.cpu(), ranked.cpu(), r.cpu(), e.cpu(), lay, scale)
     torch.testing.assert_close(got.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)

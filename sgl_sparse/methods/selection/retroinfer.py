@@ -91,6 +91,7 @@ class RetroInferSelector(PageSelector):
         self.use_triton = False
         self._ranked_width: dict[int, int] = {}
         self._seg_valid: torch.Tensor | None = None  # [bs, max segments] of the step being run
+        self._budgets: tuple[torch.Tensor, torch.Tensor] = (torch.zeros(0), torch.zeros(0))  # its [bs] r and e
         self._first_layer = config.dense_layers
 
     def selects(self, layer_id: int) -> bool:
@@ -141,8 +142,12 @@ class RetroInferSelector(PageSelector):
                scale: float) -> torch.Tensor:
         max_seg = self._max_segments(req_to_token)
         if layer_id == self._first_layer or self._seg_valid is None or self._seg_valid.shape[0] != q.shape[0]:
+            # Once a step (every layer's index is built together): which segments are usable, and the budgets
+            # that follow from them (a score-free dozen small kernels, not to be paid in every layer).
             self._seg_valid = self._valid(req_to_token, req_pool_indices, max_seg)
+            self._budgets = ri.row_budgets(seq_lens, self._seg_valid, self.layout, max_seg)
         seg_valid = self._seg_valid
+        r, e = self._budgets
         store = self.stores[layer_id]
         score = ri.cluster_scores if self.use_triton else ri.cluster_scores_torch
         scores = score(q, store, req_to_token, req_pool_indices, seq_lens, seg_valid, self.layout, scale, max_seg)
@@ -151,8 +156,10 @@ class RetroInferSelector(PageSelector):
         width = self._ranked_width.get(req_to_token.shape[1])
         if width is None:
             width = self._ranked_width[req_to_token.shape[1]] = self.layout.max_ranked(req_to_token.shape[1])
-        ranked = ri.rank_clusters(scores, width)
-        r, e = ri.row_budgets(seq_lens, seg_valid, self.layout, max_seg)
+        if self.use_triton:
+            ranked = ri.rank_clusters_triton(scores, width, r, e, store.centroids.shape[1])
+        else:
+            ranked = ri.rank_clusters(scores, width)
         attend = ri.decode_attention if self.use_triton else ri.decode_attention_torch
         return attend(q, k_cache, v_cache, store, req_to_token, req_pool_indices, seq_lens, seg_valid, ranked, r, e,
                       self.layout, scale)
