@@ -27,8 +27,9 @@
 #   bash benchmarks/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
 #                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor
 #                                                (QUANT_WARPS, QUANT_ARGS: tile sweeps, e.g. --kivi-pages 2 4).
-#   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's and OmniKV's selection
-#                                                cost per layer (torch top-k and the Triton select).
+#   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's, OmniKV's and RetroInfer's
+#                                                selection cost per layer, stage by stage (SELECTION_ARGS: e.g.
+#                                                --tables retroinfer --shapes 5x130000 16x32768).
 #   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
 #                                                24), ours only, on HEADLINE_GPU (the vanilla row: headline's).
 #   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
@@ -173,7 +174,9 @@ quantdecode)  # decode attention over the quantized pools, one layer in a CUDA g
   ;;
 selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.py), no server
   install
-  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/selection.txt python3 benchmarks/selection_overhead.py
+  # shellcheck disable=SC2086  # SELECTION_ARGS is a list of flags
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/selection.txt python3 benchmarks/selection_overhead.py \
+      ${SELECTION_ARGS:-}
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
