@@ -30,7 +30,7 @@ Ties go to the earlier position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,40 @@ class KeepError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class RangeError(ValueError):
+    """A prune's ``ranges`` that cannot serve; ``field`` names the entry (``ranges`` or ``ranges[i]``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def parse_ranges(value: Any, bound: int | None, bound_name: str) -> list[tuple[int, int]]:
+    """``[[start, end], ...]`` of logical positions -> sorted, merged ``[start, end)`` pairs, ``0 <= start < end <=
+    bound`` (``bound_name`` says what bounds them; no upper check when ``bound`` is ``None``). The one parser of the
+    route's body and a request's own prune; raises :class:`RangeError` naming the entry."""
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise RangeError("ranges", "expected a non-empty list of [start, end] pairs")
+    out = []
+    for i, r in enumerate(value):
+        if (not isinstance(r, Sequence) or isinstance(r, str) or len(r) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise RangeError(f"ranges[{i}]", f"expected [start, end] integers, got {r!r}")
+        lo, hi = r
+        if not 0 <= lo < hi <= (hi if bound is None else bound):
+            limit = "" if bound is None else f" <= {bound} ({bound_name})"
+            raise RangeError(f"ranges[{i}]", f"[{lo}, {hi}) must satisfy 0 <= start < end{limit}")
+        out.append((lo, hi))
+    out.sort()
+    merged = [out[0]]
+    for lo, hi in out[1:]:
+        if lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 def parse_keep(body: Mapping[str, Any], size: int, page_size: int, policies: tuple[str, ...],

@@ -29,7 +29,15 @@ from typing import Any
 from sgl_sparse.compose import is_composed
 from sgl_sparse.contract import SparseMethod, served_hooks_problem
 from sgl_sparse.errors import SparseConfigError
-from sgl_sparse.prune_keep import REQUEST_POLICIES, REQUEST_SCORED, KeepError, PruneSpec, parse_keep
+from sgl_sparse.prune_keep import (
+    REQUEST_POLICIES,
+    REQUEST_SCORED,
+    KeepError,
+    PruneSpec,
+    RangeError,
+    parse_keep,
+    parse_ranges,
+)
 from sgl_sparse.registry import create_method
 
 METHOD_KEY = "sgl_sparse_method"
@@ -204,27 +212,10 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> PruneSpec:
     if not isinstance(value, Mapping) or "ranges" not in value or not set(value) <= PRUNE_FIELDS:
         extra = sorted(set(value) - PRUNE_FIELDS) if isinstance(value, Mapping) else []
         raise RequestMethodError(PRUNE_KEY, (f"unknown field {extra[0]!r}; " if extra else "") + f"expected {shape}")
-    ranges = value["ranges"]
-    if not isinstance(ranges, list) or not ranges:
-        raise RequestMethodError(PRUNE_KEY, "ranges: expected a non-empty list of [start, end] pairs")
-    out: list[tuple[int, int]] = []
-    for i, r in enumerate(ranges):
-        if (not isinstance(r, list) or len(r) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
-            raise RequestMethodError(PRUNE_KEY, f"ranges[{i}]: expected [start, end] integers, got {r!r}")
-        lo, hi = r
-        bound = prompt_len if prompt_len is not None else hi
-        if not 0 <= lo < hi <= bound:
-            raise RequestMethodError(PRUNE_KEY, f"ranges[{i}]: [{lo}, {hi}) must satisfy 0 <= start < end <= "
-                                                f"{'the prompt length ' + str(prompt_len) if prompt_len else 'end'}")
-        out.append((lo, hi))
-    out.sort()
-    merged = [out[0]]
-    for lo, hi in out[1:]:
-        if lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
+    try:
+        merged = parse_ranges(value["ranges"], prompt_len, "the prompt length")
+    except RangeError as e:
+        raise RequestMethodError(PRUNE_KEY, f"{e.field}: {e}") from None
     try:
         # Our servers' pools have pages of one token (a request's own prune hides single positions).
         keep, policy = parse_keep(value, sum(hi - lo for lo, hi in merged), 1, REQUEST_POLICIES, REQUEST_SCORED)

@@ -31,6 +31,7 @@ import torch
 from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 
+from sgl_sparse import prune_keep
 from sgl_sparse.prune_keep import (
     KNORM,
     KVZIP_GLOBAL,
@@ -81,26 +82,10 @@ def _int_list(value: Any, field: str, vocab_size: int | None = None) -> list[int
 
 def parse_ranges(value: Any, n_tokens: int) -> list[tuple[int, int]]:
     """``[[L, R], ...]`` of logical positions, ``0 <= L < R <= n_tokens``, sorted and merged."""
-    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
-        raise BadPruneRequest("ranges", "expected a non-empty list of [start, end] pairs")
-    out = []
-    for i, r in enumerate(value):
-        if (not isinstance(r, Sequence) or isinstance(r, str) or len(r) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
-            raise BadPruneRequest(f"ranges[{i}]", f"expected [start, end] integers, got {r!r}")
-        lo, hi = r
-        if not 0 <= lo < hi <= n_tokens:
-            raise BadPruneRequest(f"ranges[{i}]", f"[{lo}, {hi}) must satisfy 0 <= start < end <= {n_tokens} (the "
-                                                  "selected sequence's length)")
-        out.append((lo, hi))
-    out.sort()
-    merged = [out[0]]
-    for lo, hi in out[1:]:
-        if lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return merged
+    try:
+        return prune_keep.parse_ranges(value, n_tokens, "the selected sequence's length")
+    except prune_keep.RangeError as e:
+        raise BadPruneRequest(e.field, str(e)) from None
 
 
 def message_spans(render: Any, messages: list[Any]) -> list[tuple[int, int]]:
