@@ -131,7 +131,7 @@ def test_scored_keep_keeps_the_highest_knorm_tokens(mixed_server: ServerProcess,
     _assert_idle_and_sound(server)
     # Bodies the server refuses name keep_tokens (no change), and policy for one it does not serve.
     for kwargs, field in (({"keep_tokens": 160}, "keep_tokens"), ({"keep_tokens": 5, "policy": "drop"}, "keep_tokens"),
-                          ({"keep_tokens": 5, "policy": "snapkv_global"}, "policy")):
+                          ({"keep_tokens": 5, "policy": "kvzip_global"}, "policy")):
         with pytest.raises(PruneRequestError) as e:
             prune(server.base_url, token_ids=seq, ranges=ranges, **kwargs)
         assert e.value.status == 400 and e.value.param == field, (kwargs, e.value)
@@ -245,7 +245,15 @@ def test_uncached_and_stock_servers_fail_cleanly(mixed_server: ServerProcess,
     _turn(dense, seq, 2)
     res = _post(dense, "prune", {"token_ids": seq, "ranges": [[0, 10]]}).json()
     assert res["status"] == "failed" and "--sparse-request-methods eviction" in res["message"], res
+    # snapkv_global runs through a request that prunes its own prompt: refused up front where none can (400 naming
+    # policy); uncached, it fails as a drop does, without sending the request.
+    scored = {"ranges": [[0, 10]], "keep_tokens": 4, "policy": "snapkv_global"}
+    r = _post(dense, "prune", {"token_ids": seq, **scored})
+    assert r.status_code == 400 and r.json()["param"] == "policy" and "stock attention lists" in r.text, r.text
+    res = _post(mixed_server, "prune", {"token_ids": _ids(random.Random(3), 50), **scored}).json()
+    assert res["status"] == "failed" and "serves only the first 0" in res["message"], res
     _assert_idle_and_sound(dense)
+    _assert_idle_and_sound(mixed_server)
 
 
 def test_frontend_helper_prunes_a_programs_prefix(mixed_server: ServerProcess) -> None:

@@ -263,3 +263,43 @@ def test_a_scored_keep_keeps_the_best_scored_positions_of_its_ranges(small: dict
     assert min(float(scores[p]) for p in kept) >= kth - tol, (policy, kth)
     assert max(float(scores[p]) for p in hidden) <= kth + tol, (policy, kth)
     assert out["output_ids"] == _masked_reference(small["model"], ids, hidden, [], N_OUT)[0]
+
+
+def test_the_route_serves_snapkv_global_through_a_pruning_request(small: dict) -> None:
+    """``POST /v1/prefix_cache/prune`` with ``policy: snapkv_global``: a cached prompt's two ranges keep the 64 of their
+    400 positions that the prompt's last 32 queries attend to most (the HF reference's scores over the whole prompt:
+    the route's internal request re-forwards exactly those 32 tokens), the other 336 end hidden and their slots go back
+    to the pool (the path is the sequence's own), the result says so, the next turn is a hit through the whole prompt,
+    and nothing leaks."""
+    server, ids, tok = small["server"], small["ids"], small["tok"]
+    ranges, keep = [[100, 300], [500, 700]], 64
+    candidates = [p for lo, hi in ranges for p in range(lo, hi)]
+    base = _flush(server)
+    server.generate(input_ids=ids, max_new_tokens=1, ignore_eos=True)
+    used = _assert_idle_and_sound(server)["kv_slots_used"] - base["kv_slots_used"]
+    assert used >= len(ids), used
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/prune", timeout=120, json={
+        "token_ids": ids, "ranges": ranges, "keep_tokens": keep, "policy": "snapkv_global"})
+    assert r.status_code == 202, r.text[:300]
+    res = r.json()
+    assert res["status"] == "completed" and res["policy"] == "snapkv_global", res
+    assert (res["pruned_tokens"], res["kept_tokens"], res["freed_slots"]) == (400, 64, 336), res
+    assert res["matched_tokens"] == len(ids) and res["resident_tokens"] == len(ids) - 336, res
+    after = _assert_idle_and_sound(server)
+    assert after["kv_slots_used"] - base["kv_slots_used"] == used - 336
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": ids}, timeout=60)
+    hidden = _hidden(r.json())
+    assert hidden <= set(candidates) and len(hidden) == len(candidates) - keep, sorted(hidden)[:20]
+    kept = sorted(set(candidates) - hidden)
+    scores = _reference_scores(small["model"], ids, "snapkv_global")
+    ranked = scores[torch.tensor(candidates)].sort(descending=True).values
+    kth, tol = float(ranked[keep - 1]), 1e-5 * float(ranked.abs().max())
+    assert min(float(scores[p]) for p in kept) >= kth - tol, kth
+    assert max(float(scores[p]) for p in hidden) <= kth + tol, kth
+
+    question = tok.encode(QUESTION.format(key=small["asked"]), add_special_tokens=False)
+    nxt = server.generate(input_ids=ids + question, max_new_tokens=4, ignore_eos=True)
+    assert nxt["meta_info"]["cached_tokens"] == len(ids), nxt["meta_info"]
+    assert _hidden(requests.post(f"{server.base_url}/v1/prefix_cache/inspect", timeout=60,
+                                 json={"token_ids": ids + question}).json()) == hidden
+    _assert_idle_and_sound(server)

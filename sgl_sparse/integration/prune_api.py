@@ -47,6 +47,11 @@ from sgl_sparse.prune_keep import (
 from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
 
 PRUNE, INSPECT = "prune", "inspect"
+# The route's policies: a prune between batches (drop, knorm), and snapkv_global through an internal request that
+# re-forwards the sequence's last SNAPKV_WINDOW tokens and prunes its own prompt (_Api._request_prune).
+ROUTE_POLICIES = (*POLICIES, SNAPKV_GLOBAL)
+ROUTE_SCORED = (*SCORED, SNAPKV_GLOBAL)  # the first, knorm, stays the default when something is kept
+SNAPKV_WINDOW = 32  # SnapKV's observation window (prune_keep's snapkv_global scores the prompt's last 32 queries)
 _RESULTS_KEPT = 4096  # prune ids remembered for GET (oldest dropped first)
 
 
@@ -157,7 +162,9 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
         served = resolve({k: body[k] for k in (METHOD_KEY, CONFIG_KEY) if k in body})
     except RequestMethodError as e:
         raise BadPruneRequest(e.key, str(e)) from None
-    out: dict[str, Any] = {"token_ids": token_ids, "fingerprint": served.fingerprint}
+    out: dict[str, Any] = {"token_ids": token_ids, "fingerprint": served.fingerprint,
+                           # as given: the route's snapkv_global sends them on with its internal request
+                           **{k: body[k] for k in (METHOD_KEY, CONFIG_KEY) if k in body}}
     if not need_ranges:
         return out
     if body.get("roles") is not None:
@@ -171,10 +178,7 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
         out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
     size = sum(hi - lo for lo, hi in out["ranges"])
     try:
-        keep, policy = parse_keep(body, size, page_size, POLICIES, SCORED, hints={
-            SNAPKV_GLOBAL: "it needs the queries of a forward pass, which a prune between batches does not have: ask "
-                           "for it in the next request's custom_params['sgl_sparse_prune'], which prunes its own "
-                           "prompt",
+        keep, policy = parse_keep(body, size, page_size, ROUTE_POLICIES, ROUTE_SCORED, hints={
             KVZIP_GLOBAL: "KVzip's scores need a context-reconstruction forward pass, which a prune does not run"})
     except KeepError as e:
         raise BadPruneRequest(e.field, str(e)) from None
@@ -322,6 +326,11 @@ class _Api:
         if not parsed["ranges"]:
             result: dict[str, Any] = {"status": "completed", "message": "no range selected", "pruned_tokens": 0,
                                       "kept_tokens": 0, "freed_slots": 0}
+        elif parsed["policy"] == SNAPKV_GLOBAL and parsed["keep_tokens"] > 0:
+            try:
+                result = await self._request_prune(tm, parsed)
+            except BadPruneRequest as e:
+                return _error(400, str(e), e.field)
         else:
             result = await self._send(tm, PRUNE, parsed)
         result = {"prune_id": prune_id, "ranges": [list(r) for r in parsed.get("ranges", [])], **result}
@@ -331,6 +340,51 @@ class _Api:
         from fastapi.responses import ORJSONResponse
 
         return ORJSONResponse(result, status_code=202)
+
+    async def _request_prune(self, tm: Any, parsed: dict[str, Any]) -> dict[str, Any]:
+        """``snapkv_global`` on the route: the scores need the sequence's last queries, which only a forward pass has.
+        So the route sends the sequence as an internal request (greedy, one output token, whose KV is never stored)
+        that asks to prune its own prompt (``custom_params['sgl_sparse_prune']``, the per-request form) and whose
+        prefix match stops ``SNAPKV_WINDOW`` tokens short (input logprobs from there: SGLang's own rule), so those
+        tokens are re-forwarded and their queries score the ranges. At its finish the tree stores the sequence with
+        the pruned positions hidden (a Chain Cache record, copy-on-write as every prune). The outcome is read off the
+        tree before and after (``inspect``): what the request hid, and the slots the sequence's path gave back."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        from sgl_sparse.integration.per_request import http_resolver
+        from sgl_sparse.prune_keep import PruneSpec
+        from sgl_sparse.request_methods import PRUNE_KEY, prune_problem
+
+        ids, ranges, keep = parsed["token_ids"], [tuple(r) for r in parsed["ranges"]], parsed["keep_tokens"]
+        resolver = http_resolver()
+        why = prune_problem(resolver, PruneSpec(tuple(ranges), keep, SNAPKV_GLOBAL))
+        if why is not None:
+            raise BadPruneRequest("policy", f"'{SNAPKV_GLOBAL}' is served through a request that prunes its own "
+                                            f"prompt, which this server cannot run: {why}")
+        before = await self._send(tm, INSPECT, parsed)
+        end = max(hi for _, hi in ranges)
+        if before.get("matched_tokens", 0) < end:
+            return {"status": "failed", "message": f"the tree serves only the first {before.get('matched_tokens', 0)} "
+                                                   "of these tokens (never cached, evicted, or hidden by an earlier "
+                                                   "record): nothing to prune", **_counts(before, before, ranges)}
+        busy = [n["start"] for n in before.get("nodes", []) if n["in_use"] and n["start"] < end]
+        if busy:
+            return {"status": "blocked", "message": f"a running request holds this prefix (at position {busy[0]}); "
+                                                    "retry when it has finished", **_counts(before, before, ranges)}
+        method = {k: parsed[k] for k in (METHOD_KEY, CONFIG_KEY) if k in parsed}
+        prune = {"ranges": [list(r) for r in ranges], "keep_tokens": keep, "policy": SNAPKV_GLOBAL}
+        obj = GenerateReqInput(
+            input_ids=list(ids), return_logprob=True, logprob_start_len=max(len(ids) - SNAPKV_WINDOW, 0),
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+                             "custom_params": {**method, PRUNE_KEY: json.dumps(prune)}})
+        try:
+            await tm.generate_request(obj, None).__anext__()
+        except ValueError as e:  # the request's own validation (cannot happen after the checks above: reported)
+            return {"status": "failed", "message": f"the pruning request was refused: {e}",
+                    **_counts(before, before, ranges)}
+        after = await self._send(tm, INSPECT, parsed)
+        return {"status": "completed", "policy": SNAPKV_GLOBAL, "window_tokens": min(SNAPKV_WINDOW, len(ids)),
+                **_counts(before, after, ranges)}
 
     async def status(self, prune_id: str) -> Any:
         result = self.results.get(prune_id)
@@ -352,6 +406,24 @@ class _Api:
         if not isinstance(result, dict):
             return result
         return {k: result[k] for k in ("tokens", "matched_tokens", "resident_tokens", "hidden_tokens") if k in result}
+
+
+def _counts(before: dict[str, Any], after: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, Any]:
+    """The route's result fields from two ``inspect`` answers around a prune: resident positions of the ranges it took
+    up (``pruned_tokens``), of them resident still (``kept_tokens``), the slots the sequence's path no longer holds
+    (``freed_slots``: shared nodes keep theirs), and what a continuation now sees."""
+    def resident_in_ranges(view: dict[str, Any]) -> int:
+        hidden = [tuple(r) for r in view.get("hidden_ranges", [])]
+        total = sum(hi - lo for lo, hi in ranges)
+        return total - sum(max(0, min(hi, b) - max(lo, a)) for lo, hi in ranges for a, b in hidden)
+
+    def slots(view: dict[str, Any]) -> int:
+        return sum(int(n["resident"]) for n in view.get("nodes", []))
+
+    took = resident_in_ranges(before)
+    return {"matched_tokens": after.get("matched_tokens", 0), "pruned_tokens": took,
+            "kept_tokens": resident_in_ranges(after), "freed_slots": max(slots(before) - slots(after), 0),
+            "resident_tokens": after.get("resident_tokens", 0)}
 
 
 # -- per request: the chat-role form of custom_params sgl_sparse_prune (OpenAI chat route) -------------------
