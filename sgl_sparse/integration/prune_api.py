@@ -356,6 +356,12 @@ class _Api:
         from sgl_sparse.request_methods import PRUNE_KEY, prune_problem
 
         ids, ranges, keep = parsed["token_ids"], [tuple(r) for r in parsed["ranges"]], parsed["keep_tokens"]
+        if int(getattr(tm.server_args, "dp_size", 1) or 1) > 1:
+            # The request would go where SGLang's DP balancing sends it, not to the rank whose tree holds the sequence.
+            raise BadPruneRequest("policy", f"'{SNAPKV_GLOBAL}' runs as a request on the rank that holds the "
+                                            "sequence, which this route cannot choose under --dp-size > 1: prune "
+                                            "with knorm here, or in the next request's "
+                                            "custom_params['sgl_sparse_prune']")
         resolver = http_resolver()
         why = prune_problem(resolver, PruneSpec(tuple(ranges), keep, SNAPKV_GLOBAL))
         if why is not None:
