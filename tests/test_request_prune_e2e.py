@@ -297,6 +297,17 @@ def test_the_route_serves_snapkv_global_through_a_pruning_request(small: dict) -
     assert min(float(scores[p]) for p in kept) >= kth - tol, kth
     assert max(float(scores[p]) for p in hidden) <= kth + tol, kth
 
+    # A sequence that already hides positions is refused (the request would not continue its record and would undo
+    # it), as is a namespace whose method evicts on its own (400 naming policy): nothing changes.
+    body = {"token_ids": ids, "ranges": [[750, 900]], "keep_tokens": 16, "policy": "snapkv_global"}
+    again = requests.post(f"{server.base_url}/v1/prefix_cache/prune", json=body, timeout=120).json()
+    assert again["status"] == "failed" and "already hides 336" in again["message"], again
+    assert (again["pruned_tokens"], again["freed_slots"]) == (0, 0), again
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/prune", timeout=60, json={
+        **body, "sgl_sparse_method": "snapkv", "sgl_sparse_config": json.dumps({"budget": 256})})
+    assert r.status_code == 400 and r.json()["param"] == "policy" and "evicts on its own" in r.text, r.text
+    assert _hidden(requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": ids},
+                                 timeout=60).json()) == hidden
     question = tok.encode(QUESTION.format(key=small["asked"]), add_special_tokens=False)
     nxt = server.generate(input_ids=ids + question, max_new_tokens=4, ignore_eos=True)
     assert nxt["meta_info"]["cached_tokens"] == len(ids), nxt["meta_info"]

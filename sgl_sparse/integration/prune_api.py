@@ -367,28 +367,52 @@ class _Api:
         if why is not None:
             raise BadPruneRequest("policy", f"'{SNAPKV_GLOBAL}' is served through a request that prunes its own "
                                             f"prompt, which this server cannot run: {why}")
+        method = {k: parsed[k] for k in (METHOD_KEY, CONFIG_KEY) if k in parsed}
+        served = resolver.resolve(method)
+        if served.method.evicts:
+            # The internal request runs under the namespace's method, which would evict past the ranges on its own.
+            raise BadPruneRequest("policy", f"'{SNAPKV_GLOBAL}' runs a request under the sequence's method, and "
+                                            f"{served.method.name} evicts on its own: prune in that conversation's "
+                                            "next request (custom_params['sgl_sparse_prune']), or with knorm here")
+        none = {"pruned_tokens": 0, "kept_tokens": 0, "freed_slots": 0}
         before = await self._send(tm, INSPECT, parsed)
+        if before.get("status") == "failed":
+            return {**before, **none}
         end = max(hi for _, hi in ranges)
-        if before.get("matched_tokens", 0) < end:
-            return {"status": "failed", "message": f"the tree serves only the first {before.get('matched_tokens', 0)} "
-                                                   "of these tokens (never cached, evicted, or hidden by an earlier "
-                                                   "record): nothing to prune", **_counts(before, before, ranges)}
+        matched = before.get("matched_tokens", 0)
+        if matched < end:
+            return {"status": "failed", "message": f"the tree serves only the first {matched} of these tokens (never "
+                                                   "cached, evicted, or hidden by an earlier record): nothing to prune",
+                    "matched_tokens": matched, **none}
+        if before.get("hidden_tokens", 0):
+            # The request's match would stop short of the record that hides them (32 tokens before its end), and it
+            # would store its own record without them: the earlier prune or eviction would come undone.
+            return {"status": "failed", "message": f"the sequence already hides {before['hidden_tokens']} positions "
+                                                   f"(an earlier prune or eviction): '{SNAPKV_GLOBAL}' prunes a "
+                                                   "sequence with none; prune it with knorm or drop, or in the "
+                                                   "conversation's next request", "matched_tokens": matched, **none}
         busy = [n["start"] for n in before.get("nodes", []) if n["in_use"] and n["start"] < end]
         if busy:
             return {"status": "blocked", "message": f"a running request holds this prefix (at position {busy[0]}); "
-                                                    "retry when it has finished", **_counts(before, before, ranges)}
-        method = {k: parsed[k] for k in (METHOD_KEY, CONFIG_KEY) if k in parsed}
+                                                    "retry when it has finished", "matched_tokens": matched, **none}
         prune = {"ranges": [list(r) for r in ranges], "keep_tokens": keep, "policy": SNAPKV_GLOBAL}
         obj = GenerateReqInput(
             input_ids=list(ids), return_logprob=True, logprob_start_len=max(len(ids) - SNAPKV_WINDOW, 0),
             sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True,
                              "custom_params": {**method, PRUNE_KEY: json.dumps(prune)}})
         try:
-            await tm.generate_request(obj, None).__anext__()
-        except ValueError as e:  # the request's own validation (cannot happen after the checks above: reported)
-            return {"status": "failed", "message": f"the pruning request was refused: {e}",
-                    **_counts(before, before, ranges)}
+            out = await tm.generate_request(obj, None).__anext__()
+        except Exception as e:  # refused (ValueError) or failed in the scheduler (HTTPException): reported
+            return {"status": "failed", "message": f"the pruning request failed: {type(e).__name__}: {e}",
+                    "matched_tokens": matched, **none}
+        reason = ((out or {}).get("meta_info") or {}).get("finish_reason") or {}
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            return {"status": "failed", "message": f"the pruning request was aborted: {reason.get('message', '')}",
+                    "matched_tokens": matched, **none}
         after = await self._send(tm, INSPECT, parsed)
+        if after.get("matched_tokens", 0) < end:
+            return {"status": "failed", "message": "the pruned sequence is no longer cached (evicted meanwhile)",
+                    "matched_tokens": after.get("matched_tokens", 0), **none}
         return {"status": "completed", "policy": SNAPKV_GLOBAL, "window_tokens": min(SNAPKV_WINDOW, len(ids)),
                 **_counts(before, after, ranges)}
 
@@ -428,7 +452,7 @@ def _counts(before: dict[str, Any], after: dict[str, Any], ranges: list[tuple[in
 
     took = resident_in_ranges(before)
     return {"matched_tokens": after.get("matched_tokens", 0), "pruned_tokens": took,
-            "kept_tokens": resident_in_ranges(after), "freed_slots": max(slots(before) - slots(after), 0),
+            "kept_tokens": resident_in_ranges(after), "freed_slots": slots(before) - slots(after),
             "resident_tokens": after.get("resident_tokens", 0)}
 
 
