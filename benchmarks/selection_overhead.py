@@ -30,7 +30,7 @@ from sgl_sparse.methods.selection.retroinfer import RetroInferConfig
 PS, HKV, GROUP, D = 16, 8, 4, 128
 WIDTH = 131072 + 4  # SGLang's req_to_token rows: the context length (Llama-3-8B's) + 4
 HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
-DEVICE = "cuda"  # RetroInfer's table: "cpu" under TRITON_INTERPRET=1 for a smoke run (tests/test_benchmarks_cpu.py)
+DEVICE = "cuda"  # RetroInfer's table: "cpu" under TRITON_INTERPRET=1 for a smoke run (tests/test_selection_overhead.py)
 
 
 def main() -> None:
@@ -179,17 +179,9 @@ def _retroinfer_row(bs: int, n: int, split_counts: list[int]) -> str:
     q = torch.randn(bs, HKV * GROUP, D, device=dev, dtype=torch.bfloat16)
     scale = D**-0.5
     width = lay.max_ranked(WIDTH)
-    c = max_seg * lay.clusters_per_segment
-    logits = torch.empty(bs * HKV, GROUP, c, device=dev)
-
-    def run_logits() -> None:
-        ri._logits_kernel[(bs * HKV, min(ri.LOGIT_PROGRAMS, -(-c // ri.LOGIT_BLOCK)))](
-            q, store.centroids, store.sizes, r2t, rpi, seq, seg_valid, logits, q.stride(0), q.stride(1),
-            r2t.stride(0), seg_valid.stride(0), c, scale, BASE=lay.base, SEG=lay.seg, PAGE=lay.page,
-            RECENT=lay.recent, MIN_SEG=lay.min_segments, HKV=HKV, G=GROUP, D=D, BLOCK=ri.LOGIT_BLOCK,
-            NPROG=min(ri.LOGIT_PROGRAMS, -(-c // ri.LOGIT_BLOCK)))
-
-    t_logits = graph_us(run_logits)
+    args = (q, store, r2t, rpi, seq, seg_valid, lay, scale, max_seg)
+    t_logits = graph_us(lambda: ri.cluster_logits(*args))
+    logits = ri.cluster_logits(*args)
     t_probs_torch = graph_us(lambda: ri._group_probs(logits))
     t_probs = graph_us(lambda: ri.group_probs(logits))
     scores = ri.group_probs(logits)

@@ -81,16 +81,24 @@ def _count_ge(row, n, keys, tkeys, mid, BLOCK: tl.constexpr, ONE_BLOCK: tl.const
 
 
 @triton.jit
+def _taken(keys, offs, n, t, need, ties):
+    """Which of a block's entries (positions ``offs``) a threshold takes: above ``t``, or among the first ``need``
+    ties of the row (``ties`` seen in earlier blocks); -> (mask, ties seen after this block)."""
+    tie = (keys == t) & (offs < n)
+    tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties  # 1-based among the row's ties
+    take = (keys > t) | (tie & (tie_rank <= need))
+    return take, ties + tl.sum(tie.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _write_taken(out_row, keys, start, n, t, need, carry, ties, BLOCK: tl.constexpr):
     """Positions ``start..start + BLOCK`` of the row taken (above ``t``, or among the first ``need`` ties
     of the row), written after the ``carry`` already written; -> (carry, ties seen) after this block."""
     offs = start + tl.arange(0, BLOCK)
-    tie = (keys == t) & (offs < n)
-    tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties  # 1-based among the row's ties
-    take = (keys > t) | (tie & (tie_rank <= need))
+    take, ties = _taken(keys, offs, n, t, need, ties)
     dst = tl.cumsum(take.to(tl.int32), axis=0) - 1 + carry
     tl.store(out_row + dst, offs.to(tl.int64), mask=take)
-    return carry + tl.sum(take.to(tl.int32), axis=0), ties + tl.sum(tie.to(tl.int32), axis=0)
+    return carry + tl.sum(take.to(tl.int32), axis=0), ties
 
 
 @triton.jit
@@ -181,17 +189,21 @@ def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tens
         return out
     if scores.stride(1) != 1:
         scores = scores.contiguous()
+    _select_kernel[(rows,)](scores, counts, out, width, scores.stride(0), k, ROWS_PER_COUNT=rows_per_count,
+                            PAGE=page_size, **row_blocks(width))
+    return out
+
+
+def row_blocks(width: int) -> dict[str, int | bool]:
+    """The bisection kernels' launch shape for rows ``width`` wide (``BLOCK``, ``ONE_BLOCK``, ``TAIL``,
+    ``num_warps``). In registers up to ``SELECT_MAX_BLOCK``: the largest power of two within the width, and the
+    rest as a tail block. A row of 8,193 pages (SGLang's req_to_token is context + 4 wide: 131,076 / 16) otherwise
+    took a 16,384-entry block: Quest's select ran 45 us a layer in a server's profile against 18.7 for 8,192 pages
+    in benchmarks/selection_overhead.py (2026-12-03). Wider rows: ``SELECT_CHUNK`` pieces re-read on every pass."""
     one_block = width <= SELECT_MAX_BLOCK
-    # In registers: the largest power of two within the width, and the rest as a tail block. A row of 8,193
-    # pages (SGLang's req_to_token is context + 4 wide: 131,076 / 16) otherwise took a 16,384-entry block:
-    # Quest's select ran 45 us a layer in a server's profile against 18.7 for 8,192 pages in
-    # benchmarks/selection_overhead.py (2026-12-03).
     block = 1 << (width.bit_length() - 1) if one_block else SELECT_CHUNK
     tail = triton.next_power_of_2(width - block) if one_block and width > block else 0
-    _select_kernel[(rows,)](scores, counts, out, width, scores.stride(0), k, BLOCK=block, ONE_BLOCK=one_block,
-                            TAIL=tail, ROWS_PER_COUNT=rows_per_count, PAGE=page_size,
-                            num_warps=max(1, min(16, block // 512)))
-    return out
+    return {"BLOCK": block, "ONE_BLOCK": one_block, "TAIL": tail, "num_warps": max(1, min(16, block // 512))}
 
 
 @triton.jit

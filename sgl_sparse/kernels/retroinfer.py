@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.pages import SELECT_CHUNK, SELECT_MAX_BLOCK, _keys, _kth_key, _row_keys
+from sgl_sparse.kernels.pages import _keys, _kth_key, _row_keys, _taken, row_blocks
 from sgl_sparse.kernels.splits import merge_splits, split_workspace, store_split
 from sgl_sparse.kernels.splits import online_step as _online
 
@@ -270,18 +270,18 @@ LOGIT_PROGRAMS = 32
 DECODE_SPLITS = 16  # per (request, KV head): 6 x 8 heads x 16 = 768 programs at 130K x 6
 
 
-def cluster_scores(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+def cluster_logits(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    seq_lens: torch.Tensor, seg_valid: torch.Tensor, layout: Layout, scale: float,
                    max_segments: int) -> torch.Tensor:
-    """:func:`cluster_scores_torch` with the centroids read in place by a Triton kernel (the logits;
-    torch then takes each query head's softmax over them and sums the group's)."""
+    """``[bs * Hkv, G, max_segments * C]`` fp32: ``q_g . centroid * scale`` of each usable cluster, ``-inf`` for the
+    rest, the centroids read in place by a Triton kernel."""
     bs, hq, d = q.shape
     hkv = store.centroids.shape[1]
     g = hq // hkv
     width = max_segments * layout.clusters_per_segment
     logits = torch.empty(bs * hkv, g, width, dtype=torch.float32, device=q.device)
     if bs == 0:
-        return logits[:, 0]
+        return logits
     assert d & (d - 1) == 0 and q.stride(2) == 1 and seg_valid.stride(1) == 1
     nprog = min(LOGIT_PROGRAMS, triton.cdiv(width, LOGIT_BLOCK))
     _logits_kernel[(bs * hkv, nprog)](
@@ -289,7 +289,16 @@ def cluster_scores(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tenso
         q.stride(1), req_to_token.stride(0), seg_valid.stride(0), width, scale, BASE=layout.base, SEG=layout.seg,
         PAGE=layout.page, RECENT=layout.recent, MIN_SEG=layout.min_segments, HKV=hkv, G=g, D=d, BLOCK=LOGIT_BLOCK,
         NPROG=nprog)
-    return group_probs(logits)
+    return logits
+
+
+def cluster_scores(q: torch.Tensor, store: IndexStore, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                   seq_lens: torch.Tensor, seg_valid: torch.Tensor, layout: Layout, scale: float,
+                   max_segments: int) -> torch.Tensor:
+    """:func:`cluster_scores_torch` in two Triton kernels: :func:`cluster_logits`, then :func:`group_probs` (each
+    query head's softmax over them, summed over the group)."""
+    return group_probs(cluster_logits(q, store, req_to_token, req_pool_indices, seq_lens, seg_valid, layout, scale,
+                                      max_segments))
 
 
 @triton.jit
@@ -351,18 +360,14 @@ def _write_tiers(out_row, keys, start, n, t1, need1, t2, need2, r, k, c1, c2, ti
     the first ``need1`` ties) written from 0, the estimated tier's (the next: in the ``r + e`` best by ``t2`` /
     ``need2``, not retrieved) from ``r``, each after what earlier blocks wrote (``c1``, ``c2``)."""
     offs = start + tl.arange(0, BLOCK)
-    valid = offs < n
-    tie1 = (keys == t1) & valid
-    take1 = (keys > t1) | (tie1 & (tl.cumsum(tie1.to(tl.int32), axis=0) + ties1 <= need1))
-    tie2 = (keys == t2) & valid
-    take2 = (keys > t2) | (tie2 & (tl.cumsum(tie2.to(tl.int32), axis=0) + ties2 <= need2))
+    take1, ties1 = _taken(keys, offs, n, t1, need1, ties1)
+    take2, ties2 = _taken(keys, offs, n, t2, need2, ties2)
     est = take2 & ~take1
     dst1 = tl.cumsum(take1.to(tl.int32), axis=0) - 1 + c1
     tl.store(out_row + dst1, offs.to(tl.int32), mask=take1 & (dst1 < k))
     dst2 = r + tl.cumsum(est.to(tl.int32), axis=0) - 1 + c2
     tl.store(out_row + dst2, offs.to(tl.int32), mask=est & (dst2 < k))
-    return (c1 + tl.sum(take1.to(tl.int32), axis=0), c2 + tl.sum(est.to(tl.int32), axis=0),
-            ties1 + tl.sum(tie1.to(tl.int32), axis=0), ties2 + tl.sum(tie2.to(tl.int32), axis=0))
+    return c1 + tl.sum(take1.to(tl.int32), axis=0), c2 + tl.sum(est.to(tl.int32), axis=0), ties1, ties2
 
 
 @triton.jit
@@ -414,12 +419,8 @@ def rank_clusters_triton(scores: torch.Tensor, width: int, retrieved: torch.Tens
     if n == 0:
         return out.fill_(-1)
     scores = scores.contiguous()
-    one_block = n <= SELECT_MAX_BLOCK
-    block = 1 << (n.bit_length() - 1) if one_block else SELECT_CHUNK
-    tail = triton.next_power_of_2(n - block) if one_block and n > block else 0
     _tiers_kernel[(rows,)](scores, retrieved, estimated, out, n, scores.stride(0), width, HKV=rows_per_request,
-                           BLOCK=block, ONE_BLOCK=one_block, TAIL=tail, FILL=min(1024, triton.next_power_of_2(width)),
-                           num_warps=max(1, min(16, block // 512)))
+                           FILL=min(1024, triton.next_power_of_2(width)), **row_blocks(n))
     return out
 
 
