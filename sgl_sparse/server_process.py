@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,20 +42,47 @@ GPU_SERVER_FLAGS = ["--sampling-backend", "pytorch", "--disable-piecewise-cuda-g
 
 
 _HANDED_OUT: set[int] = set()
+_PORT_FLOOR = 20000  # below: well-known and registered services
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def free_port() -> int:
     """A free port, never the same one twice in this process: servers constructed together and started
-    later must not share a port, or one's health check would be answered by the other (seen in CI)."""
-    while True:
+    later must not share a port, or one's health check would be answered by the other (seen in CI).
+
+    Chosen below the kernel's ephemeral range: a server binds its HTTP port only once it has loaded
+    (tens of seconds on CPU), and in that window an ephemeral port handed back by ``bind(0)`` can be
+    taken by anything that binds or connects (another server's gloo/TCPStore, SGLang's own
+    ``get_free_port``, clients); CI saw uvicorn fail with EADDRINUSE that way, then hang."""
+    lo, _ = _ephemeral_range()
+    hi = max(lo, _PORT_FLOOR + 1000)
+    rng = random.Random()  # unseeded: parallel test processes draw different ports
+    for _ in range(1000):
+        port = rng.randrange(_PORT_FLOOR, hi)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in [{_PORT_FLOOR}, {hi})")
 
 
+class _PortTaken(Exception):
+    """The server could not bind its port: something else took it between choosing and binding."""
+
+
+_BIND_FAILED = b"error while attempting to bind on address"  # uvicorn's words for EADDRINUSE and the like
 _LIVE: set[ServerProcess] = set()  # started, not yet stopped
 
 
@@ -99,6 +127,7 @@ class ServerProcess:
         startup_timeout: float = 300.0,
         log_path: str | None = None,
     ) -> None:
+        self._port_chosen_here = port is None  # only then may start() move to another port
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", module, "--model-path", model_path,
@@ -109,7 +138,34 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                self.stop()
+                if not self._port_chosen_here or attempt == 2:
+                    raise RuntimeError(f"port {self.port} was taken while the server started:\n"
+                                       f"{self.log_tail()}") from None
+                self._move_to(free_port())
+        raise AssertionError("unreachable")
+
+    def _move_to(self, port: int) -> None:
+        self.cmd[self.cmd.index("--port") + 1] = str(port)
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def _bind_failed(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+                return _BIND_FAILED in f.read()
+        except OSError:
+            return False
+
+    def _start_once(self) -> ServerProcess:
         if _listening(self.port):  # else the health check below would be answered by that other server
+            if self._port_chosen_here:
+                raise _PortTaken
             raise RuntimeError(f"port {self.port} is already in use; pick another (or none: a free one is chosen)")
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self._log = log
@@ -120,12 +176,17 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._bind_failed():
+                    raise _PortTaken
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.base_url}{self.health_path}", timeout=2).status_code == 200:
                     return self
             except requests.RequestException:
-                pass
+                # uvicorn logs a failed bind and then waits, alive, for its workers: without this
+                # check the wait would last the whole startup timeout.
+                if self._bind_failed():
+                    raise _PortTaken from None
             time.sleep(1.0)
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout}s:\n{self.log_tail()}")

@@ -33,6 +33,55 @@ def test_busy_port_is_refused_before_starting(tmp_path) -> None:  # type: ignore
         assert srv.proc is None
 
 
+def test_free_ports_lie_below_the_ephemeral_range() -> None:
+    """A port from bind(0) is ephemeral: while a server loads, before it binds, another process's
+    connection or gloo listener could take it (CI: uvicorn's EADDRINUSE, then a 10-minute hang)."""
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(p < lo for p in (free_port() for _ in range(50)))
+
+
+# A stand-in for a server module: the first port it is given is "taken" (it prints uvicorn's bind
+# error and stays alive, as uvicorn does while its workers wind down); on any other it serves /health.
+FAKE_SERVER = """
+import http.server, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+first = open(sys.argv[0] + ".first", "a+")
+first.seek(0)
+if not first.read():
+    first.write(str(port)); first.flush()
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    time.sleep(600)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_a_port_taken_while_starting_moves_the_server(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    srv = ServerProcess("m", module="fake_server", env=env, startup_timeout=30, log_path=str(tmp_path / "log"))
+    first = srv.port
+    t0 = time.monotonic()
+    with srv:
+        assert srv.port != first and srv.base_url.endswith(f":{srv.port}")
+        assert srv.cmd[srv.cmd.index("--port") + 1] == str(srv.port)
+        assert _listening(srv.port)
+    assert time.monotonic() - t0 < 20  # not the whole startup timeout
+    assert (tmp_path / "fake_server.py.first").read_text() == str(first)
+
+    # A port the caller chose is not moved: the error says what happened.
+    (tmp_path / "fake_server.py.first").unlink()
+    fixed = ServerProcess("m", module="fake_server", port=free_port(), env=env, startup_timeout=30,
+                          log_path=str(tmp_path / "log2"))
+    with pytest.raises(RuntimeError, match=f"port {fixed.port} was taken while the server started"):
+        fixed.start()
+    assert fixed.proc is not None and fixed.proc.poll() is not None  # stopped, not left running
+
+
 
 def test_router_process_command() -> None:
     """Each router gets its own port and Prometheus port (two routers on one host would both take 29000)."""
