@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="pruning mode: keep this fraction of each prune's tokens, scored by --prune-policy")
     r.add_argument("--prune-policy", choices=PRUNE_POLICIES, default="knorm",
                    help="pruning mode's scored keep: knorm (key norm, through POST /v1/prefix_cache/prune after each "
-                        "turn) or snapkv_global (the turn's own request prunes its prompt, scored by its last "
-                        "queries; needs --prune-keep-ratio > 0)")
+                        "turn), snapkv_global or kvzip_global (the turn's own request prunes its prompt, scored "
+                        "by its last queries / by KVzip's reconstruction of the ranges; needs --prune-keep-ratio "
+                        "> 0)")
 
     c = sub.add_parser("compare", help="start vanilla SGLang, replay, stop; then sgl_sparse; print side by side")
     c.add_argument("--model-path", required=True)
@@ -73,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="pruning mode: keep this fraction of each prune's tokens, scored by --prune-policy")
     c.add_argument("--prune-policy", choices=PRUNE_POLICIES, default="knorm",
                    help="pruning mode's scored keep: knorm (key norm, through POST /v1/prefix_cache/prune after each "
-                        "turn) or snapkv_global (the turn's own request prunes its prompt, scored by its last "
-                        "queries; needs --prune-keep-ratio > 0)")
+                        "turn), snapkv_global or kvzip_global (the turn's own request prunes its prompt, scored "
+                        "by its last queries / by KVzip's reconstruction of the ranges; needs --prune-keep-ratio "
+                        "> 0)")
     args = p.parse_args(argv)
     if args.cmd in ("replay", "compare") and not 0 <= args.prune_keep_ratio < 1:
         p.error(f"--prune-keep-ratio {args.prune_keep_ratio}: expected a number in [0, 1)")

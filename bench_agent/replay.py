@@ -17,9 +17,9 @@ Pruning mode (``prune_lag``, OpenAI client only): after each turn the session as
 own tool results but the ``prune_lag`` most recent (``POST /v1/prefix_cache/prune`` with the turn's messages,
 ``roles`` and ``lag``: docs/prefix-cache-pruning.md), while the tool runs, before its next turn; each prune is
 recorded (:class:`PruneRecord`), and the next turn's ``cached_tokens`` shows whether it still hit the cache.
-With ``prune_policy="snapkv_global"`` the prune travels instead in the turn's own request (``custom_params``
-``sgl_sparse_prune`` with ``roles``, ``lag``, ``keep_ratio`` and the policy): the request keeps the fraction of the
-old tool tokens its own prompt's last queries attend to most and prunes the rest after its prefill (recorded with
+With ``prune_policy="snapkv_global"`` (or ``"kvzip_global"``) the prune travels instead in the turn's own request
+(``custom_params`` ``sgl_sparse_prune`` with ``roles``, ``lag``, ``keep_ratio`` and the policy): the request keeps the
+fraction of the old tool tokens its policy scores highest and prunes the rest after its prefill (recorded with
 status ``in_request``; the route's answer fields stay 0).
 """
 
@@ -40,7 +40,7 @@ from bench_agent.workload import Session, Trace
 
 # Policies only a request's own prune serves (its prompt's last queries score the ranges): pruning mode then sends
 # the prune with the turn's request instead of POST /v1/prefix_cache/prune after it.
-REQUEST_ONLY_POLICIES = ("snapkv_global",)
+REQUEST_ONLY_POLICIES = ("snapkv_global", "kvzip_global")
 PRUNE_POLICIES = ("knorm", *REQUEST_ONLY_POLICIES)
 
 

@@ -10,8 +10,11 @@ the trained small model by default). Each request prunes the content of its tool
 
 * ``none``: no prune (the dense answer);
 * ``drop``: the ranges leave whole;
-* ``knorm@r`` / ``snapkv_global@r``: a fraction ``r`` of the ranges' tokens stays, those of lowest key norm or those
-  the prompt's last 32 queries (which hold the question) attend to most (docs/prefix-cache-pruning.md).
+* ``knorm@r`` / ``snapkv_global@r`` / ``kvzip_global@r``: a fraction ``r`` of the ranges' tokens stays, those of
+  lowest key norm, those the prompt's last 32 queries (which hold the question) attend to most, or those KVzip's
+  reconstruction of the ranges attends to most (docs/prefix-cache-pruning.md). ``--policies`` picks them.
+  ``kvzip_global``'s replays run after the prompt, so the server's context must hold prompt + replay
+  (``--context-length``, default ``--tokens`` + 64: a replay then shrinks to the room left; give e.g. 4096).
 
 The prune comes after the prompt's forward, so the first answer token still sees every position; the tokens after
 it (a multi-digit port) read only what is left, as every later turn of the conversation would. Greedy, 24 new
@@ -37,7 +40,7 @@ from sgl_sparse.quality.eval import MAX_NEW_TOKENS, fit_example, positive_int, r
 from sgl_sparse.quality.tasks import score  # noqa: E402
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, GPU_SERVER_FLAGS, ServerProcess  # noqa: E402
 
-POLICIES = ("drop", "knorm", "snapkv_global")
+POLICIES = ("drop", "knorm", "snapkv_global", "kvzip_global")
 
 
 def ranges_of(example: Any, tokenizer: Any, lag: int) -> list[list[int]]:
@@ -71,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=10_000)
     p.add_argument("--lag", type=int, default=1)
     p.add_argument("--keep-ratios", type=float, nargs="+", default=[0.05, 0.1, 0.25])
+    p.add_argument("--policies", nargs="+", choices=POLICIES[1:], default=list(POLICIES[1:]),
+                   help="the scored policies to run at each keep ratio (none and drop always run)")
+    p.add_argument("--context-length", type=positive_int, default=None,
+                   help="the server's (default --tokens + 64); kvzip_global's replays need room after the prompt")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--parallel", type=positive_int, default=4)
     p.add_argument("--json", default=None)
@@ -88,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     conditions: list[tuple[str, dict[str, Any] | None]] = [("none", None)]
     conditions += [("drop", {"policy": "drop"})]
     conditions += [(f"{pol}@{r:g}", {"policy": pol, "keep_ratio": r}) for r in args.keep_ratios
-                   for pol in POLICIES[1:]]
+                   for pol in args.policies]
     flags = [*(CPU_SERVER_FLAGS if args.device == "cpu" else GPU_SERVER_FLAGS), "--sparse-request-methods",
-             "eviction", "--context-length", str(args.tokens + 64)]
+             "eviction", "--context-length", str(args.context_length or args.tokens + 64)]
     rows = []
     with ServerProcess(model, flags, startup_timeout=900) as server:
         for name, keep in conditions:

@@ -90,7 +90,8 @@ def prune(url_or_endpoint: str | RuntimeEndpoint, *, messages: Sequence[Mapping[
     ``roles`` messages but the ``lag`` most recent (``messages`` selector only) from the cached sequence's
     continuations; ``keep_tokens`` > 0 keeps that many of them (one budget over all the ranges), the ones the
     ``policy``'s score ranks highest (``"knorm"``, the default then: lowest key norm; ``"snapkv_global"``: the
-    attention of the sequence's last 32 tokens, which the server re-forwards for it). Returns the server's result
+    attention of the sequence's last 32 tokens, which the server re-forwards for it; ``"kvzip_global"``: the
+    attention of KVzip's reconstruction of the ranges, which the server runs for it). Returns the server's result
     (``status`` completed | blocked | failed, ``pruned_tokens``, ``kept_tokens``, ``freed_slots``, ...):
     ``blocked`` and ``failed`` are answers, not exceptions; a body the server rejects raises
     :class:`PruneRequestError`. ``method`` / ``config`` name a per-request method's namespace;

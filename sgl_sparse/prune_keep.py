@@ -18,12 +18,19 @@ running the model again; neither is served. The policy served is query-agnostic:
 * ``drop``: keeps nothing (``keep_tokens`` 0).
 
 A request's own prune (``custom_params['sgl_sparse_prune']``, docs/prefix-cache-pruning.md "Per request") runs in
-the step that completes the prompt, where the prompt's last queries exist, so it serves one more policy:
+the step that completes the prompt, where the prompt's last queries exist and the model can run again, so it
+serves two more policies:
 
 * ``snapkv_global``: SparseEngine's token-shared SnapKV (one mask per position): SnapKV's score
   (:func:`sgl_sparse.methods.eviction.snapkv.observation_scores`, with SnapKV's defaults: the last 32 queries,
   average pooling over 5 positions) of each retained key, the softmax over every retained key of the request,
   summed over heads and layers; the ``keep_tokens`` highest of the ranges' retained positions stay.
+* ``kvzip_global``: SparseEngine's token-shared KVzip: the ranges are reconstructed, chunk by chunk, by replay
+  forwards (the ``kvzip`` method's, :func:`sgl_sparse.methods.eviction.kvzip.range_replays`: KVzip's instructions,
+  chunks of 2,048, the 8 tokens before a chunk repeated, 4 sink tokens in each softmax) that attend the whole
+  retained prompt; a position's score is the most attention any query of any head of any layer gives it while
+  its chunk is reconstructed; the ``keep_tokens`` highest stay. Like the method, the softmax is chunk-local (sink,
+  chunk, replay), where SparseEngine's spans the whole context. Costs about one more prefill of the ranges.
 
 Ties go to the earlier position.
 """
@@ -41,8 +48,9 @@ from sgl_sparse.contract import ObservationWindow, in_ranges
 DROP, KNORM, SNAPKV_GLOBAL, KVZIP_GLOBAL = "drop", "knorm", "snapkv_global", "kvzip_global"
 POLICIES = (DROP, KNORM)  # POST /v1/prefix_cache/prune: between batches, no queries
 SCORED = (KNORM,)
-REQUEST_POLICIES = (DROP, KNORM, SNAPKV_GLOBAL)  # a request's own prune: its prompt's last queries exist
-REQUEST_SCORED = (SNAPKV_GLOBAL, KNORM)  # the first: the default when something is kept
+# A request's own prune: its prompt's last queries exist, and replays can run in its step.
+REQUEST_POLICIES = (DROP, KNORM, SNAPKV_GLOBAL, KVZIP_GLOBAL)
+REQUEST_SCORED = (SNAPKV_GLOBAL, KNORM, KVZIP_GLOBAL)  # the first: the default when something is kept
 # snapkv_global's window and pooling: SnapKV's defaults (its method's config, Li et al. 2024).
 SNAPKV_WINDOW, SNAPKV_KERNEL, SNAPKV_POOLING = 32, 5, "avgpool"
 
@@ -136,8 +144,32 @@ class PruneSpec:
 
     @property
     def scores(self) -> bool:
-        """Whether the prune scores (it then needs the prompt's last queries captured)."""
+        """Whether the prune scores (it reads the pool's keys)."""
         return self.keep_tokens > 0 and self.policy in REQUEST_SCORED
+
+    @property
+    def needs_window(self) -> bool:
+        """Whether its scores read an observation window (the prompt's last queries captured); kvzip_global's come
+        from replay forwards instead."""
+        return self.scores and self.policy != KVZIP_GLOBAL
+
+
+class PruneUnscored(RuntimeError):
+    """A scored keep that could not score (``kvzip_global`` with no room for a replay): nothing is pruned."""
+
+
+@dataclass(frozen=True)
+class ReplayInputs:
+    """What ``kvzip_global`` scores with: the prompt's ``token_ids`` (at least up to the last range's end), the
+    ``kvzip`` config of its replays (instructions, chunk size, sink; ``KVzipConfig``), the most tokens a replay may
+    have (``max_tokens``: the row, the model's context, the free slots), and ``run(replays, scorer)``, which runs
+    the replays of the request and hands each layer to ``scorer.on_replay_layer`` (the server's
+    ``integration/replay.py``, the reference driver's own loop)."""
+
+    token_ids: Sequence[int]
+    config: Any
+    max_tokens: int
+    run: Callable[[list[Any], Any], None]
 
 
 def knorm_scores(keys: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -191,17 +223,39 @@ def policy_scores(policy: str, window: ObservationWindow) -> torch.Tensor:
     return (total if window.all_reduce is None else window.all_reduce(total)).cpu()
 
 
-def request_prune_leaves(kept: torch.Tensor, spec: PruneSpec, window: Callable[[], ObservationWindow]) -> torch.Tensor:
+def replay_scores(kept: torch.Tensor, ranges: Sequence[tuple[int, int]], inputs: ReplayInputs) -> torch.Tensor:
+    """``kvzip_global``'s ``[n]`` scores (CPU float32, aligned with the retained positions ``kept``; 0 outside the
+    ranges): the replays that reconstruct the ranges, run through ``inputs.run``. Raises :class:`PruneUnscored` when
+    no replay fits ``inputs.max_tokens``."""
+    from sgl_sparse.methods.eviction.kvzip import RangeScores, range_replays
+
+    replays = range_replays(list(inputs.token_ids), kept, list(ranges), inputs.config, inputs.max_tokens)
+    if not replays:
+        raise PruneUnscored(f"{KVZIP_GLOBAL}: no room for a replay forward ({inputs.max_tokens} tokens: the row, the "
+                            "model's context or the free KV slots); nothing pruned")
+    scorer = RangeScores(kept.numel(), inputs.config.sink_tokens)
+    inputs.run(replays, scorer)
+    return scorer.scores
+
+
+def request_prune_leaves(kept: torch.Tensor, spec: PruneSpec, window: Callable[[], ObservationWindow],
+                         replays: ReplayInputs | None = None) -> torch.Tensor:
     """Which of the retained positions ``kept`` (sorted, CPU) a request's own prune takes away (bool ``[n]``): those
     in its ranges, less the ``keep_tokens`` of them its policy scores highest (``window()`` builds the scoring view
-    over ``kept``, only when a score is needed). No more of them retained than ``keep_tokens``: none leaves."""
+    over ``kept``, ``replays`` runs ``kvzip_global``'s forwards; each only when that score is needed). No more of
+    them retained than ``keep_tokens``: none leaves. Raises :class:`PruneUnscored` when a score cannot be had."""
     leave = in_ranges(kept, list(spec.ranges))
     n = int(leave.sum())
     if spec.keep_tokens <= 0 or n == 0:
         return leave
     if n <= spec.keep_tokens:
         return torch.zeros_like(leave)
-    scores = policy_scores(spec.policy, window())
+    if spec.policy == KVZIP_GLOBAL:
+        if replays is None:
+            raise PruneUnscored(f"{KVZIP_GLOBAL}: this caller runs no replay forwards")
+        scores = replay_scores(kept, spec.ranges, replays).double()
+    else:
+        scores = policy_scores(spec.policy, window())
     candidates = leave.nonzero().flatten()
     leave[select_keep(candidates, scores[candidates], spec.keep_tokens)] = False
     return leave

@@ -29,7 +29,7 @@ from sgl_sparse.contract import (
     check_keep_plan,
 )
 from sgl_sparse.kernels.pages import selected_positions_mask
-from sgl_sparse.prune_keep import SNAPKV_WINDOW, PruneSpec, request_prune_leaves
+from sgl_sparse.prune_keep import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec, ReplayInputs, request_prune_leaves
 
 
 class ToyAttentionStack:
@@ -86,12 +86,15 @@ class RequestTrace:
 
 
 def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: list[int], prompt_len: int,
-                chunk_size: int, prune: list[tuple[int, int]] | PruneSpec | None = None) -> RequestTrace:
+                chunk_size: int, prune: list[tuple[int, int]] | PruneSpec | None = None,
+                prune_replays: Any = None) -> RequestTrace:
     """Prefill ``tokens[:prompt_len]`` in chunks, then decode the rest one token at a time (teacher
     forcing: the sequence is given, so dense and sparse runs are compared position by position).
     ``prune``: the request's prune of its own prompt (as ``custom_params['sgl_sparse_prune']``): logical ``[l, r)``
     ranges, or a :class:`~sgl_sparse.prune_keep.PruneSpec` with a scored keep; what leaves does so at the end of
-    the final chunk through ``on_prune``, as on the server (:func:`~sgl_sparse.prune_keep.request_prune_leaves`)."""
+    the final chunk through ``on_prune``, as on the server (:func:`~sgl_sparse.prune_keep.request_prune_leaves`).
+    ``prune_replays``: the ``kvzip`` config a ``kvzip_global`` keep replays with (default: KVzip's defaults, no
+    instruction tokens)."""
     if prune is not None and not isinstance(prune, PruneSpec):
         prune = PruneSpec(tuple(prune))
     h_all = model.embed[torch.tensor(tokens)]
@@ -102,7 +105,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     state = method.new_state("ref")
     w = method.observation_window()
     # Captured: the longer of the method's window and a scored prune's (as the server's capture).
-    w_cap = max(w, SNAPKV_WINDOW) if prune is not None and prune.scores else w
+    w_cap = max(w, SNAPKV_WINDOW) if prune is not None and prune.needs_window else w
     window_q: dict[int, torch.Tensor] = {}
     outs: list[torch.Tensor] = []
     trace = RequestTrace(outputs=torch.empty(0))
@@ -164,8 +167,17 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
                         token_ids=(lambda a, b, e=end: tokens[a:min(b, e)]) if method.needs_token_ids() else None)
         if step.final_prefill and prune:
             kept = state.kept
+            replays = None
+            if prune.policy == KVZIP_GLOBAL:
+                from sgl_sparse.methods.eviction.kvzip import KVzipConfig
+
+                def run_replays(rs: list[Replay], scorer: Any, k: torch.Tensor = kept) -> None:
+                    for r in rs:
+                        _run_replay(scorer, model, state, r, keys, vals, k)
+
+                replays = ReplayInputs(tokens[:end], prune_replays or KVzipConfig(), 1 << 30, run_replays)
             gone = request_prune_leaves(kept, prune, lambda e=end, k=kept: _window(window_q, SNAPKV_WINDOW, e, keys, k,
-                                                                                   model))
+                                                                                   model), replays)
             if bool(gone.any()):
                 method.on_prune(state, kept[gone])
                 retained[kept[gone]] = False
@@ -199,10 +211,11 @@ def _window(window_q: dict[int, torch.Tensor], w: int, end: int, keys: list[torc
                              scale=model.head_dim**-0.5)
 
 
-def _run_replay(method: SparseMethod[Any], model: ToyAttentionStack, state: Any, replay: Replay,
+def _run_replay(scorer: Any, model: ToyAttentionStack, state: Any, replay: Replay,
                 keys: list[torch.Tensor], vals: list[torch.Tensor], positions: torch.Tensor) -> None:
     """A :class:`Replay` forward: its tokens after the retained K/V (``positions``), attending those and,
-    causally, each other; each layer handed to ``on_replay_layer``; its K/V dropped afterwards."""
+    causally, each other; each layer handed to ``scorer.on_replay_layer`` (the method's, or a prune's
+    ``kvzip_global`` scorer); its K/V dropped afterwards."""
     r = len(replay.token_ids)
     h = model.embed[torch.tensor(replay.token_ids)]
     q_pos = torch.arange(state.logical_len, state.logical_len + r)
@@ -211,6 +224,6 @@ def _run_replay(method: SparseMethod[Any], model: ToyAttentionStack, state: Any,
         q, k, v = model.project(layer, h)
         out = attend(q, torch.cat([keys[layer][positions], k]), torch.cat([vals[layer][positions], v]), q_pos,
                      kv_pos)
-        method.on_replay_layer(state, replay, ReplayLayer(layer, q, k, keys[layer], positions, positions,
+        scorer.on_replay_layer(state, replay, ReplayLayer(layer, q, k, keys[layer], positions, positions,
                                                           model.head_dim**-0.5))
         h = out.reshape(r, -1)

@@ -30,6 +30,7 @@ from sgl_sparse.compose import is_composed
 from sgl_sparse.contract import SparseMethod, served_hooks_problem
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.prune_keep import (
+    KVZIP_GLOBAL,
     REQUEST_POLICIES,
     REQUEST_SCORED,
     KeepError,
@@ -116,7 +117,7 @@ class MethodResolver:
     which skip the Python capture of decode queries, so methods that observe decode are refused."""
 
     def __init__(self, default: SparseMethod[Any], policy: str = OFF, decode_graphs: bool = False,
-                 scored_prune: str | None = None) -> None:
+                 scored_prune: str | None = None, replay_prune: str | None = None) -> None:
         if (why := policy_problem(default, policy)) is not None:
             raise SparseConfigError(why)
         self.default = Served(default, default.config.fingerprint(), "server")
@@ -124,6 +125,8 @@ class MethodResolver:
         self.decode_graphs = decode_graphs
         # Why a request's own prune cannot keep a scored part of its ranges here (the launcher's handoff); None: it can.
         self.scored_prune = scored_prune
+        # Why one cannot keep by kvzip_global (replay forwards) here; None: it can.
+        self.replay_prune = replay_prune
         self._cache: dict[tuple[str, str], Served] = {}
 
     def resolve(self, custom_params: Mapping[str, Any] | None) -> Served:
@@ -233,4 +236,6 @@ def prune_problem(resolver: MethodResolver, spec: PruneSpec | None = None) -> st
                 f"eviction method or {FLAG} eviction")
     if spec is not None and spec.scores and resolver.scored_prune is not None:
         return f"{spec.policy} (keep_tokens / keep_ratio) cannot be served here: {resolver.scored_prune}"
+    if spec is not None and spec.scores and spec.policy == KVZIP_GLOBAL and resolver.replay_prune is not None:
+        return f"{KVZIP_GLOBAL} (keep_tokens / keep_ratio) cannot be served here: {resolver.replay_prune}"
     return None

@@ -240,3 +240,106 @@ def test_compositions_and_per_request_choice_are_refused() -> None:
         resolver.resolve({"sgl_sparse_method": "kvzip"})
     own = MethodResolver(create_method("kvzip"), EVICTION)  # the server's own config is served
     assert own.resolve({"sgl_sparse_method": "kvzip"}).method is own.default.method
+
+
+# -- Prefix-Cache Pruning's kvzip_global: a request's own prune keeps the positions its ranges' reconstruction scores
+
+def reference_kvzip_prune(model: ToyAttentionStack, tokens: list[int], prompt_len: int,
+                          ranges: list[tuple[int, int]], keep: int, cfg: dict) -> tuple[list[int], torch.Tensor]:
+    """Plain loops: the prompt prefilled densely; each range cut into ``chunk_size`` chunks, each replayed as
+    KVzip's instruction (the first one at position 0, else the next-part one with the ``prev_postfix_size`` tokens
+    before the chunk) + postfix + the chunk, after the whole prompt; a chunk key's score is
+    :func:`dense_chunk_scores` over the sink (the first ``sink_tokens`` positions before the chunk), the chunk and
+    the replay, maximised over layers; the ``keep`` best of the ranges' positions stay (ties: earlier), the rest
+    leave; then the decode over what stays. Returns the prompt's retained positions and every output."""
+    n_layers, scale = model.n_layers, model.head_dim**-0.5
+    sink, chunk, prev = cfg.get("sink_tokens", 4), cfg.get("chunk_size", 2048), cfg.get("prev_postfix_size", 8)
+    keys, vals, outs = [], [], []
+    h = model.embed[torch.tensor(tokens[:prompt_len])]
+    pos = torch.arange(prompt_len)
+    for layer in range(n_layers):
+        q, k, v = model.project(layer, h)
+        keys.append(k)
+        vals.append(v)
+        h = attend(q, k, v, pos, pos).reshape(prompt_len, -1)
+    outs.append(h)
+    scores = [0.0] * prompt_len
+    for lo, hi in ranges:
+        for a in range(lo, hi, chunk):
+            b = min(a + chunk, hi)
+            head = PROMPT if a == 0 else NEXT + tokens[max(0, a - prev):a]
+            replay = head + POSTFIX + tokens[a:b]
+            r = len(replay)
+            hr = model.embed[torch.tensor(replay)]
+            q_pos = torch.arange(prompt_len, prompt_len + r)
+            for layer in range(n_layers):
+                q, k, v = model.project(layer, hr)
+                sinks = list(range(min(sink, a)))
+                for p, sc in zip(range(a, b), dense_chunk_scores(q, keys[layer][sinks], keys[layer][a:b], k, scale)):
+                    scores[p] = max(scores[p], sc)
+                hr = attend(q, torch.cat([keys[layer], k]), torch.cat([vals[layer], v]), q_pos,
+                            torch.cat([pos, q_pos])).reshape(r, -1)
+    candidates = [p for lo, hi in ranges for p in range(lo, hi)]
+    best = set(sorted(candidates, key=lambda p: (-scores[p], p))[:keep])
+    kept = [p for p in range(prompt_len) if p in best or p not in set(candidates)]
+    for t in range(prompt_len, len(tokens)):
+        kept.append(t)
+        kv_pos = torch.tensor(kept)
+        h = model.embed[torch.tensor([tokens[t]])]
+        for layer in range(n_layers):
+            q, k, v = model.project(layer, h)
+            keys[layer] = torch.cat([keys[layer], k])
+            vals[layer] = torch.cat([vals[layer], v])
+            h = attend(q, keys[layer][kv_pos], vals[layer][kv_pos], torch.tensor([t]), kv_pos).reshape(1, -1)
+        outs.append(h)
+    return kept[:len(kept) - (len(tokens) - prompt_len)], torch.cat(outs)
+
+
+@pytest.mark.parametrize(("ranges", "keep", "cfg"), [
+    ([(5, 20), (30, 41)], 7, {}),  # one replay per range, one budget over both
+    ([(5, 20), (30, 41)], 7, {"chunk_size": 16, "prev_postfix_size": 3, "sink_tokens": 2}),  # chunks across a range
+    ([(0, 12), (44, 58)], 9, {"chunk_size": 16}),  # a range at position 0: KVzip's first instruction, no sink
+])
+def test_a_request_kvzip_global_keep_equals_plain_loops(ranges: list[tuple[int, int]], keep: int, cfg: dict) -> None:
+    from sgl_sparse.prune_keep import PruneSpec
+
+    model, tokens, prompt_len = ToyAttentionStack(), _tokens(66, seed=7), 60
+    config = kvzip.KVzipConfig(**IDS, **cfg)
+    trace = run_request(create_method("dense"), model, tokens, prompt_len=prompt_len, chunk_size=16,
+                        prune=PruneSpec(tuple(ranges), keep, "kvzip_global"), prune_replays=config)
+    ref_kept, ref_out = reference_kvzip_prune(model, tokens, prompt_len, ranges, keep, cfg)
+    assert trace.state.kept.tolist() == ref_kept + list(range(prompt_len, len(tokens)))
+    kept_in_ranges = [p for p in ref_kept if any(lo <= p < hi for lo, hi in ranges)]
+    candidates = [p for lo, hi in ranges for p in range(lo, hi)]
+    assert len(kept_in_ranges) == keep and kept_in_ranges not in (candidates[:keep], candidates[-keep:])
+    assert torch.allclose(trace.outputs, ref_out, atol=1e-4)
+
+
+def test_range_replays_cut_each_range_and_fit_the_room() -> None:
+    cfg = kvzip.KVzipConfig(chunk_size=16, prev_postfix_size=2, **IDS)
+    ids = list(range(100, 160))
+    reps = kvzip.range_replays(ids, torch.arange(60), [(0, 10), (20, 50)], cfg, max_tokens=1 << 30)
+    assert [r.scored for r in reps] == [(0, 10), (20, 36), (36, 50)]
+    assert reps[0].token_ids == PROMPT + POSTFIX + ids[0:10]
+    assert reps[1].token_ids == NEXT + ids[18:20] + POSTFIX + ids[20:36]
+    # A chunk whose positions are all gone (an earlier eviction) is not replayed; the room bounds every replay.
+    holes = torch.cat([torch.arange(20), torch.arange(40, 60)])
+    assert [r.scored for r in kvzip.range_replays(ids, holes, [(20, 50)], cfg, 1 << 30)] == [(36, 50)]
+    assert all(len(r.token_ids) <= 21 for r in kvzip.range_replays(ids, torch.arange(60), [(20, 50)], cfg, 21))
+    assert kvzip.range_replays(ids, torch.arange(60), [(20, 50)], cfg, cfg.overhead + kvzip.MIN_CHUNK - 1) == []
+
+
+def test_a_kvzip_global_keep_without_room_prunes_nothing_and_says_so() -> None:
+    from sgl_sparse.prune_keep import PruneSpec, PruneUnscored, ReplayInputs, request_prune_leaves
+
+    def never(*_: object) -> None:
+        raise AssertionError("no replay fits: none may run")
+
+    spec = PruneSpec(((5, 40),), 8, "kvzip_global")
+    inputs = ReplayInputs(list(range(60)), kvzip.KVzipConfig(**IDS), 10, never)
+    with pytest.raises(PruneUnscored, match="no room for a replay"):
+        request_prune_leaves(torch.arange(60), spec, lambda: None, inputs)
+    with pytest.raises(PruneUnscored, match="runs no replay"):
+        request_prune_leaves(torch.arange(60), spec, lambda: None, None)
+    # Nothing to choose (keep covers what is left): no replay is needed, none leaves.
+    assert not request_prune_leaves(torch.arange(8), spec, lambda: None, inputs).any()

@@ -105,10 +105,13 @@ def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
     assert args.attention_backend == BACKEND_NAME and args.radix_cache_backend == BACKEND_NAME
     assert args.disable_cuda_graph is True  # required for a non-torch_native name on CPU
     assert hand == handoff.Handoff("dense", {}, "cpu", base="torch_native",
-                                   prefill_cuda_graph_off="no CUDA graphs on CPU")
+                                   prefill_cuda_graph_off="no CUDA graphs on CPU",
+                                   replay_prune_problem="this server serves no request prunes")
     assert json.loads(hand.dump()) == {"method": "dense", "config": {}, "device": "cpu", "base": "torch_native",
                                        "prefill_cuda_graph_off": "no CUDA graphs on CPU", "request_methods": "off",
-                                       "decode_graphs": False, "scored_prune_problem": None}
+                                       "decode_graphs": False, "scored_prune_problem": None,
+                                       "replay_prune_problem": "this server serves no request prunes",
+                                       "replay_prompts": None}
 
 
 @pytest.mark.parametrize(("argv", "policy"), [
@@ -338,6 +341,31 @@ def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str]
     why = prune_problem(resolver, PruneSpec(((0, 10),), 4, "snapkv_global"))
     assert (why is None) if words is None else ("snapkv_global (keep_tokens / keep_ratio) cannot be served here"
                                                 in why and words in why)
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--sparse-method", "streamingllm", "--device", "cpu"], None),
+    (["--sparse-method", "dense", "--device", "cpu", "--sparse-request-methods", "eviction"], None),
+    (["--sparse-method", "streamingllm", "--device", "cuda"], "CPU server only"),
+    (["--sparse-method", "streamingllm", "--device", "cpu", "--tp-size", "2"], "maxima over heads"),
+    (["--sparse-method", "snapkv+fp8_kv", "--device", "cpu"], "method-owned KV layout"),
+])
+def test_where_a_request_cannot_keep_by_kvzip_global(flags: list[str], words: str | None) -> None:
+    """kvzip_global runs replay forwards in the request's step: where they cannot run (as for the kvzip method), a
+    request asking for it is refused (400 naming custom_params['sgl_sparse_prune']) and the other policies stay."""
+    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.registry import create_method
+    from sgl_sparse.request_methods import MethodResolver, prune_problem
+
+    _, hand = parse_args(["--model-path", "m", *flags])
+    assert (hand.replay_prune_problem is None) if words is None else (words in hand.replay_prune_problem)
+    resolver = MethodResolver(create_method(hand.method, hand.config), hand.request_methods, hand.decode_graphs,
+                              hand.scored_prune_problem, hand.replay_prune_problem)
+    why = prune_problem(resolver, PruneSpec(((0, 10),), 4, "kvzip_global"))
+    assert (why is None) if words is None else ("kvzip_global (keep_tokens / keep_ratio) cannot be served here"
+                                                in why and words in why)
+    if words is not None and "FP8" not in (hand.scored_prune_problem or ""):
+        assert prune_problem(resolver, PruneSpec(((0, 10),), 4, "knorm")) is None
 
 
 def test_dense_keeps_sglang_graph_defaults_and_streamingllm_all_but_prefill() -> None:

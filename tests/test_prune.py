@@ -82,7 +82,7 @@ def test_roles_and_lag_select_the_older_tool_results(tok: Any) -> None:
     ({"token_ids": "1 2", "ranges": [[0, 1]]}, "token_ids"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "keep_tokens": 5}, "keep_tokens"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "keep_tokens": -1}, "keep_tokens"),
-    ({"token_ids": [1, 2], "ranges": [[0, 1]], "policy": "kvzip_global"}, "policy"),
+    ({"token_ids": [1, 2], "ranges": [[0, 1]], "policy": "h2o"}, "policy"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "rangez": []}, "rangez"),
     ({"token_ids": [1, 2], "ranges": [[0, 1]], "evict_branches": "yes"}, "evict_branches"),
     ({"token_ids": [1, 2], "roles": ["tool"]}, "roles"),

@@ -113,15 +113,17 @@ def test_keep_tokens_and_policy_in_the_body() -> None:
     assert _parse({**base, "keep_tokens": 19, "policy": "knorm"})["keep_tokens"] == 19
     assert _parse({**base, "keep_tokens": 0, "policy": "knorm"})["policy"] == "knorm"
     assert _parse({**base, "keep_tokens": 8}, page_size=4)["keep_tokens"] == 8
-    # The route serves snapkv_global too (through an internal request: tests/test_request_prune_e2e.py).
+    # The route serves snapkv_global and kvzip_global too (through an internal request:
+    # tests/test_request_prune_e2e.py).
     assert _parse({**base, "keep_tokens": 3, "policy": "snapkv_global"})["policy"] == "snapkv_global"
+    assert _parse({**base, "keep_tokens": 3, "policy": "kvzip_global"})["policy"] == "kvzip_global"
     for body, field, words in (
             ({**base, "keep_tokens": 20}, "keep_tokens", "less than the ranges' size, 20"),  # the union's size
             ({**base, "ranges": [[0, 10], [5, 12]], "keep_tokens": 12}, "keep_tokens", "12 tokens"),  # merged
             ({**base, "keep_tokens": 3, "policy": "drop"}, "keep_tokens", "keeps nothing"),
             ({**base, "keep_tokens": 6}, "keep_tokens", "page size 4"),
             ({**base, "keep_tokens": 1.5}, "keep_tokens", "integer"),
-            ({**base, "policy": "kvzip_global"}, "policy", "knorm")):
+            ({**base, "policy": "h2o"}, "policy", "knorm")):
         with pytest.raises(BadPruneRequest) as e:
             _parse(body, page_size=4 if "page size" in words else 1)
         assert e.value.field == field and words in str(e.value), (body, e.value)

@@ -213,15 +213,20 @@ def test_a_continuation_prunes_its_restored_prefix(small: dict, method: str, con
     _assert_idle_and_sound(server)
 
 
-def _reference_scores(model_dir: str, prompt: list[int], policy: str) -> torch.Tensor:
+def _reference_scores(model_dir: str, prompt: list[int], policy: str,
+                      ranges: list[list[int]] | None = None) -> torch.Tensor:
     """The scored keep's score of every prompt position, from HF transformers (fp32, eager attention) over the
     whole prompt: ``snapkv_global``: the softmax attention of the prompt's last 32 queries, summed over each KV
     head's query group and the window, average-pooled over 5 positions per KV head, summed over heads and layers
-    (SnapKV's score, prune_keep.py); ``knorm``: minus each post-RoPE key's L2 norm, summed over heads and layers."""
+    (SnapKV's score, prune_keep.py); ``knorm``: minus each post-RoPE key's L2 norm, summed over heads and layers;
+    ``kvzip_global``: see :func:`_kvzip_reference_scores` (``ranges`` needed)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    if policy == "kvzip_global":
+        assert ranges is not None
+        return _kvzip_reference_scores(model, model_dir, prompt, ranges)
     n, hkv = len(prompt), model.config.num_key_value_heads
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True, output_attentions=True)
@@ -236,12 +241,41 @@ def _reference_scores(model_dir: str, prompt: list[int], policy: str) -> torch.T
     return total
 
 
-@pytest.mark.parametrize("policy", ["snapkv_global", "knorm"])
+def _kvzip_reference_scores(model: Any, model_dir: str, prompt: list[int], ranges: list[list[int]]) -> torch.Tensor:
+    """``kvzip_global``'s score of the ranges' positions (0 elsewhere): per range (each one chunk of at most 2,048),
+    the replay KVzip's next-part instruction (the first one at position 0) + the 8 tokens before the range + the
+    chat postfix + the range's tokens, run after the whole prompt (one forward of prompt + replay, its rows after the
+    prompt); each replay query's softmax probabilities restricted to the sink (the first 4 positions before the
+    range), the range and the replay's own keys and renormalised there (a softmax over a subset of the keys is the
+    full softmax renormalised over it), maximised over queries, heads and layers (KVzip's token-shared score)."""
+    from types import SimpleNamespace
+
+    from sgl_sparse.integration.launch import replay_prompt_ids
+
+    ids = replay_prompt_ids(SimpleNamespace(tokenizer_path=None, model_path=model_dir, trust_remote_code=False))
+    n = len(prompt)
+    scores = torch.zeros(n, dtype=torch.float64)
+    for lo, hi in ranges:
+        assert hi - lo <= 2048
+        head = ids["prompt_ids"] if lo == 0 else [*ids["next_prompt_ids"], *prompt[max(0, lo - 8):lo]]
+        replay = [*head, *ids["postfix_ids"], *prompt[lo:hi]]
+        with torch.no_grad():
+            out = model(torch.tensor([prompt + replay]), output_attentions=True)
+        sink = list(range(min(4, lo)))
+        for a in out.attentions:
+            probs = a[0, :, n:, :].double()  # [H, r, n + r]: the replay's queries (causal: 0 past each query)
+            local = probs[:, :, sink].sum(-1) + probs[:, :, lo:hi].sum(-1) + probs[:, :, n:].sum(-1)
+            best = (probs[:, :, lo:hi] / local[..., None]).amax(dim=(0, 1))
+            scores[lo:hi] = torch.maximum(scores[lo:hi], best)
+    return scores
+
+
+@pytest.mark.parametrize("policy", ["snapkv_global", "knorm", "kvzip_global"])
 def test_a_scored_keep_keeps_the_best_scored_positions_of_its_ranges(small: dict, policy: str) -> None:
     """A dense request prunes two ranges of its own prompt but keeps 64 of their 400 tokens, the ones its policy
     scores highest (one budget over both): exactly 336 end hidden, the 64 kept are the reference's top 64 (up to
     float near-ties), and its decode equals the HF reference that reads every position but the hidden ones after
-    the prompt's forward. Leak-free."""
+    the prompt's forward (kvzip_global's replays leave the request's KV and output as they were). Leak-free."""
     server, ids = small["server"], small["ids"]
     ranges, keep = [[100, 300], [500, 700]], 64
     candidates = [p for lo, hi in ranges for p in range(lo, hi)]
@@ -257,7 +291,7 @@ def test_a_scored_keep_keeps_the_best_scored_positions_of_its_ranges(small: dict
     kept = sorted(set(candidates) - hidden)
     assert kept != candidates[:keep] and kept != candidates[-keep:]  # scored, not positional
 
-    scores = _reference_scores(small["model"], ids, policy)
+    scores = _reference_scores(small["model"], ids, policy, ranges)
     ranked = scores[torch.tensor(candidates)].sort(descending=True).values
     kth, tol = float(ranked[keep - 1]), 1e-5 * float(ranked.abs().max())
     assert min(float(scores[p]) for p in kept) >= kth - tol, (policy, kth)
@@ -313,4 +347,36 @@ def test_the_route_serves_snapkv_global_through_a_pruning_request(small: dict) -
     assert nxt["meta_info"]["cached_tokens"] == len(ids), nxt["meta_info"]
     assert _hidden(requests.post(f"{server.base_url}/v1/prefix_cache/inspect", timeout=60,
                                  json={"token_ids": ids + question}).json()) == hidden
+    _assert_idle_and_sound(server)
+
+
+def test_the_route_serves_kvzip_global_through_a_pruning_request(small: dict) -> None:
+    """``POST /v1/prefix_cache/prune`` with ``policy: kvzip_global``: the internal request's final step replays the
+    ranges' reconstruction, and the 64 of their 400 positions kept are the HF reference's best KVzip scores; 336 slots
+    go back, the next turn is a hit through the whole prompt, nothing leaks."""
+    server, ids, tok = small["server"], small["ids"], small["tok"]
+    ranges, keep = [[120, 320], [520, 720]], 64
+    candidates = [p for lo, hi in ranges for p in range(lo, hi)]
+    base = _flush(server)
+    server.generate(input_ids=ids, max_new_tokens=1, ignore_eos=True)
+    used = _assert_idle_and_sound(server)["kv_slots_used"] - base["kv_slots_used"]
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/prune", timeout=300, json={
+        "token_ids": ids, "ranges": ranges, "keep_tokens": keep, "policy": "kvzip_global"})
+    assert r.status_code == 202, r.text[:300]
+    res = r.json()
+    assert res["status"] == "completed" and res["policy"] == "kvzip_global" and "window_tokens" not in res, res
+    assert (res["pruned_tokens"], res["kept_tokens"], res["freed_slots"]) == (400, 64, 336), res
+    assert _assert_idle_and_sound(server)["kv_slots_used"] - base["kv_slots_used"] == used - 336
+    hidden = _hidden(requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": ids},
+                                   timeout=60).json())
+    assert hidden <= set(candidates) and len(hidden) == len(candidates) - keep, sorted(hidden)[:20]
+    kept = sorted(set(candidates) - hidden)
+    scores = _reference_scores(small["model"], ids, "kvzip_global", ranges)
+    ranked = scores[torch.tensor(candidates)].sort(descending=True).values
+    kth, tol = float(ranked[keep - 1]), 1e-5 * float(ranked.abs().max())
+    assert min(float(scores[p]) for p in kept) >= kth - tol, kth
+    assert max(float(scores[p]) for p in hidden) <= kth + tol, kth
+    question = tok.encode(QUESTION.format(key=small["asked"]), add_special_tokens=False)
+    nxt = server.generate(input_ids=ids + question, max_new_tokens=4, ignore_eos=True)
+    assert nxt["meta_info"]["cached_tokens"] == len(ids), nxt["meta_info"]
     _assert_idle_and_sound(server)

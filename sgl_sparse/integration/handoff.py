@@ -35,12 +35,17 @@ class Handoff:
     # Why a request's own prune cannot keep a scored part of its ranges here (keep_tokens / keep_ratio: the scores
     # read the prompt's last queries and the pool's keys); None when it can.
     scored_prune_problem: str | None = None
+    # Why a request's own prune cannot keep with policy kvzip_global here (its replay forwards); None when it can,
+    # and then replay_prompts holds kvzip's instructions tokenized (prompt_ids, next_prompt_ids, postfix_ids).
+    replay_prune_problem: str | None = "the launcher did not set it up"
+    replay_prompts: dict[str, list[int]] | None = None
 
     def dump(self) -> str:
         return json.dumps({"method": self.method, "config": self.config, "device": self.device, "base": self.base,
                            "prefill_cuda_graph_off": self.prefill_cuda_graph_off,
                            "request_methods": self.request_methods, "decode_graphs": self.decode_graphs,
-                           "scored_prune_problem": self.scored_prune_problem})
+                           "scored_prune_problem": self.scored_prune_problem,
+                           "replay_prune_problem": self.replay_prune_problem, "replay_prompts": self.replay_prompts})
 
 
 def publish(handoff: Handoff) -> None:
@@ -57,4 +62,6 @@ def read() -> Handoff:
     return Handoff(method=data["method"], config=data.get("config") or {}, device=data.get("device"),
                    base=data.get("base"), prefill_cuda_graph_off=data.get("prefill_cuda_graph_off"),
                    request_methods=data.get("request_methods", "off"), decode_graphs=bool(data.get("decode_graphs")),
-                   scored_prune_problem=data.get("scored_prune_problem"))
+                   scored_prune_problem=data.get("scored_prune_problem"),
+                   replay_prune_problem=data.get("replay_prune_problem", Handoff.replay_prune_problem),
+                   replay_prompts=data.get("replay_prompts"))

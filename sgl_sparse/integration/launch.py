@@ -8,6 +8,7 @@ the environment (:mod:`.handoff`) and then runs SGLang's own ``run_server``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -194,7 +195,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     decode_graphs = device != "cpu" and requested_graph_backend(args, "decode") != DISABLED
     return args, handoff.Handoff(method.name, method.config.to_dict(), device, base=base,
                                  prefill_cuda_graph_off=prefill_off, request_methods=policy,
-                                 decode_graphs=decode_graphs, scored_prune_problem=scored_prune_problem(args, device))
+                                 decode_graphs=decode_graphs, scored_prune_problem=scored_prune_problem(args, device),
+                                 replay_prune_problem=replay_prune_problem(args, method, device, policy))
 
 
 BOUNDARY_FIELD = "boundary_token_ids"  # a method config's sentence-boundary ids (skipkv); empty: derived here
@@ -233,17 +235,10 @@ def with_boundary_ids(hand: handoff.Handoff, args: argparse.Namespace) -> handof
 REPLAY_FIELDS = ("prompt_ids", "next_prompt_ids", "postfix_ids")  # kvzip's replay prompts; empty: derived here
 
 
-def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> handoff.Handoff:
-    """Fill kvzip's empty replay prompts from the served tokenizer (as :func:`with_boundary_ids` does SkipKV's
-    boundaries): KVzip's two reconstruction instructions, and as the postfix the chat template's text between a
-    user message and the assistant's reply (its generation prompt included), else the original's fallback."""
-    if hand.method != "kvzip" or not any(hand.config.get(f) == [] for f in REPLAY_FIELDS):
-        return hand
-    logger = logging.getLogger(__name__)
-    if getattr(args, "skip_tokenizer_init", False):
-        logger.warning("sgl_sparse: --skip-tokenizer-init: kvzip's replays carry no instruction unless its config "
-                       "gives prompt_ids, next_prompt_ids and postfix_ids")
-        return hand
+def replay_prompt_ids(args: argparse.Namespace) -> dict[str, list[int]]:
+    """KVzip's replay instructions tokenized by the served tokenizer: its two reconstruction instructions, and as
+    the postfix the chat template's text between a user message and the assistant's reply (its generation prompt
+    included), else the original's fallback."""
     from transformers import AutoTokenizer
 
     from sgl_sparse.methods.eviction.kvzip import FALLBACK_POSTFIX, FIRST_PROMPT, NEXT_PROMPT
@@ -258,12 +253,33 @@ def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> hand
         if isinstance(text, str) and mark in text:
             postfix = text.split(mark, 1)[1]
     texts = {"prompt_ids": FIRST_PROMPT, "next_prompt_ids": NEXT_PROMPT, "postfix_ids": postfix}
-    for f in REPLAY_FIELDS:
-        if hand.config.get(f) == []:
-            hand.config[f] = list(tok.encode(texts[f], add_special_tokens=False))
-    create_method(hand.method, hand.config)  # re-validated as the scheduler will build it
-    logger.info("sgl_sparse: kvzip replay prompts from the tokenizer: %s",
-                {f: len(hand.config[f]) for f in REPLAY_FIELDS})
+    return {f: list(tok.encode(texts[f], add_special_tokens=False)) for f in REPLAY_FIELDS}
+
+
+def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> handoff.Handoff:
+    """Fill kvzip's empty replay prompts from the served tokenizer (as :func:`with_boundary_ids` does SkipKV's
+    boundaries), and, where a request's own prune may keep by ``kvzip_global``, hand the scheduler the same
+    instructions for its replays."""
+    needs_method = hand.method == "kvzip" and any(hand.config.get(f) == [] for f in REPLAY_FIELDS)
+    needs_prune = hand.replay_prune_problem is None
+    if not (needs_method or needs_prune):
+        return hand
+    logger = logging.getLogger(__name__)
+    if getattr(args, "skip_tokenizer_init", False):
+        if needs_method:
+            logger.warning("sgl_sparse: --skip-tokenizer-init: kvzip's replays carry no instruction unless its "
+                           "config gives prompt_ids, next_prompt_ids and postfix_ids")
+        return dataclasses.replace(hand, replay_prune_problem="--skip-tokenizer-init: no tokenizer for KVzip's "
+                                                              "reconstruction instructions")
+    ids = replay_prompt_ids(args)
+    if needs_method:
+        for f in REPLAY_FIELDS:
+            if hand.config.get(f) == []:
+                hand.config[f] = ids[f]
+        create_method(hand.method, hand.config)  # re-validated as the scheduler will build it
+        logger.info("sgl_sparse: kvzip replay prompts from the tokenizer: %s", {f: len(ids[f]) for f in REPLAY_FIELDS})
+    if needs_prune:
+        hand = dataclasses.replace(hand, replay_prompts=ids)
     return hand
 
 
@@ -298,6 +314,28 @@ GPU_SELECTION_ENV = "SGLSPARSE_GPU_SELECTION"
 GPU_TP_ENV = "SGLSPARSE_GPU_TP"
 
 
+def replay_problems(args: argparse.Namespace, method: Any, device: str) -> list[str]:
+    """Why replay forwards (KVzip's reconstruction, integration/replay.py; a method's or a prune's kvzip_global)
+    cannot run on this server; empty when they can."""
+    problems = []
+    if device != "cpu":
+        problems.append("replay forwards (integration/replay.py) have run on the CPU server only; --device cpu for now")
+    if (args.tp_size or 1) > 1 or (args.dp_size or 1) > 1:
+        problems.append("replay scores are maxima over heads, and the TP reduction sums; --tp-size/--dp-size > 1 "
+                        "not yet")
+    if method.store is not None:
+        problems.append("replay forwards over a method-owned KV layout are not served yet")
+    return problems
+
+
+def replay_prune_problem(args: argparse.Namespace, method: Any, device: str, policy: str) -> str | None:
+    """Why a request's own prune cannot keep by ``kvzip_global`` here; None when it can (the launcher then tokenizes
+    KVzip's instructions for the scheduler)."""
+    if not (method.evicts or policy == EVICTION):
+        return "this server serves no request prunes"  # prune_problem says why first
+    return "; ".join(replay_problems(args, method, device)) or None
+
+
 def unsupported_combinations(args: argparse.Namespace, method: Any, device: str) -> list[str]:
     """What sgl_sparse cannot serve yet, as messages for argparse errors (file:line refer to sglang/srt/ of
     SGLang 0.5.17)."""
@@ -316,15 +354,7 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
                         "FlashInfer) has not passed the GPU tests yet; it serves on --device cpu for now "
                         f"({GPU_SELECTION_ENV}=1 starts it anyway, for those tests)")
     if type(method).replays is not SparseMethod.replays:
-        if device != "cpu":
-            problems.append(f"--sparse-method {method.name}: its replay forwards (integration/replay.py) have run on "
-                            "the CPU server only; it serves on --device cpu for now")
-        if (args.tp_size or 1) > 1 or (args.dp_size or 1) > 1:
-            problems.append(f"--sparse-method {method.name} with --tp-size/--dp-size > 1: its scores are maxima over "
-                            "heads, and the TP reduction sums; it serves on one rank for now")
-        if method.store is not None:
-            problems.append(f"--sparse-method {method.name}: replay forwards over a method-owned KV layout are not "
-                            "served yet")
+        problems += [f"--sparse-method {method.name}: {why}" for why in replay_problems(args, method, device)]
     if args.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
     if args.enable_session_radix_cache or args.enable_streaming_session:

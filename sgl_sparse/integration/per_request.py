@@ -27,7 +27,7 @@ def http_resolver() -> MethodResolver:
 
         h = handoff.read()
         _http_resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.decode_graphs,
-                                        h.scored_prune_problem)
+                                        h.scored_prune_problem, h.replay_prune_problem)
     return _http_resolver
 
 

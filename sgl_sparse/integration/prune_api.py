@@ -1,6 +1,6 @@
 """The Prefix-Cache Pruning HTTP API (docs/prefix-cache-pruning.md); the tree surgery is sgl_sparse/radix/prune.py.
 
-    POST /v1/prefix_cache/prune        {selector, ranges | roles + lag, keep_tokens, policy: drop | knorm} -> 202
+    POST /v1/prefix_cache/prune        {selector, ranges | roles + lag, keep_tokens, policy} -> 202
     GET  /v1/prefix_cache/prune/{id}   the prune's status: completed | blocked | failed, tokens pruned, slots freed
     POST /v1/prefix_cache/match        {selector}: how many of its tokens the tree serves, and how many are resident
     POST /v1/prefix_cache/inspect      {selector}: the same, with the path of tree nodes
@@ -47,10 +47,12 @@ from sgl_sparse.prune_keep import (
 from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
 
 PRUNE, INSPECT = "prune", "inspect"
-# The route's policies: a prune between batches (drop, knorm), and snapkv_global through an internal request that
-# re-forwards the sequence's last SNAPKV_WINDOW tokens and prunes its own prompt (_Api._request_prune).
-ROUTE_POLICIES = (*POLICIES, SNAPKV_GLOBAL)
-ROUTE_SCORED = (*SCORED, SNAPKV_GLOBAL)  # the first, knorm, stays the default when something is kept
+# The route's policies: a prune between batches (drop, knorm), and snapkv_global / kvzip_global through an internal
+# request that prunes its own prompt (_Api._request_prune): snapkv_global's re-forwards the sequence's last
+# SNAPKV_WINDOW tokens (their queries score), kvzip_global's runs replay forwards in its final step.
+BY_REQUEST = (SNAPKV_GLOBAL, KVZIP_GLOBAL)
+ROUTE_POLICIES = (*POLICIES, *BY_REQUEST)
+ROUTE_SCORED = (*SCORED, *BY_REQUEST)  # the first, knorm, stays the default when something is kept
 SNAPKV_WINDOW = 32  # SnapKV's observation window (prune_keep's snapkv_global scores the prompt's last 32 queries)
 _RESULTS_KEPT = 4096  # prune ids remembered for GET (oldest dropped first)
 
@@ -178,8 +180,7 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
         out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
     size = sum(hi - lo for lo, hi in out["ranges"])
     try:
-        keep, policy = parse_keep(body, size, page_size, ROUTE_POLICIES, ROUTE_SCORED, hints={
-            KVZIP_GLOBAL: "KVzip's scores need a context-reconstruction forward pass, which a prune does not run"})
+        keep, policy = parse_keep(body, size, page_size, ROUTE_POLICIES, ROUTE_SCORED)
     except KeepError as e:
         raise BadPruneRequest(e.field, str(e)) from None
     out["keep_tokens"], out["policy"] = keep, policy
@@ -326,7 +327,7 @@ class _Api:
         if not parsed["ranges"]:
             result: dict[str, Any] = {"status": "completed", "message": "no range selected", "pruned_tokens": 0,
                                       "kept_tokens": 0, "freed_slots": 0}
-        elif parsed["policy"] == SNAPKV_GLOBAL and parsed["keep_tokens"] > 0:
+        elif parsed["policy"] in BY_REQUEST and parsed["keep_tokens"] > 0:
             try:
                 result = await self._request_prune(tm, parsed)
             except BadPruneRequest as e:
@@ -342,11 +343,13 @@ class _Api:
         return ORJSONResponse(result, status_code=202)
 
     async def _request_prune(self, tm: Any, parsed: dict[str, Any]) -> dict[str, Any]:
-        """``snapkv_global`` on the route: the scores need the sequence's last queries, which only a forward pass has.
-        So the route sends the sequence as an internal request (greedy, one output token, whose KV is never stored)
-        that asks to prune its own prompt (``custom_params['sgl_sparse_prune']``, the per-request form) and whose
-        prefix match stops ``SNAPKV_WINDOW`` tokens short (input logprobs from there: SGLang's own rule), so those
-        tokens are re-forwarded and their queries score the ranges. At its finish the tree stores the sequence with
+        """``snapkv_global`` / ``kvzip_global`` on the route: their scores need a forward pass (the sequence's last
+        queries; KVzip's reconstruction of the ranges). So the route sends the sequence as an internal request
+        (greedy, one output token, whose KV is never stored) that asks to prune its own prompt
+        (``custom_params['sgl_sparse_prune']``, the per-request form). For snapkv_global its prefix match stops
+        ``SNAPKV_WINDOW`` tokens short (input logprobs from there: SGLang's own rule), so those tokens are
+        re-forwarded and their queries score the ranges; for kvzip_global the one token SGLang always re-forwards
+        completes the prompt, and that step's replays score them. At its finish the tree stores the sequence with
         the pruned positions hidden (a Chain Cache record, copy-on-write as every prune). The outcome is read off the
         tree before and after (``inspect``): what the request hid, and the slots the sequence's path gave back."""
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -356,22 +359,23 @@ class _Api:
         from sgl_sparse.request_methods import PRUNE_KEY, prune_problem
 
         ids, ranges, keep = parsed["token_ids"], [tuple(r) for r in parsed["ranges"]], parsed["keep_tokens"]
+        policy = parsed["policy"]
         if int(getattr(tm.server_args, "dp_size", 1) or 1) > 1:
             # The request would go where SGLang's DP balancing sends it, not to the rank whose tree holds the sequence.
-            raise BadPruneRequest("policy", f"'{SNAPKV_GLOBAL}' runs as a request on the rank that holds the "
+            raise BadPruneRequest("policy", f"'{policy}' runs as a request on the rank that holds the "
                                             "sequence, which this route cannot choose under --dp-size > 1: prune "
                                             "with knorm here, or in the next request's "
                                             "custom_params['sgl_sparse_prune']")
         resolver = http_resolver()
-        why = prune_problem(resolver, PruneSpec(tuple(ranges), keep, SNAPKV_GLOBAL))
+        why = prune_problem(resolver, PruneSpec(tuple(ranges), keep, policy))
         if why is not None:
-            raise BadPruneRequest("policy", f"'{SNAPKV_GLOBAL}' is served through a request that prunes its own "
+            raise BadPruneRequest("policy", f"'{policy}' is served through a request that prunes its own "
                                             f"prompt, which this server cannot run: {why}")
         method = {k: parsed[k] for k in (METHOD_KEY, CONFIG_KEY) if k in parsed}
         served = resolver.resolve(method)
         if served.method.evicts:
             # The internal request runs under the namespace's method, which would evict past the ranges on its own.
-            raise BadPruneRequest("policy", f"'{SNAPKV_GLOBAL}' runs a request under the sequence's method, and "
+            raise BadPruneRequest("policy", f"'{policy}' runs a request under the sequence's method, and "
                                             f"{served.method.name} evicts on its own: prune in that conversation's "
                                             "next request (custom_params['sgl_sparse_prune']), or with knorm here")
         none = {"pruned_tokens": 0, "kept_tokens": 0, "freed_slots": 0}
@@ -388,16 +392,18 @@ class _Api:
             # The request's match would stop short of the record that hides them (32 tokens before its end), and it
             # would store its own record without them: the earlier prune or eviction would come undone.
             return {"status": "failed", "message": f"the sequence already hides {before['hidden_tokens']} positions "
-                                                   f"(an earlier prune or eviction): '{SNAPKV_GLOBAL}' prunes a "
+                                                   f"(an earlier prune or eviction): '{policy}' prunes a "
                                                    "sequence with none; prune it with knorm or drop, or in the "
                                                    "conversation's next request", "matched_tokens": matched, **none}
         busy = [n["start"] for n in before.get("nodes", []) if n["in_use"] and n["start"] < end]
         if busy:
             return {"status": "blocked", "message": f"a running request holds this prefix (at position {busy[0]}); "
                                                     "retry when it has finished", "matched_tokens": matched, **none}
-        prune = {"ranges": [list(r) for r in ranges], "keep_tokens": keep, "policy": SNAPKV_GLOBAL}
+        prune = {"ranges": [list(r) for r in ranges], "keep_tokens": keep, "policy": policy}
+        window = {"return_logprob": True, "logprob_start_len": max(len(ids) - SNAPKV_WINDOW, 0)} \
+            if policy == SNAPKV_GLOBAL else {}
         obj = GenerateReqInput(
-            input_ids=list(ids), return_logprob=True, logprob_start_len=max(len(ids) - SNAPKV_WINDOW, 0),
+            input_ids=list(ids), **window,
             sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True,
                              "custom_params": {**method, PRUNE_KEY: json.dumps(prune)}})
         try:
@@ -413,8 +419,14 @@ class _Api:
         if after.get("matched_tokens", 0) < end:
             return {"status": "failed", "message": "the pruned sequence is no longer cached (evicted meanwhile)",
                     "matched_tokens": after.get("matched_tokens", 0), **none}
-        return {"status": "completed", "policy": SNAPKV_GLOBAL, "window_tokens": min(SNAPKV_WINDOW, len(ids)),
-                **_counts(before, after, ranges)}
+        counts = _counts(before, after, ranges)
+        if counts["kept_tokens"] >= counts["pruned_tokens"]:
+            # keep_tokens < the ranges' size (parse_keep), so a prune that ran hid some: this one did not run.
+            return {"status": "failed", "message": "the pruning request finished without pruning (its prune could "
+                                                   "not score: see the server log and unscored_prunes_total in "
+                                                   "/server_info)", "matched_tokens": counts["matched_tokens"], **none}
+        extra = {"window_tokens": min(SNAPKV_WINDOW, len(ids))} if policy == SNAPKV_GLOBAL else {}
+        return {"status": "completed", "policy": policy, **extra, **counts}
 
     async def status(self, prune_id: str) -> Any:
         result = self.results.get(prune_id)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from sgl_sparse.contract import Replay, ReplayLayer, RequestState, SparseMethod
+from sgl_sparse.contract import Replay, ReplayLayer, RequestState
 from sgl_sparse.slots import to_device
 
 if TYPE_CHECKING:
@@ -34,11 +34,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class ReplayScorer(Protocol):
+    """Who gets a replay's layers: the request's method (KVzip's own replays), or a prune's scorer
+    (``kvzip_global``, :class:`sgl_sparse.methods.eviction.kvzip.RangeScores`)."""
+
+    name: str
+
+    def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None: ...
+
+
 @dataclass
 class ActiveReplay:
     """What the attention backend needs while a replay's forward runs."""
 
-    method: SparseMethod[Any]
+    scorer: ReplayScorer
     state: RequestState
     replay: Replay
     slots: torch.Tensor  # the retained positions' slots, in position order (device)
@@ -51,7 +60,7 @@ class ActiveReplay:
         q3 = q.reshape(r, layer.tp_q_head_num, layer.qk_head_dim)
         k3 = k.reshape(r, layer.tp_k_head_num, layer.qk_head_dim)
         buf = self.model_runner.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        self.method.on_replay_layer(self.state, self.replay, ReplayLayer(
+        self.scorer.on_replay_layer(self.state, self.replay, ReplayLayer(
             layer.layer_id, q3, k3, buf, self.slots, self.k_pos, float(layer.scaling)))
 
 
@@ -64,9 +73,9 @@ def room(model_runner: Any, logical_len: int) -> int:
     return max(0, min(min(width, context) - logical_len, free))
 
 
-def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, method: SparseMethod[Any],
+def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, scorer: ReplayScorer,
         replays: list[Replay], model_runner: Any) -> None:
-    """Run ``replays`` of ``req`` (whose step just ran), in order."""
+    """Run ``replays`` of ``req`` (whose step just ran), in order, each layer handed to ``scorer``."""
     req_to_token = model_runner.req_to_token_pool.req_to_token
     allocator = model_runner.token_to_kv_pool_allocator
     row = int(req.req_pool_idx)
@@ -77,11 +86,11 @@ def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, method: Sp
         r = len(replay.token_ids)
         loc = allocator.alloc(r)
         if loc is None:
-            raise RuntimeError(f"sgl_sparse: {method.name}: no {r} free KV slots for a replay of request {req.rid} "
+            raise RuntimeError(f"sgl_sparse: {scorer.name}: no {r} free KV slots for a replay of request {req.rid} "
                                "(the replay's room is bounded by the free slots when it is planned)")
         saved = req_to_token[row, n:n + r].clone()
         req_to_token[row, n:n + r] = loc.to(req_to_token.dtype)
-        rt.replay = ActiveReplay(method, state, replay, slots, k_pos, model_runner)
+        rt.replay = ActiveReplay(scorer, state, replay, slots, k_pos, model_runner)
         try:
             model_runner.forward(_forward_batch(batch, req, replay.token_ids, n, loc, model_runner))
         finally:

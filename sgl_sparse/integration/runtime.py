@@ -56,6 +56,7 @@ class Counters:
     chain_hit_tokens_total: int = 0  # logical tokens of the matched prefixes (what cached_tokens counts)
     chain_hit_kept_tokens_total: int = 0  # of them, with resident KV (physical)
     eviction_steps_total: int = 0
+    unscored_prunes_total: int = 0  # requests' own scored prunes not applied (kvzip_global with no replay room)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class SparseRuntime:
     # The replay forward running now (KVzip's reconstruction, integration/replay.py): the backend hands it each
     # layer's queries and keys; None otherwise.
     replay: Any = None
+    # The kvzip config a request's own prune with policy kvzip_global replays with (its instructions tokenized by
+    # the launcher); None where the launcher found it cannot be served (the request is refused at admission).
+    prune_replays: Any = None
 
     # Whether any request may evict (the server's method, or one a request chooses): rows may then hold
     # sentinels, so attention reads compacted lists; fixed.
@@ -192,7 +196,7 @@ class SparseRuntime:
         self.tracked[req.rid] = t
         window = method.observation_window()
         spec = getattr(req, PRUNE_ATTR, None)
-        if spec is not None and spec.scores:
+        if spec is not None and spec.needs_window:
             # Its own prune scores the ranges with the prompt's last queries (snapkv_global; knorm reads keys only,
             # but one window for both keeps this simple): capture at least SnapKV's window; the method is handed
             # only its own (step._window).
@@ -290,12 +294,24 @@ class SparseRuntime:
 _runtime: SparseRuntime | None = None
 
 
+def prune_replay_config(prompts: dict[str, list[int]] | None) -> Any:
+    """The ``kvzip`` config (defaults, the launcher's tokenized instructions) of ``kvzip_global`` prunes; None
+    without instructions (not served here)."""
+    if prompts is None:
+        return None
+    from sgl_sparse.methods.eviction.kvzip import KVzipConfig
+
+    return KVzipConfig(**prompts)
+
+
 def get_runtime() -> SparseRuntime:
     """Build (first call) or return this process's runtime. Config errors raise here, loudly."""
     global _runtime
     if _runtime is None:
         h = handoff.read()
         method = create_method(h.method, h.config)
-        resolver = MethodResolver(method, h.request_methods, h.decode_graphs, h.scored_prune_problem)
-        _runtime = SparseRuntime(method=method, fingerprint=method.config.fingerprint(), resolver=resolver)
+        resolver = MethodResolver(method, h.request_methods, h.decode_graphs, h.scored_prune_problem,
+                                  h.replay_prune_problem)
+        _runtime = SparseRuntime(method=method, fingerprint=method.config.fingerprint(), resolver=resolver,
+                                 prune_replays=prune_replay_config(h.replay_prompts))
     return _runtime

@@ -21,7 +21,14 @@ import torch
 from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
-from sgl_sparse.prune_keep import SNAPKV_WINDOW, PruneSpec, request_prune_leaves
+from sgl_sparse.prune_keep import (
+    KVZIP_GLOBAL,
+    SNAPKV_WINDOW,
+    PruneSpec,
+    PruneUnscored,
+    ReplayInputs,
+    request_prune_leaves,
+)
 from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:
@@ -58,7 +65,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
                         token_ids=ids)
         if final and (spec := getattr(req, PRUNE_ATTR, None)):
-            if (left := _prune(rt, req, t, spec, model_runner)) is not None:
+            if (left := _prune(rt, batch, req, t, spec, model_runner)) is not None:
                 pruned.append(left)
         if final and type(method).replays is not SparseMethod.replays:
             replays = method.replays(st, info, replay.room(model_runner, st.logical_len))
@@ -89,17 +96,32 @@ def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
     return [*req.origin_input_ids[start:min(end, n_in)], *req.output_ids[max(0, start - n_in):max(0, end - n_in)]]
 
 
-def _prune(rt: SparseRuntime, req: Any, t: Tracked, spec: PruneSpec, model_runner: Any) -> torch.Tensor | None:
+def _prune(rt: SparseRuntime, batch: Any, req: Any, t: Tracked, spec: PruneSpec,
+           model_runner: Any) -> torch.Tensor | None:
     """The request's own prune (custom_params sgl_sparse_prune), in the step that completed its prompt, after the
     forward (its prompt attended the ranges) and before its method replays, observes or plans (nothing after it
     does): the method is told which retained positions leave (``on_prune``), then they are freed at once, so the
     replays' rows, the observation window and the plan check all see the rest, and the tree stores the sequence
     without them. Positions already gone (an earlier turn's eviction) are not handed over. A scored keep keeps
     the ``keep_tokens`` of the ranges' retained positions its policy scores highest (the prompt's last queries
-    over every retained key, summed over the TP group: every rank keeps the same). The spec comes with the
-    request, identical on every TP rank. Returns the retained positions left (None: the prune removed nothing)."""
-    kept = t.state.kept
-    drop = request_prune_leaves(kept, spec, lambda: _window(rt, req, t, model_runner, SNAPKV_WINDOW))
+    over every retained key, summed over the TP group: every rank keeps the same; ``kvzip_global``: replay forwards
+    that reconstruct the ranges, one rank only). The spec comes with the request, identical on every TP rank.
+    Returns the retained positions left (None: the prune removed nothing)."""
+    st = t.state
+    kept = st.kept
+    replays = None
+    if spec.policy == KVZIP_GLOBAL and rt.prune_replays is not None:
+        replays = ReplayInputs(
+            token_ids=_token_ids(req, 0, st.logical_len), config=rt.prune_replays,
+            max_tokens=replay.room(model_runner, st.logical_len),
+            run=lambda rs, scorer: replay.run(rt, batch, req, st, scorer, rs, model_runner))
+    try:
+        drop = request_prune_leaves(kept, spec, lambda: _window(rt, req, t, model_runner, SNAPKV_WINDOW), replays)
+    except PruneUnscored as e:
+        # Reported, not hidden: the request still runs (its prompt is whole), and /server_info counts it.
+        logger.warning("sgl_sparse: request %s: its own prune was not applied: %s", req.rid, e)
+        rt.counters.unscored_prunes_total += 1
+        return None
     if not bool(drop.any()):
         return None
     t.method.on_prune(t.state, kept[drop])

@@ -164,6 +164,55 @@ def build_replays(ids: list[int], kept: torch.Tensor, logical_len: int, cfg: KVz
     return out
 
 
+def score_replay_layer(scores: torch.Tensor, replay: Replay, layer: ReplayLayer, sink_tokens: int) -> None:
+    """One layer of ``replay`` into ``scores`` (``[num_kept]`` float32, aligned with ``layer.k_pos``): its
+    :func:`chunk_scores` of the retained keys in ``replay.scored``, maximised into what earlier layers and replays
+    gave them (token-shared: the maximum over layers too). The sink: the first ``sink_tokens`` retained positions
+    before the chunk (a chunk of the method starts after them; a prune's range may start anywhere)."""
+    lo, hi = replay.scored
+    sink = (layer.k_pos < lo).nonzero().flatten()[:sink_tokens]
+    in_chunk = ((layer.k_pos >= lo) & (layer.k_pos < hi)).nonzero().flatten()
+    k_sink, _ = layer.keys(sink)
+    k_chunk, _ = layer.keys(in_chunk)
+    s = chunk_scores(layer.queries, k_sink, k_chunk, layer.replay_keys, layer.scale).cpu()
+    scores[in_chunk] = torch.maximum(scores[in_chunk], s)
+
+
+def range_replays(ids: list[int], kept: torch.Tensor, ranges: list[tuple[int, int]], cfg: KVzipConfig,
+                  max_tokens: int) -> list[Replay]:
+    """The reconstruction forwards that score the retained positions of ``ranges`` (Prefix-Cache Pruning's
+    ``kvzip_global``): each range cut into chunks, each replay at most ``max_tokens`` tokens. A chunk at position 0
+    gets KVzip's first instruction, any other the next-part one with the ``prev_postfix_size`` tokens before it (a
+    range starts mid-context). Chunks with no retained position are skipped. Empty when there is no room."""
+    chunk = min(cfg.chunk_size, max_tokens - cfg.overhead)
+    if chunk < MIN_CHUNK:
+        return []
+    out = []
+    for lo, hi in ranges:
+        for a in range(lo, hi, chunk):
+            b = min(a + chunk, hi)
+            if not bool(((kept >= a) & (kept < b)).any()):
+                continue
+            head = cfg.prompt_ids if a == 0 else [*cfg.next_prompt_ids, *ids[max(0, a - cfg.prev_postfix_size):a]]
+            out.append(Replay([*head, *cfg.postfix_ids, *ids[a:b]], (a, b)))
+    return out
+
+
+class RangeScores:
+    """KVzip's token-shared scores of a request's retained positions, filled by the layers of its replays: the
+    scorer a prune's ``kvzip_global`` hands the replay runner (what a method's ``on_replay_layer`` is to its own
+    replays). ``scores`` ``[num_kept]`` float32, 0 where no replay scored."""
+
+    name = "kvzip_global"
+
+    def __init__(self, num_kept: int, sink_tokens: int) -> None:
+        self.scores = torch.zeros(num_kept, dtype=torch.float32)
+        self.sink_tokens = sink_tokens
+
+    def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None:
+        score_replay_layer(self.scores, replay, layer, self.sink_tokens)
+
+
 @register_method
 class KVzip(SparseMethod[KVzipConfig]):
     name = "kvzip"
@@ -196,15 +245,7 @@ class KVzip(SparseMethod[KVzipConfig]):
         return out
 
     def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None:
-        scores: torch.Tensor = state.extra[SCORES]
-        lo, hi = replay.scored
-        n = layer.k_pos.numel()
-        sink = torch.arange(min(self.config.sink_tokens, n))
-        in_chunk = ((layer.k_pos >= lo) & (layer.k_pos < hi)).nonzero().flatten()
-        k_sink, _ = layer.keys(sink)
-        k_chunk, _ = layer.keys(in_chunk)
-        s = chunk_scores(layer.queries, k_sink, k_chunk, layer.replay_keys, layer.scale).cpu()
-        scores[in_chunk] = torch.maximum(scores[in_chunk], s)  # token-shared: max over layers too
+        score_replay_layer(state.extra[SCORES], replay, layer, self.config.sink_tokens)
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
         scores = state.extra.pop(SCORES, None)
