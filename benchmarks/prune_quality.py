@@ -6,7 +6,9 @@ The agent task (``agent_recall``: a transcript of tool results, each carrying on
 one of the facts of the earlier tool results) through one server of ours (``--sparse-request-methods eviction``,
 the trained small model by default). Each request prunes the content of its tool messages but the most recent one
 (``--lag``, default 1: the asked fact is always in a pruned message) with ``custom_params`` ``sgl_sparse_prune``
-(ranges found as ``{"roles": ["tool"], "lag": n}`` would find them), under each policy:
+(ranges found as ``{"roles": ["tool"], "lag": n}`` would find them); ``--fact-in spared`` spares the asked fact's
+message instead (the others are pruned: what pruning costs a question about a turn it left alone). Under each
+policy:
 
 * ``none``: no prune (the dense answer);
 * ``drop``: the ranges leave whole;
@@ -43,14 +45,24 @@ from sgl_sparse.server_process import CPU_SERVER_FLAGS, GPU_SERVER_FLAGS, Server
 POLICIES = ("drop", "knorm", "snapkv_global", "kvzip_global")
 
 
-def ranges_of(example: Any, tokenizer: Any, lag: int) -> list[list[int]]:
+def ranges_of(example: Any, tokenizer: Any, lag: int, fact_in: str = "pruned") -> list[list[int]]:
     """The content spans of the example's tool messages but the ``lag`` most recent, in the ids ``render`` sends
-    (the same text template, tokenized without special tokens)."""
+    (the same text template, tokenized without special tokens). ``fact_in="spared"``: of those, not the one that
+    holds the asked fact (so every other tool result is pruned and the fact stays whole)."""
     def ids(messages: list[dict[str, str]]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    return [list(r) for r in role_ranges(message_spans(ids, example.messages), example.messages, ["tool"], lag)]
+    messages = example.messages
+    spans = message_spans(ids, messages)
+    ranges = role_ranges(spans, messages, ["tool"], lag)
+    if fact_in == "spared":
+        fact = f"is {example.answer}."
+        holding = [spans[i] for i, m in enumerate(messages) if m["role"] == "tool" and fact in m["content"]]
+        if len(holding) != 1:
+            raise ValueError(f"expected one tool message holding {fact!r}, found {len(holding)}")
+        ranges = [r for r in ranges if r != holding[0]]
+    return [list(r) for r in ranges]
 
 
 def run(url: str, ids: list[int], prune: dict[str, Any] | None) -> str:
@@ -73,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=10_000)
     p.add_argument("--lag", type=int, default=1)
+    p.add_argument("--fact-in", choices=["pruned", "spared"], default="pruned",
+                   help="pruned: the asked fact's tool message is among the pruned (lag 1 guarantees it); spared: "
+                        "every other tool message but the lag most recent is pruned, the fact's is not")
     p.add_argument("--keep-ratios", type=float, nargs="+", default=[0.05, 0.1, 0.25])
     p.add_argument("--policies", nargs="+", choices=POLICIES[1:], default=list(POLICIES[1:]),
                    help="the scored policies to run at each keep ratio (none and drop always run)")
@@ -91,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     items = []
     for i in range(args.n):
         ex = fit_example("agent_recall", args.seed + i, tok, args.tokens)
-        items.append((ex, render(ex, tok, chain=False).turns[0], ranges_of(ex, tok, args.lag)))
+        items.append((ex, render(ex, tok, chain=False).turns[0], ranges_of(ex, tok, args.lag, args.fact_in)))
     conditions: list[tuple[str, dict[str, Any] | None]] = [("none", None)]
     conditions += [("drop", {"policy": "drop"})]
     conditions += [(f"{pol}@{r:g}", {"policy": pol, "keep_ratio": r}) for r in args.keep_ratios
@@ -115,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
                          "pruned_tokens_mean": 0.0 if keep is None else size, "kept_tokens_mean": kept,
                          "prompt_tokens_mean": sum(len(ids) for _, ids, _ in items) / len(items)})
             print(f"{name}: {rows[-1]['accuracy']:.2f}", file=sys.stderr, flush=True)
-    print(f"agent_recall, {args.tokens} tokens, n={args.n}, lag {args.lag} (the asked fact is in a pruned tool "
-          f"message), model {Path(model).name}")
+    where = "in a pruned tool message" if args.fact_in == "pruned" else "in a spared tool message, every other pruned"
+    print(f"agent_recall, {args.tokens} tokens, n={args.n}, lag {args.lag} (the asked fact is {where}), "
+          f"model {Path(model).name}")
     print("| policy | accuracy | tokens in the pruned ranges (mean) | kept of them (mean) | prompt tokens (mean) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
