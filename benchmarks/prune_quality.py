@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="pruned: the asked fact's tool message is among the pruned (lag 1 guarantees it); spared: "
                         "every other tool message but the lag most recent is pruned, the fact's is not")
     p.add_argument("--keep-ratios", type=float, nargs="+", default=[0.05, 0.1, 0.25])
-    p.add_argument("--policies", nargs="+", choices=POLICIES[1:], default=list(POLICIES[1:]),
-                   help="the scored policies to run at each keep ratio (none and drop always run)")
+    p.add_argument("--policies", nargs="+", choices=POLICIES[1:], default=["knorm", "snapkv_global"],
+                   help="the scored policies to run at each keep ratio (none and drop always run); kvzip_global "
+                        "needs --context-length and a CPU server")
     p.add_argument("--context-length", type=positive_int, default=None,
                    help="the server's (default --tokens + 64); kvzip_global's replays need room after the prompt")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -101,6 +102,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--lag must be >= 0")
     if not all(0 < r < 1 for r in args.keep_ratios):
         p.error("--keep-ratios: each in (0, 1)")
+    if "kvzip_global" in args.policies and not args.context_length:
+        p.error("--policies kvzip_global: give --context-length, room for a replay of the pruned tokens after the "
+                "prompt (e.g. 2 x --tokens); without it each replay shrinks to what --tokens + 64 leaves")
+    if "kvzip_global" in args.policies and args.device != "cpu":
+        p.error("--policies kvzip_global: its replay forwards are served on CPU servers only for now")
     model = args.model_dir or str(small_model_path())
     tok = AutoTokenizer.from_pretrained(model)
     items = []

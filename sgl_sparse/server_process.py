@@ -42,6 +42,7 @@ GPU_SERVER_FLAGS = ["--sampling-backend", "pytorch", "--disable-piecewise-cuda-g
 
 
 _HANDED_OUT: set[int] = set()
+_PORT_LOCK = threading.Lock()
 _PORT_FLOOR = 20000  # below: well-known and registered services
 
 
@@ -53,29 +54,39 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _port_range() -> tuple[int, int]:
+    """Where :func:`free_port` draws: below the ephemeral range, else above it; ``(0, 0)`` when neither leaves
+    1,000 ports (the kernel's ``bind(0)`` then)."""
+    lo, hi = _ephemeral_range()
+    if lo - _PORT_FLOOR >= 1000:
+        return _PORT_FLOOR, lo
+    if 65536 - (hi + 1) >= 1000:
+        return hi + 1, 65536
+    return 0, 0
+
+
 def free_port() -> int:
     """A free port, never the same one twice in this process: servers constructed together and started
     later must not share a port, or one's health check would be answered by the other (seen in CI).
 
-    Chosen below the kernel's ephemeral range: a server binds its HTTP port only once it has loaded
+    Chosen outside the kernel's ephemeral range: a server binds its HTTP port only once it has loaded
     (tens of seconds on CPU), and in that window an ephemeral port handed back by ``bind(0)`` can be
     taken by anything that binds or connects (another server's gloo/TCPStore, SGLang's own
     ``get_free_port``, clients); CI saw uvicorn fail with EADDRINUSE that way, then hang."""
-    lo, _ = _ephemeral_range()
-    hi = max(lo, _PORT_FLOOR + 1000)
+    lo, hi = _port_range()
     rng = random.Random()  # unseeded: parallel test processes draw different ports
-    for _ in range(1000):
-        port = rng.randrange(_PORT_FLOOR, hi)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"no free port in [{_PORT_FLOOR}, {hi})")
+    with _PORT_LOCK:  # running() starts servers from threads, and a taken port draws a new one there
+        for _ in range(1000):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", rng.randrange(lo, hi) if hi else 0))
+                except OSError:
+                    continue
+                port = int(s.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise RuntimeError(f"no free port in [{lo}, {hi})")
 
 
 class _PortTaken(Exception):
@@ -181,6 +192,8 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.base_url}{self.health_path}", timeout=2).status_code == 200:
+                    if self._bind_failed():  # answered by whoever holds the port, not by this server
+                        raise _PortTaken
                     return self
             except requests.RequestException:
                 # uvicorn logs a failed bind and then waits, alive, for its workers: without this

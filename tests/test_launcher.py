@@ -349,6 +349,7 @@ def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str]
     (["--sparse-method", "streamingllm", "--device", "cuda"], "CPU server only"),
     (["--sparse-method", "streamingllm", "--device", "cpu", "--tp-size", "2"], "maxima over heads"),
     (["--sparse-method", "snapkv+fp8_kv", "--device", "cpu"], "method-owned KV layout"),
+    (["--sparse-method", "pyramidkv", "--device", "cpu"], "per-layer selector"),
 ])
 def test_where_a_request_cannot_keep_by_kvzip_global(flags: list[str], words: str | None) -> None:
     """kvzip_global runs replay forwards in the request's step: where they cannot run (as for the kvzip method), a
@@ -366,6 +367,13 @@ def test_where_a_request_cannot_keep_by_kvzip_global(flags: list[str], words: st
                                                 in why and words in why)
     if words is not None and "FP8" not in (hand.scored_prune_problem or ""):
         assert prune_problem(resolver, PruneSpec(((0, 10),), 4, "knorm")) is None
+    # The scheduler reads the same: without tokenized instructions the handoff cannot say "served".
+    unset = json.loads(hand.dump())
+    unset["replay_prompts"] = None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(handoff.ENV_VAR, json.dumps(unset))
+        got = handoff.read().replay_prune_problem
+    assert (got == "the launcher did not tokenize KVzip's instructions") if words is None else words in got
 
 
 def test_dense_keeps_sglang_graph_defaults_and_streamingllm_all_but_prefill() -> None:

@@ -380,3 +380,45 @@ def test_the_route_serves_kvzip_global_through_a_pruning_request(small: dict) ->
     nxt = server.generate(input_ids=ids + question, max_new_tokens=4, ignore_eos=True)
     assert nxt["meta_info"]["cached_tokens"] == len(ids), nxt["meta_info"]
     _assert_idle_and_sound(server)
+
+
+def _runs(positions: list[int]) -> list[list[int]]:
+    """Sorted positions as ``[start, end)`` runs."""
+    out: list[list[int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1][1] = p + 1
+        else:
+            out.append([p, p + 1])
+    return out
+
+
+def test_kvzip_global_replays_leave_the_methods_window_alone(small: dict) -> None:
+    """A SnapKV request pruning by ``kvzip_global`` evicts exactly as a SnapKV request that drops the positions
+    kvzip_global takes away (a dense request's same prune tells which: its replays attend the whole prompt either
+    way), and decodes the same tokens: the replays, which run under the request's id before SnapKV observes, leave
+    SnapKV's window to the prompt's last queries."""
+    server, ids = small["server"], small["ids"]
+    prune = {"ranges": [[100, 300], [500, 700]], "keep_tokens": 64, "policy": "kvzip_global"}
+    cfg = {"budget": 400, "window_size": 16, "sink_tokens": 8}
+    _flush(server)
+    dense = server.generate(input_ids=ids, max_new_tokens=N_OUT, ignore_eos=True,
+                            custom_params={"sgl_sparse_prune": json.dumps(prune)})
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": ids + dense["output_ids"]},
+                      timeout=60)
+    gone = sorted(_hidden(r.json()))
+    assert len(gone) == 336, len(gone)
+
+    def snapkv(own_prune: dict) -> tuple[list[int], set[int]]:
+        _flush(server)
+        out = server.generate(input_ids=ids, max_new_tokens=N_OUT, ignore_eos=True, custom_params={
+            "sgl_sparse_method": "snapkv", "sgl_sparse_config": json.dumps(cfg),
+            "sgl_sparse_prune": json.dumps(own_prune)})
+        _assert_idle_and_sound(server)
+        return out["output_ids"], _hidden(_prefix(server, "inspect", ids + out["output_ids"], "snapkv", cfg))
+
+    out_kvzip, hidden_kvzip = snapkv(prune)
+    out_drop, hidden_drop = snapkv({"ranges": _runs(gone)})
+    assert set(gone) < hidden_kvzip  # SnapKV evicted past the prune
+    assert hidden_kvzip == hidden_drop, (sorted(hidden_kvzip ^ hidden_drop)[:20], len(hidden_kvzip ^ hidden_drop))
+    assert out_kvzip == out_drop

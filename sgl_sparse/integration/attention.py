@@ -159,6 +159,10 @@ class _SparseBackendMixin:
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
         if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
             return
+        if self.runtime.replay is not None:
+            # A replay forward (KVzip's reconstruction) carries the request's rid, but its queries are not the
+            # request's: the method's window (SnapKV's, after a kvzip_global prune) is the prompt's last queries.
+            return
         lens = [1] * len(forward_batch.rids) if is_decode else list(forward_batch.extend_seq_lens_cpu)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         self.runtime.capture_queries(layer.layer_id, q3, forward_batch.rids, lens, float(layer.scaling))

@@ -59,9 +59,12 @@ def read() -> Handoff:
     if not raw:
         return Handoff(method="dense", config={}, device=None)
     data = json.loads(raw)
+    replay_problem = data.get("replay_prune_problem", Handoff.replay_prune_problem)
+    if replay_problem is None and data.get("replay_prompts") is None:
+        replay_problem = "the launcher did not tokenize KVzip's instructions"  # the two must agree
     return Handoff(method=data["method"], config=data.get("config") or {}, device=data.get("device"),
                    base=data.get("base"), prefill_cuda_graph_off=data.get("prefill_cuda_graph_off"),
                    request_methods=data.get("request_methods", "off"), decode_graphs=bool(data.get("decode_graphs")),
                    scored_prune_problem=data.get("scored_prune_problem"),
-                   replay_prune_problem=data.get("replay_prune_problem", Handoff.replay_prune_problem),
+                   replay_prune_problem=replay_problem,
                    replay_prompts=data.get("replay_prompts"))

@@ -271,7 +271,16 @@ def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> hand
                            "config gives prompt_ids, next_prompt_ids and postfix_ids")
         return dataclasses.replace(hand, replay_prune_problem="--skip-tokenizer-init: no tokenizer for KVzip's "
                                                               "reconstruction instructions")
-    ids = replay_prompt_ids(args)
+    try:
+        ids = replay_prompt_ids(args)
+    except Exception as e:  # noqa: BLE001 (a tokenizer or template of any kind may fail here)
+        if needs_method:
+            raise
+        # Only kvzip_global prunes need them: the server starts, and such a request is refused saying why.
+        logger.warning("sgl_sparse: kvzip_global prunes not served: KVzip's instructions could not be tokenized "
+                       "(%s: %s)", type(e).__name__, e)
+        return dataclasses.replace(hand, replay_prune_problem=f"KVzip's instructions could not be tokenized "
+                                                              f"({type(e).__name__}: {e})")
     if needs_method:
         for f in REPLAY_FIELDS:
             if hand.config.get(f) == []:
@@ -325,6 +334,9 @@ def replay_problems(args: argparse.Namespace, method: Any, device: str) -> list[
                         "not yet")
     if method.store is not None:
         problems.append("replay forwards over a method-owned KV layout are not served yet")
+    if method.selector is not None:
+        # A replay's extend would write the selector's metadata and read its static sets (PyramidKV): never run.
+        problems.append(f"replay forwards through {method.name}'s per-layer selector are not served yet")
     return problems
 
 
