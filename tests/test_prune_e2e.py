@@ -131,7 +131,7 @@ def test_scored_keep_keeps_the_highest_knorm_tokens(mixed_server: ServerProcess,
     _assert_idle_and_sound(server)
     # Bodies the server refuses name keep_tokens (no change), and policy for one it does not serve.
     for kwargs, field in (({"keep_tokens": 160}, "keep_tokens"), ({"keep_tokens": 5, "policy": "drop"}, "keep_tokens"),
-                          ({"keep_tokens": 5, "policy": "kvzip_global"}, "policy")):
+                          ({"keep_tokens": 5, "policy": "h2o"}, "policy")):
         with pytest.raises(PruneRequestError) as e:
             prune(server.base_url, token_ids=seq, ranges=ranges, **kwargs)
         assert e.value.status == 400 and e.value.param == field, (kwargs, e.value)
@@ -209,7 +209,7 @@ HOSTILE: list[tuple[str, Any, str]] = [
     ("prune", {"token_ids": [5, 6, 7]}, "ranges"),
     ("prune", {"token_ids": [5, 6, 7], "ranges": [[2, 9]]}, "ranges[0]"),
     ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 1]], "keep_tokens": 1}, "keep_tokens"),
-    ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 1]], "policy": "kvzip_global"}, "policy"),
+    ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 1]], "policy": "h2o"}, "policy"),
     ("prune", {"token_ids": [5, 6, 7], "ranges": [[0, 3]], "keep_tokens": 2, "policy": "drop"}, "keep_tokens"),
     ("prune", {"token_ids": [5, 99999], "ranges": [[0, 1]]}, "token_ids[1]"),
     ("prune", {"token_ids": [5, 6], "ranges": [[0, 1]], "sgl_sparse_method": "quest"}, "sgl_sparse_method"),

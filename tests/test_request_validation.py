@@ -223,7 +223,8 @@ def test_per_request_prune_is_checked_in_the_http_process() -> None:
         check(ok, MethodResolver(create_method(server_only)))
     check({"sgl_sparse_prune": '{"ranges": [[1, 3]]}'}, text="a b c d")
     for keep in ({"keep_tokens": 59}, {"keep_tokens": 8, "policy": "knorm"}, {"keep_ratio": 0.25},
-                 {"keep_tokens": 0, "policy": "drop"}, {"keep_ratio": 0.5, "policy": "snapkv_global"}):
+                 {"keep_tokens": 0, "policy": "drop"}, {"keep_ratio": 0.5, "policy": "snapkv_global"},
+                 {"keep_tokens": 8, "policy": "kvzip_global"}):
         check({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10], [50, 100]], **keep})})
     for cp, resolver, text, words in (
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 101]]})}, mixed, None, "ranges[0]: [0, 101)"),
@@ -239,8 +240,12 @@ def test_per_request_prune_is_checked_in_the_http_process() -> None:
          "keep_tokens: expected an integer >= 0"),
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_tokens": 2, "policy": "drop"})}, mixed, None,
          "keep_tokens: policy 'drop' keeps nothing"),
-        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_tokens": 2, "policy": "kvzip_global"})}, mixed,
-         None, "policy: 'kvzip_global': expected one of drop, knorm, snapkv_global"),
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_tokens": 2, "policy": "h2o"})}, mixed,
+         None, "policy: 'h2o': expected one of drop, knorm, snapkv_global, kvzip_global"),
+        # kvzip_global where replay forwards cannot run (the launcher's handoff says why).
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_tokens": 2, "policy": "kvzip_global"})},
+         MethodResolver(create_method("dense"), EVICTION, replay_prune="no replays here"), None,
+         "kvzip_global (keep_tokens / keep_ratio) cannot be served here: no replays here"),
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_ratio": 1.0})}, mixed, None,
          "keep_ratio: expected a number in [0, 1)"),
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_ratio": 0.5, "keep_tokens": 5})}, mixed, None,
