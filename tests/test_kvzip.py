@@ -39,6 +39,39 @@ def dense_chunk_scores(q: torch.Tensor, k_sink: torch.Tensor, k_chunk: torch.Ten
     return best
 
 
+def _dense_prefill(model: ToyAttentionStack, tokens: list[int],
+                   prompt_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The prompt prefilled densely: every layer's K and V, and the last layer's outputs."""
+    keys, vals = [], []
+    h = model.embed[torch.tensor(tokens[:prompt_len])]
+    pos = torch.arange(prompt_len)
+    for layer in range(model.n_layers):
+        q, k, v = model.project(layer, h)
+        keys.append(k)
+        vals.append(v)
+        h = attend(q, k, v, pos, pos).reshape(prompt_len, -1)
+    return keys, vals, [h]
+
+
+def _decode_over(model: ToyAttentionStack, tokens: list[int], prompt_len: int, kept: list[int],
+                 keys: list[torch.Tensor], vals: list[torch.Tensor],
+                 outs: list[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """Teacher-forced decode of ``tokens[prompt_len:]`` over the ``kept`` prompt positions plus every decoded
+    token; -> (the prompt's kept positions, every output)."""
+    kept = list(kept)
+    for t in range(prompt_len, len(tokens)):
+        kept.append(t)
+        kv_pos = torch.tensor(kept)
+        h = model.embed[torch.tensor([tokens[t]])]
+        for layer in range(model.n_layers):
+            q, k, v = model.project(layer, h)
+            keys[layer] = torch.cat([keys[layer], k])
+            vals[layer] = torch.cat([vals[layer], v])
+            h = attend(q, keys[layer][kv_pos], vals[layer][kv_pos], torch.tensor([t]), kv_pos).reshape(1, -1)
+        outs.append(h)
+    return kept[:len(kept) - (len(tokens) - prompt_len)], torch.cat(outs)
+
+
 def reference_kvzip(model: ToyAttentionStack, tokens: list[int], prompt_len: int, cfg: dict,
                     prune: list[tuple[int, int]] = ()) -> tuple[list[int], torch.Tensor]:
     """The kept set after the prompt and every token's last-layer output (teacher forcing): the prompt prefilled
@@ -50,16 +83,7 @@ def reference_kvzip(model: ToyAttentionStack, tokens: list[int], prompt_len: int
     scale = d**-0.5
     budget, sink, recent = cfg["budget"], cfg.get("sink_tokens", 4), cfg.get("recent_tokens", 0)
     chunk, prev = cfg.get("chunk_size", 2048), cfg.get("prev_postfix_size", 8)
-    # Dense prefill of the prompt: K/V of every layer.
-    keys, vals, outs = [], [], []
-    h = model.embed[torch.tensor(tokens[:prompt_len])]
-    pos = torch.arange(prompt_len)
-    for layer in range(n_layers):
-        q, k, v = model.project(layer, h)
-        keys.append(k)
-        vals.append(v)
-        h = attend(q, k, v, pos, pos).reshape(prompt_len, -1)
-    outs.append(h)
+    keys, vals, outs = _dense_prefill(model, tokens, prompt_len)
     kept = [p for p in range(prompt_len) if not any(lo <= p < hi for lo, hi in prune)]
     if len(kept) > budget:
         left = torch.tensor(kept)
@@ -86,18 +110,7 @@ def reference_kvzip(model: ToyAttentionStack, tokens: list[int], prompt_len: int
         n = len(kept)
         best = sorted(kept[sink:n - recent], key=lambda p: (-scores[p], p))[:budget - sink - recent]
         kept = sorted([*kept[:sink], *best, *kept[n - recent:]])
-    # Decode over the kept prompt plus every decoded token.
-    for t in range(prompt_len, len(tokens)):
-        kept.append(t)
-        kv_pos = torch.tensor(kept)
-        h = model.embed[torch.tensor([tokens[t]])]
-        for layer in range(n_layers):
-            q, k, v = model.project(layer, h)
-            keys[layer] = torch.cat([keys[layer], k])
-            vals[layer] = torch.cat([vals[layer], v])
-            h = attend(q, keys[layer][kv_pos], vals[layer][kv_pos], torch.tensor([t]), kv_pos).reshape(1, -1)
-        outs.append(h)
-    return kept[:len(kept) - (len(tokens) - prompt_len)], torch.cat(outs)
+    return _decode_over(model, tokens, prompt_len, kept, keys, vals, outs)
 
 
 @pytest.mark.parametrize("block", [1, 3, 256])
@@ -254,15 +267,8 @@ def reference_kvzip_prune(model: ToyAttentionStack, tokens: list[int], prompt_le
     leave; then the decode over what stays. Returns the prompt's retained positions and every output."""
     n_layers, scale = model.n_layers, model.head_dim**-0.5
     sink, chunk, prev = cfg.get("sink_tokens", 4), cfg.get("chunk_size", 2048), cfg.get("prev_postfix_size", 8)
-    keys, vals, outs = [], [], []
-    h = model.embed[torch.tensor(tokens[:prompt_len])]
+    keys, vals, outs = _dense_prefill(model, tokens, prompt_len)
     pos = torch.arange(prompt_len)
-    for layer in range(n_layers):
-        q, k, v = model.project(layer, h)
-        keys.append(k)
-        vals.append(v)
-        h = attend(q, k, v, pos, pos).reshape(prompt_len, -1)
-    outs.append(h)
     scores = [0.0] * prompt_len
     for lo, hi in ranges:
         for a in range(lo, hi, chunk):
@@ -282,17 +288,7 @@ def reference_kvzip_prune(model: ToyAttentionStack, tokens: list[int], prompt_le
     candidates = [p for lo, hi in ranges for p in range(lo, hi)]
     best = set(sorted(candidates, key=lambda p: (-scores[p], p))[:keep])
     kept = [p for p in range(prompt_len) if p in best or p not in set(candidates)]
-    for t in range(prompt_len, len(tokens)):
-        kept.append(t)
-        kv_pos = torch.tensor(kept)
-        h = model.embed[torch.tensor([tokens[t]])]
-        for layer in range(n_layers):
-            q, k, v = model.project(layer, h)
-            keys[layer] = torch.cat([keys[layer], k])
-            vals[layer] = torch.cat([vals[layer], v])
-            h = attend(q, keys[layer][kv_pos], vals[layer][kv_pos], torch.tensor([t]), kv_pos).reshape(1, -1)
-        outs.append(h)
-    return kept[:len(kept) - (len(tokens) - prompt_len)], torch.cat(outs)
+    return _decode_over(model, tokens, prompt_len, kept, keys, vals, outs)
 
 
 @pytest.mark.parametrize(("ranges", "keep", "cfg"), [
