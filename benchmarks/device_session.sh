@@ -27,6 +27,10 @@
 #   bash benchmarks/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
 #                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor
 #                                                (QUANT_WARPS, QUANT_ARGS: tile sweeps, e.g. --kivi-pages 2 4).
+#   bash benchmarks/device_session.sh quantprefill  benchmarks/quant_prefill.py: one layer of a 16K chunk's attention over a
+#                                                quantized 114K prefix (FP8's kernel at several tiles, KIVI-4,
+#                                                TurboQuant-4, FP8 dequantized + FlashInfer) beside FlashInfer bf16
+#                                                (QUANT_PREFILL_ARGS), ~2 min.
 #   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's, OmniKV's and RetroInfer's
 #                                                selection cost per layer, stage by stage (SELECTION_ARGS: e.g.
 #                                                --tables retroinfer --shapes 5x130000 16x32768).
@@ -171,6 +175,12 @@ quantdecode)  # decode attention over the quantized pools, one layer in a CUDA g
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/quantdecode.txt python3 benchmarks/quant_decode.py \
       --warps ${QUANT_WARPS:-2 4 8} ${QUANT_ARGS:-}  # QUANT_ARGS: e.g. --shapes 6x130000 --kivi-pages 2 4
+  ;;
+quantprefill)  # extend attention over a quantized prefix (benchmarks/quant_prefill.py) beside FlashInfer bf16, no server
+  install
+  # shellcheck disable=SC2086  # QUANT_PREFILL_ARGS is a list of flags
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/quantprefill.txt python3 benchmarks/quant_prefill.py \
+      ${QUANT_PREFILL_ARGS:-}  # e.g. --shapes 16384x114000 --fp8-tiles 32x128x8x3
   ;;
 selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.py), no server
   install
@@ -323,7 +333,7 @@ quality)
   ;;
 status)
   for name in decode_throughput.py "train.py.*--out /root/train/large" "train.py.*--out /root/train/small" \
-      quality_suite.py "bench_agent compare" "pytest tests/gpu" attention_layout.py selection_overhead.py quant_decode.py; do
+      quality_suite.py "bench_agent compare" "pytest tests/gpu" attention_layout.py selection_overhead.py quant_decode.py quant_prefill.py; do
     echo "$name: $(pgrep -f "^python3 .*$name" >/dev/null && echo running || echo stopped)"
   done
   [ -e /root/bench/queue.txt ] && tail -n 4 /root/bench/queue.txt

@@ -283,6 +283,8 @@ def test_a_scored_keep_keeps_the_best_scored_positions_of_its_ranges(small: dict
     out = server.generate(input_ids=ids, max_new_tokens=N_OUT, ignore_eos=True, custom_params={
         "sgl_sparse_prune": json.dumps({"ranges": ranges, "keep_tokens": keep, "policy": policy})})
     _assert_idle_and_sound(server)
+    assert out["meta_info"]["sgl_sparse"]["prune"] == {
+        "status": "applied", "policy": policy, "pruned_tokens": len(candidates) - keep, "kept_tokens": keep}
     r = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": ids + out["output_ids"]},
                       timeout=60)
     assert r.status_code == 200, r.text[:300]
@@ -379,6 +381,34 @@ def test_the_route_serves_kvzip_global_through_a_pruning_request(small: dict) ->
     question = tok.encode(QUESTION.format(key=small["asked"]), add_special_tokens=False)
     nxt = server.generate(input_ids=ids + question, max_new_tokens=4, ignore_eos=True)
     assert nxt["meta_info"]["cached_tokens"] == len(ids), nxt["meta_info"]
+    _assert_idle_and_sound(server)
+
+
+def test_a_kvzip_global_prune_without_room_for_a_replay_says_so(small: dict) -> None:
+    """A prompt that leaves 8 positions of the model's context (4,096) cannot hold a replay: nothing is pruned, the
+    request answers as the same request without a prune, and its response says why (``"status": "unscored"``);
+    ``/server_info`` counts it. Leak-free."""
+    server, ids = small["server"], small["ids"]
+    with open(f"{small['model']}/config.json") as f:
+        context = int(json.load(f)["max_position_embeddings"])  # the server's context: no --context-length
+    long_ids = (ids * (context // len(ids) + 1))[:context - 8]
+    prune = {"ranges": [[100, 300]], "keep_tokens": 64, "policy": "kvzip_global"}
+    _flush(server)
+    before = _state(server)["unscored_prunes_total"]
+    out = server.generate(input_ids=long_ids, max_new_tokens=4, ignore_eos=True,
+                          custom_params={"sgl_sparse_prune": json.dumps(prune)})
+    _assert_idle_and_sound(server)
+    report = out["meta_info"]["sgl_sparse"]["prune"]
+    assert report["status"] == "unscored" and "no room for a replay" in report["message"], report
+    assert (report["policy"], report["pruned_tokens"], report["kept_tokens"]) == ("kvzip_global", 0, 200), report
+    assert _state(server)["unscored_prunes_total"] == before + 1
+    r = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": long_ids + out["output_ids"]},
+                      timeout=60)
+    assert r.status_code == 200 and _hidden(r.json()) == set(), r.text[:300]
+    _flush(server)
+    plain = server.generate(input_ids=long_ids, max_new_tokens=4, ignore_eos=True)
+    assert "prune" not in plain["meta_info"]["sgl_sparse"]
+    assert out["output_ids"] == plain["output_ids"]
     _assert_idle_and_sound(server)
 
 

@@ -3,7 +3,8 @@
 * HTTP process: :func:`http_resolver` (built once from the launcher's hand-off) validates each request's
   ``custom_params`` (through :mod:`.validation`, so a bad choice is HTTP 400 before it reaches the
   scheduler) and :func:`around_wait_one_response` reports the serving method in ``meta_info["sgl_sparse"]``
-  of every response (``/generate``; the OpenAI routes build their own bodies from it);
+  of every response (``/generate``; the OpenAI routes build their own bodies from it), with the outcome of the
+  request's own prune (``custom_params`` ``sgl_sparse_prune``) under ``"prune"``;
 * scheduler: :func:`before_add_request_to_queue` resolves the method when a request first enters the
   waiting queue and namespaces it in the prefix tree (``SparseRuntime.admit``), so every match, including
   the waiting queue's prefix-aware ordering, already sees the request's own namespace.
@@ -18,6 +19,8 @@ from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.request_methods import MethodResolver
 
 _http_resolver: MethodResolver | None = None
+# The customized_info key that carries a request's own prune outcome from the scheduler (step._report).
+PRUNE_REPORT = "sgl_sparse_prune_report"
 
 
 def http_resolver() -> MethodResolver:
@@ -48,10 +51,15 @@ def around_wait_one_response(original: Any, tm: Any, obj: Any, *args: Any, **kwa
     info = http_resolver().resolve(_custom_params(obj)).describe()
 
     async def with_method() -> AsyncIterator[Any]:
+        prune = None
         async for out in gen:
             meta = out.get("meta_info") if isinstance(out, dict) else None
             if isinstance(meta, dict):
-                meta["sgl_sparse"] = info
+                # Every request of a batch that carried a report gets the key (None per token): drop it; keep the
+                # report itself for every later chunk (incremental streaming slices it off after the first).
+                reports = meta.pop(PRUNE_REPORT, None) or []
+                prune = next((r for r in reports if isinstance(r, dict)), prune)
+                meta["sgl_sparse"] = info if prune is None else {**info, "prune": prune}
             yield out
 
     return with_method()

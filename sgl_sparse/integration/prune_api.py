@@ -416,6 +416,10 @@ class _Api:
         if isinstance(reason, dict) and reason.get("type") == "abort":
             return {"status": "failed", "message": f"the pruning request was aborted: {reason.get('message', '')}",
                     "matched_tokens": matched, **none}
+        report = (((out or {}).get("meta_info") or {}).get("sgl_sparse") or {}).get("prune") or {}
+        if report.get("status") == "unscored":
+            return {"status": "failed", "message": f"the pruning request could not score: {report.get('message')}",
+                    "matched_tokens": matched, **none}
         after = await self._send(tm, INSPECT, parsed)
         if after.get("matched_tokens", 0) < end:
             return {"status": "failed", "message": "the pruned sequence is no longer cached (evicted meanwhile)",

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan
+from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan, in_ranges
 from sgl_sparse.integration import replay
+from sgl_sparse.integration.per_request import PRUNE_REPORT
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
 from sgl_sparse.prune_keep import (
     KVZIP_GLOBAL,
@@ -115,18 +116,35 @@ def _prune(rt: SparseRuntime, batch: Any, req: Any, t: Tracked, spec: PruneSpec,
             token_ids=_token_ids(req, 0, st.logical_len), config=rt.prune_replays,
             max_tokens=replay.room(model_runner, st.logical_len),
             run=lambda rs, scorer: replay.run(rt, batch, req, st, scorer, rs, model_runner))
+    in_ranges_n = int(in_ranges(kept, list(spec.ranges)).sum())
     try:
         drop = request_prune_leaves(kept, spec, lambda: _window(rt, req, t, model_runner, SNAPKV_WINDOW), replays)
     except PruneUnscored as e:
-        # Reported, not hidden: the request still runs (its prompt is whole), and /server_info counts it.
+        # Reported, not hidden: the request still runs (its prompt is whole), the response says so and
+        # /server_info counts it.
         logger.warning("sgl_sparse: request %s: its own prune was not applied: %s", req.rid, e)
         rt.counters.unscored_prunes_total += 1
+        _report(req, {"status": "unscored", "policy": spec.policy, "pruned_tokens": 0, "kept_tokens": in_ranges_n,
+                      "message": str(e)})
         return None
-    if not bool(drop.any()):
+    pruned = int(drop.sum())
+    _report(req, {"status": "applied" if pruned else "nothing_to_prune", "policy": spec.policy,
+                  "pruned_tokens": pruned, "kept_tokens": in_ranges_n - pruned})
+    if not pruned:
         return None
     t.method.on_prune(t.state, kept[drop])
     _apply(rt, [(req, t, kept[~drop])], model_runner)
     return kept[~drop]
+
+
+def _report(req: Any, report: dict[str, Any]) -> None:
+    """The outcome of a request's own prune, for its response (``meta_info["sgl_sparse"]["prune"]``, moved there by
+    the HTTP process: :func:`.per_request.around_wait_one_response`). Sent as SGLang's per-token ``customized_info``
+    (the one channel from the scheduler to a response): a list whose first entry goes with the first output token,
+    which this step's forward produced."""
+    info = dict(req.customized_info or {})
+    info[PRUNE_REPORT] = [report]
+    req.customized_info = info
 
 
 def _window(rt: SparseRuntime, req: Any, t: Tracked, model_runner: Any, w: int) -> ObservationWindow:

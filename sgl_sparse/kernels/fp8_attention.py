@@ -256,12 +256,14 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
                      v_scale: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, scale: float, extend_lens: list[int],
                      block_m: int | None = None, block_n: int = 64,
-                     blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     blocks: tuple[torch.Tensor, torch.Tensor] | None = None, warps: int | None = None,
+                     stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`prefix_attention_torch` as one Triton kernel: ``q`` ``[n, Hq, D]`` (row ``qo_indptr[i]`` on
     for request ``i``, ``extend_lens[i]`` of them) over the first ``prefix_lens[i]`` slots of its row
     ``req_to_token[req_pool_indices[i]]`` -> (output ``[n, Hq, D]``, fp32 natural log-sum-exp ``[n, Hq]``,
     ``-inf`` over an empty prefix). ``blocks``: :func:`prefix_blocks` of this step, if the caller keeps them
-    (every layer of a step has the same)."""
+    (every layer of a step has the same). ``warps`` / ``stages``: Triton's launch options (tile sweeps,
+    benchmarks/quant_prefill.py; default 8 warps on the GPU and Triton's own stages)."""
     n, hq, d = q.shape
     hkv = k_codes.shape[1]
     out = torch.zeros_like(q)
@@ -279,5 +281,6 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
         q, k_codes, k_scale, v_codes, v_scale, qo_indptr, req_to_token, req_pool_indices, prefix_lens, blk_req,
         blk_start, out, lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_codes.stride(0),
         k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0), scale, HQ=hq, G=g, GP=gp, D=d, BLOCK_M=bm,
-        BLOCK_N=block_n, NATIVE=q.is_cuda, num_warps=8 if q.is_cuda else 4)
+        BLOCK_N=block_n, NATIVE=q.is_cuda, num_warps=warps or (8 if q.is_cuda else 4),
+        **({"num_stages": stages} if stages else {}))
     return out, lse
