@@ -479,6 +479,12 @@ class KVStore(ABC):
     """
 
     page_size: int = 1  # pool page size the layout needs (a group of tokens never straddles two owners)
+    # Whether an extend reads the cached prefix as :meth:`read`'s dequantized K/V through the base's own dense
+    # prefill (FlashInfer's on the GPU) instead of :meth:`prefix`: a prefill is compute-bound, each prefix token
+    # is read once per layer for thousands of queries, so materializing the batch's prefix for one layer costs
+    # little beside it. Only for a layout whose :meth:`read` returns every slot as its torch path reads it (no
+    # per-request residual, no term :meth:`read` leaves out).
+    dequantize_prefix: bool = False
     # Whether decode and prefix run as device kernels (CUDA-graph safe): the torch defaults below loop over
     # requests with host reads, so a store without kernels serves on CPU only.
     gpu_kernels: ClassVar[bool] = False

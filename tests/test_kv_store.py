@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from sgl_sparse.contract import KVGeometry
-from sgl_sparse.integration.store_attention import causal_attention_torch, merge
+from sgl_sparse.integration.store_attention import (
+    StoreRows,
+    causal_attention_torch,
+    dense_prefix,
+    merge,
+    prefix_attention_torch,
+)
 from sgl_sparse.kernels import quant
 from sgl_sparse.methods.quantization.fp8_kv import FP8Store
 from sgl_sparse.registry import create_method
@@ -87,6 +93,39 @@ def test_reference_decode_and_prefix_read_the_dequantized_rows() -> None:
                           SCALE)
     torch.testing.assert_close(o[:3], _attend(qe[:3], kd[:25], vd[:25]))
     assert torch.isinf(lse[3:]).all() and torch.isfinite(lse[:3]).all()
+
+
+def test_the_dequantized_prefix_path_reads_what_the_store_prefix_reads() -> None:
+    """``prefix_attention: dequantize``: the step's prefix slots listed flat (rows in the batch's order, scattered
+    slots, rows of the table the batch skips), read through ``store.read`` and attended by plain torch, give the
+    store's own ``prefix`` output and log-sum-exp, request by request."""
+    store = create_method("fp8_kv", {"prefix_attention": "dequantize"}).store
+    assert isinstance(store, FP8Store) and store.dequantize_prefix
+    assert store.describe()["prefix_attention"] == "dequantize"
+    store.allocate(_geometry())
+    gen = torch.Generator().manual_seed(7)
+    slots = torch.randperm(SLOTS - 1, generator=gen)[:45] + 1
+    store.write(1, slots, torch.randn(45, HKV, D, generator=gen), torch.randn(45, HKV, D, generator=gen),
+                torch.zeros_like(slots), decode=False)
+    r2t = torch.zeros(5, 50, dtype=torch.int32)
+    r2t[3, :30], r2t[1, :15] = slots[:30], slots[30:]
+    indices, lens, extend = torch.tensor([3, 1]), [30, 12], [5, 2]  # row 1: its first 12 of 15 cached
+    dense = dense_prefix(StoreRows(r2t, indices, torch.tensor(lens)), lens)
+    assert dense.slots.tolist() == [*slots[:30].tolist(), *slots[30:42].tolist()]
+    assert dense.kv_indptr.tolist() == [0, 30, 42] and dense.kv_indptr.dtype == torch.int32
+    q = torch.randn(sum(extend), HKV * G, D, generator=gen)
+    k, v = store.read(1, dense.slots)
+    got, got_lse = prefix_attention_torch(q, k, v, extend, lens, SCALE)
+    want, want_lse = store.prefix(1, q, torch.tensor([0, 5, 7]), r2t, indices, torch.tensor(lens), extend, SCALE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_attention_is_validated() -> None:
+    from sgl_sparse.errors import SparseConfigError
+
+    with pytest.raises(SparseConfigError, match="prefix_attention"):
+        create_method("fp8_kv", {"prefix_attention": "fast"})
 
 
 @pytest.mark.parametrize(("prefix", "new"), [(0, 6), (9, 1), (20, 7)])

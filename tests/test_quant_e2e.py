@@ -33,8 +33,11 @@ def store_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterato
     plain = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "plain_store"],
                           env={"SGLSPARSE_METHOD_MODULES": "tests.plain_store"})
     kivi = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi"])
-    with running(fp8, plain, kivi):
-        yield {"fp8": fp8, "plain": plain, "kivi": kivi, "dense": servers["ours"], "vanilla": servers["vanilla"]}
+    fp8_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv", "--sparse-config",
+                                             '{"prefix_attention": "dequantize"}'])
+    with running(fp8, plain, kivi, fp8_dequant):
+        yield {"fp8": fp8, "plain": plain, "kivi": kivi, "fp8-dequant": fp8_dequant, "dense": servers["ours"],
+               "vanilla": servers["vanilla"]}
 
 
 def test_a_lossless_store_serves_exactly_dense(store_servers: dict) -> None:
@@ -97,6 +100,29 @@ def test_first_chunk_is_exact_later_chunks_read_the_quantized_prefix(store_serve
     mean_bar, max_bar = PROMPT_DRIFT[name]
     assert sum(later) / len(later) < mean_bar and max(later) < max_bar, (sum(later) / len(later), max(later))
     _assert_idle_and_sound(store_servers[name])
+
+
+def test_a_dequantized_prefix_reads_what_the_kernel_reads(store_servers: dict) -> None:
+    """``fp8_kv {"prefix_attention": "dequantize"}``: later chunks read the cached prefix dequantized, through the
+    base's dense prefill: the prompt's logprobs equal the kernel path's (the first chunk's equal dense's), a batch
+    of chunked prompts and a prefix hit decode the same tokens, and nothing leaks."""
+    server, kernel = store_servers["fp8-dequant"], store_servers["fp8"]
+    assert _state(server)["kv_store"]["prefix_attention"] == "dequantize"
+    assert _state(kernel)["kv_store"]["prefix_attention"] == "kernel"
+    ids = _ids(random.Random(5), 3 * CHUNK)
+    for s in (server, kernel):
+        requests.post(f"{s.base_url}/flush_cache", timeout=30)
+    got, want = _input_logprobs(server, ids), _input_logprobs(kernel, ids)
+    assert got == pytest.approx(want, abs=1e-4)
+    dense = _input_logprobs(store_servers["dense"], ids)
+    assert max(abs(a - b) for a, b in zip(got[CHUNK:], dense[CHUNK:], strict=True)) > 1e-4  # read quantized
+    rng = random.Random(6)
+    prompts = [_ids(rng, n) for n in (2 * CHUNK + 7, 5 * CHUNK)]
+    prompts.append(prompts[0] + _ids(rng, CHUNK + 3))  # a prefix hit, then two chunks over it
+    for ids in prompts:
+        outs = [s.generate(input_ids=ids, max_new_tokens=16, ignore_eos=True)["output_ids"] for s in (server, kernel)]
+        assert outs[0] == outs[1], len(ids)
+    _assert_idle_and_sound(server)
 
 
 # Accuracy bars on the suite's short slice (dense: 1.00); the 50-example tables are in QUALITY.md.

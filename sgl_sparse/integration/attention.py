@@ -46,6 +46,7 @@ from sgl_sparse.integration.store_attention import (
     decode_rows,
     extend_lists,
     merge,
+    prefix_attention_torch,
     store_decode,
     store_extend,
 )
@@ -72,6 +73,10 @@ class _SparseBackendMixin:
             allocate_once(self.selector, model_runner)
         self.store = self.method.store
         self.store_lists: ExtendLists | None = None  # the extend step's prefix lists (method-owned layouts)
+        self.dequantize_prefix = self.store is not None and self.store.dequantize_prefix
+        if self.dequantize_prefix and model_runner.device != "cpu" and not self.dense_prefix_on_gpu:
+            raise ValueError(f"sgl_sparse: {self.method.name}'s prefix_attention 'dequantize' reads the prefix "
+                             "through FlashInfer's prefill: use --attention-backend flashinfer (or the kernel)")
         # A decode step's compacted rows, when a store serves under eviction (built once per forward).
         self.store_rows: StoreRows | None = None
         if self.store is not None and not hasattr(model_runner.token_to_kv_pool, "store"):
@@ -90,7 +95,8 @@ class _SparseBackendMixin:
             return
         req_to_token = self.req_to_token_pool.req_to_token
         if forward_batch.forward_mode.is_extend():
-            self.store_lists = extend_lists(forward_batch, req_to_token, compact=self.skip_sentinels)
+            self.store_lists = extend_lists(forward_batch, req_to_token, compact=self.skip_sentinels,
+                                            dequantize=self.dequantize_prefix)
         elif self.skip_sentinels and forward_batch.forward_mode.is_decode():
             self.store_rows = decode_rows(forward_batch, req_to_token, compact=True)
 
@@ -118,7 +124,7 @@ class _SparseBackendMixin:
             self._capture(q, layer, forward_batch, is_decode=False)
             return store_extend(self, q, k, v, layer, forward_batch, self.store_lists,
                                 kwargs.get("save_kv_cache", args[0] if args else True), self._new_tokens_attention,
-                                self._merge_parts)
+                                self._merge_parts, self._dense_prefix_attention)
         self._capture(q, layer, forward_batch, is_decode=False)
         out = super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
         if self.selector is not None:
@@ -151,6 +157,16 @@ class _SparseBackendMixin:
                               lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
         """An extend step's new tokens over themselves (causal, full precision): (output, natural lse)."""
         return causal_attention_torch(q3, k3, v3, lists.extend_lens, float(layer.scaling))
+
+    # Whether this base has a GPU dense prefill for a store's dequantized prefix (FlashInfer's); on CPU every base
+    # attends it in plain torch.
+    dense_prefix_on_gpu = False
+
+    def _dense_prefix_attention(self, q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                                lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
+        """An extend step's queries over their whole prefix, dequantized (``lists.dense``): (output, natural lse)."""
+        assert lists.dense is not None
+        return prefix_attention_torch(q3, k, v, lists.extend_lens, lists.dense.lens, float(layer.scaling))
 
     @staticmethod
     def _merge_parts(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
@@ -342,6 +358,24 @@ def _flashinfer_backend_cls() -> type:
                                    "inference or a piecewise prefill graph)")
             o, lse2 = self.prefill_wrapper_ragged.forward_return_lse(q3, k3, v3, causal=True, sm_scale=layer.scaling)
             return o, lse2 * LN2  # FlashInfer's log-sum-exp is base 2
+
+        dense_prefix_on_gpu = True
+        _dense_wrapper: Any = None
+        _dense_planned: Any = None  # the ExtendLists the wrapper is planned for (one plan a forward)
+
+        def _dense_prefix_attention(self, q3, k, v, layer, lists):  # type: ignore[no-untyped-def]
+            if not q3.is_cuda:
+                return super()._dense_prefix_attention(q3, k, v, layer, lists)
+            if self._dense_planned is not lists:
+                from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+                if self._dense_wrapper is None:  # SGLang's float workspace, as its own wrappers share it
+                    self._dense_wrapper = BatchPrefillWithRaggedKVCacheWrapper(self.workspace_buffer, "NHD")
+                self._dense_wrapper.plan(lists.qo_indptr, lists.dense.kv_indptr, q3.shape[1], k.shape[1],
+                                         q3.shape[2], causal=False, q_data_type=q3.dtype, kv_data_type=k.dtype)
+                self._dense_planned = lists
+            o, lse = self._dense_wrapper.forward_return_lse(q3, k, v, causal=False, sm_scale=layer.scaling)
+            return o, lse * LN2  # FlashInfer's log-sum-exp is base 2
 
         @staticmethod
         def _merge_parts(o1, lse1, o2, lse2):  # type: ignore[no-untyped-def]

@@ -8,6 +8,10 @@
   :meth:`~sgl_sparse.contract.KVStore.prefix`, and the two parts are merged by their log-sum-exp, as
   SGLang's own ragged + paged extend does; then the new K/V is stored. The rows' offsets and each new
   token's row are computed once per forward (sizes from the host: no sync).
+* A store that reads its prefix dequantized (:attr:`~sgl_sparse.contract.KVStore.dequantize_prefix`): the
+  step's prefix slots are listed flat once per forward (:func:`dense_prefix`), each layer dequantizes them
+  (:meth:`~sgl_sparse.contract.KVStore.read`) and the base's dense prefill attends them (FlashInfer's ragged
+  prefill, non-causal, on the GPU; plain torch on CPU), merged as above.
 * Under an evicting method (a composition) rows hold sentinel slots at evicted positions, so the store reads
   compacted rows instead (:func:`compact_rows`, once per forward): each request's live slots in position
   order, packed to the front, its row the request's index in the batch, its length the live count. The
@@ -56,21 +60,57 @@ def raw_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: t
     return StoreRows(req_to_token, req_pool_indices, lens)
 
 
+# The most prefix tokens one extend step reads dequantized (a store's ``dequantize_prefix``): the transient K/V
+# buffer of one layer's call is this x 4 bytes x KV heads x head dim (1 GiB for Llama-3-8B's 8 x 128), outside
+# SGLang's KV budget (it comes from the activations' share). A step over more reads its prefix through the
+# store's kernel.
+DEQUANTIZE_MAX_TOKENS = 262_144
+
+
+@dataclass
+class DensePrefix:
+    """An extend step's cached prefixes as one flat list of slots, request after request in position order (what
+    :meth:`KVStore.read` dequantizes for the base's dense prefill): ``kv_indptr`` ``[bs + 1]`` int32 (device),
+    ``lens`` each request's count (host)."""
+
+    slots: torch.Tensor
+    kv_indptr: torch.Tensor
+    lens: list[int]
+
+
+def dense_prefix(prefix: StoreRows, lens: list[int]) -> DensePrefix:
+    """The slots of the first ``lens[i]`` positions of each row of ``prefix``, flattened (device only)."""
+    device = prefix.table.device
+    bs, total = len(lens), sum(lens)
+    counts = torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True)
+    indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
+    indptr[1:] = torch.cumsum(counts, 0)
+    req = torch.repeat_interleave(torch.arange(bs, device=device), counts, output_size=total)
+    pos = torch.arange(total, device=device) - indptr[req]
+    slots = prefix.table[prefix.indices.to(torch.int64)[req], pos].to(torch.int64)
+    return DensePrefix(slots, indptr.to(torch.int32), lens)
+
+
 @dataclass
 class ExtendLists:
     """An extend step's rows: new tokens per row (``qo_indptr``, device; ``extend_lens``, host), the rows the
     store's prefix reads (``prefix``: each request's cached prefix), and each new token's row (``rows``, its
-    ``req_pool_idx``, for the write)."""
+    ``req_pool_idx``, for the write). ``dense``: the prefix as flat slots when it is read dequantized this step."""
 
     qo_indptr: torch.Tensor
     prefix: StoreRows
     rows: torch.Tensor
     extend_lens: list[int]
     has_prefix: bool
+    dense: DensePrefix | None = None
 
 
-def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False) -> ExtendLists:
-    """``compact``: the prefix rows hold sentinels (an evicting method), read them compacted."""
+def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False,
+                 dequantize: bool = False) -> ExtendLists:
+    """``compact``: the prefix rows hold sentinels (an evicting method), read them compacted. ``dequantize``: the
+    store reads its prefix dequantized (:attr:`KVStore.dequantize_prefix`): list its slots flat, when every
+    request of the step has a prefix (an empty one has no log-sum-exp to merge) and together they fit
+    :data:`DEQUANTIZE_MAX_TOKENS`; otherwise the step reads through the store's kernel."""
     device = req_to_token.device
     extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
     bs = len(extend_lens)
@@ -79,10 +119,14 @@ def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool =
     qo_indptr[1:] = torch.cumsum(seq, 0)
     rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), seq, output_size=sum(extend_lens))
     prefix_lens = forward_batch.extend_prefix_lens.to(torch.int32)
-    longest = max((int(n) for n in forward_batch.extend_prefix_lens_cpu), default=0)
+    lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+    longest = max(lens, default=0)
     prefix = (compact_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens, longest) if compact
               else raw_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens))
-    return ExtendLists(qo_indptr, prefix, rows, extend_lens, longest > 0)
+    dense = None
+    if dequantize and not compact and longest > 0 and min(lens) > 0 and sum(lens) <= DEQUANTIZE_MAX_TOKENS:
+        dense = dense_prefix(prefix, lens)
+    return ExtendLists(qo_indptr, prefix, rows, extend_lens, longest > 0, dense)
 
 
 def decode_rows(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False) -> StoreRows:
@@ -112,6 +156,24 @@ def causal_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex
     return out, lse
 
 
+def prefix_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
+                           prefix_lens: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's new tokens over its whole prefix (no mask), fp32: ``q`` ``[n, Hq, D]``, ``k``/``v`` the prefixes
+    flat (:class:`DensePrefix` order) -> (output ``[n, Hq, D]``, natural lse ``[n, Hq]``)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    at = kv = 0
+    for n, m in zip(extend_lens, prefix_lens, strict=True):
+        qs, ks, vs = q[at:at + n].float(), k[kv:kv + m].float(), v[kv:kv + m].float()
+        logits = torch.einsum("thd,shd->hts", qs, ks.repeat_interleave(group, dim=1)) * scale
+        lse[at:at + n] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
+        out[at:at + n] = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1),
+                                      vs.repeat_interleave(group, dim=1)).to(q.dtype)
+        at, kv = at + n, kv + m
+    return out, lse
+
+
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
     """Two attention parts over disjoint keys -> their joint softmax (``lse`` natural, ``-inf`` = empty part)."""
     top = torch.maximum(lse1, lse2)
@@ -135,9 +197,11 @@ def check_layer(layer: Any, store: KVStore) -> None:
 
 
 def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
-                 lists: ExtendLists, save_kv_cache: bool, new_tokens: Any, merge_fn: Any = merge) -> torch.Tensor:
+                 lists: ExtendLists, save_kv_cache: bool, new_tokens: Any, merge_fn: Any = merge,
+                 dense_prefix_fn: Any = None) -> torch.Tensor:
     """One layer's extend attention over ``backend``'s store pool; ``new_tokens(q3, k3, v3, layer, lists)`` is
-    the base's causal attention of the new tokens (output, natural lse), ``merge_fn`` its merge of two parts."""
+    the base's causal attention of the new tokens (output, natural lse), ``merge_fn`` its merge of two parts,
+    ``dense_prefix_fn(q3, k, v, layer, lists)`` its attention over the prefix dequantized (``lists.dense``)."""
     store: KVStore = backend.token_to_kv_pool.store
     check_layer(layer, store)
     hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
@@ -145,9 +209,13 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     k3, v3 = k.reshape(-1, hkv, d).contiguous(), v.reshape(-1, hkv, layer.v_head_dim).contiguous()
     o, lse = new_tokens(q3, k3, v3, layer, lists)
     if lists.has_prefix:
-        p = lists.prefix
-        o2, lse2 = store.prefix(layer.layer_id, q3, lists.qo_indptr, p.table, p.indices, p.lens, lists.extend_lens,
-                                float(layer.scaling))
+        if lists.dense is not None:
+            kp, vp = store.read(layer.layer_id, lists.dense.slots)
+            o2, lse2 = dense_prefix_fn(q3, kp, vp, layer, lists)
+        else:
+            p = lists.prefix
+            o2, lse2 = store.prefix(layer.layer_id, q3, lists.qo_indptr, p.table, p.indices, p.lens,
+                                    lists.extend_lens, float(layer.scaling))
         o = merge_fn(o, lse, o2, lse2)
     if save_kv_cache:
         store.write(layer.layer_id, forward_batch.out_cache_loc, k3, v3, lists.rows, decode=False)

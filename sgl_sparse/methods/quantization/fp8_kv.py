@@ -23,9 +23,18 @@ from sgl_sparse.registry import register_method
 
 @dataclass(frozen=True)
 class FP8KVConfig(MethodConfig):
-    """No fields: the scales are dynamic, one per (token, KV head)."""
+    """The scales are dynamic, one per (token, KV head). ``prefix_attention``: how an extend's queries read the
+    cached prefix: ``"kernel"``, the Triton kernel over the codes; ``"dequantize"``, the prefix dequantized to the
+    model dtype for each layer's call (transient: 4 bytes x KV heads x head dim per prefix token, up to
+    ``DEQUANTIZE_MAX_TOKENS`` a step, past which that step uses the kernel) and read by the attention base's
+    dense prefill (FlashInfer's ragged prefill on the GPU)."""
 
     method_name = "fp8_kv"
+    prefix_attention: str = "kernel"
+
+    def validate(self) -> None:
+        self.require(self.prefix_attention in ("kernel", "dequantize"), "prefix_attention",
+                     "must be 'kernel' or 'dequantize'")
 
 
 class FP8Store(KVStore):
@@ -33,7 +42,8 @@ class FP8Store(KVStore):
 
     gpu_kernels = True
 
-    def __init__(self) -> None:
+    def __init__(self, dequantize_prefix: bool = False) -> None:
+        self.dequantize_prefix = dequantize_prefix
         self.k_codes: list[torch.Tensor] = []
         self.v_codes: list[torch.Tensor] = []
         self.k_scale: list[torch.Tensor] = []
@@ -60,7 +70,8 @@ class FP8Store(KVStore):
         return [self.k_codes[layer_id], self.v_codes[layer_id], self.k_scale[layer_id], self.v_scale[layer_id]]
 
     def describe(self) -> dict[str, Any]:
-        return {"format": "e4m3", "bits": 8, "scales": "per token and KV head, fp32"}
+        return {"format": "e4m3", "bits": 8, "scales": "per token and KV head, fp32",
+                "prefix_attention": "dequantize" if self.dequantize_prefix else "kernel"}
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               decode: bool) -> None:
@@ -110,7 +121,7 @@ class FP8KV(SparseMethod[FP8KVConfig]):
 
     def __init__(self, config: FP8KVConfig) -> None:
         super().__init__(config)
-        self._store = FP8Store()
+        self._store = FP8Store(dequantize_prefix=config.prefix_attention == "dequantize")
 
     @property
     def store(self) -> FP8Store:
