@@ -20,7 +20,10 @@
 #   bash benchmarks/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6 | turboquant130k | turboquant130k6
 #                                                fp8_kv / kivi (4-bit) / turboquant (4-bit) at 130K x QUANT_BATCH
 #                                                (default 11 / 19 / 22, what their 1.94x / 3.2x / 3.76x pools fit)
-#                                                and x 6, ours only (table130k adds them).
+#                                                and x 6, ours only (table130k adds them). QUANT_CONFIG: the
+#                                                method's --sparse-config (default {}), QUANT_TAG: a suffix for
+#                                                its files, e.g. QUANT_CONFIG='{"prefix_attention": "dequantize"}'
+#                                                QUANT_TAG=dequant.
 #   bash benchmarks/device_session.sh vanilla32k | quest32k | omnikv32k | retroinfer32k | table32k
 #                                                32,768 in x 16: vanilla FlashInfer, then each selection method at its
 #                                                default config, one server a step; table32k prints them together.
@@ -167,9 +170,10 @@ fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a qua
   kivi130k6) m=kivi b=6 ;;
   turboquant130k6) m=turboquant b=6 ;;
   esac
-  SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
+  name="$1${QUANT_TAG:+-$QUANT_TAG}"  # QUANT_CONFIG: the method's --sparse-config (QUANT_TAG names its files)
+  SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$name.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
-      --sparse-method "$m" --sparse-config '{}' --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
+      --sparse-method "$m" --sparse-config "${QUANT_CONFIG:-{\}}" --log-dir "/root/bench/$name" --json "/root/bench/$name.json"
   ;;
 quantdecode)  # decode attention over the quantized pools, one layer in a CUDA graph (benchmarks/quant_decode.py), no server
   install
@@ -190,7 +194,7 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
