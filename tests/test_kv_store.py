@@ -95,13 +95,15 @@ def test_reference_decode_and_prefix_read_the_dequantized_rows() -> None:
     assert torch.isinf(lse[3:]).all() and torch.isfinite(lse[:3]).all()
 
 
-def test_the_dequantized_prefix_path_reads_what_the_store_prefix_reads() -> None:
+@pytest.mark.parametrize("method", ["fp8_kv", "turboquant"])
+def test_the_dequantized_prefix_path_reads_what_the_store_prefix_reads(method: str) -> None:
     """``prefix_attention: dequantize``: the step's prefix slots listed flat (rows in the batch's order, scattered
     slots, rows of the table the batch skips), read through ``store.read`` and attended by plain torch, give the
     store's own ``prefix`` output and log-sum-exp, request by request."""
-    store = create_method("fp8_kv", {"prefix_attention": "dequantize"}).store
-    assert isinstance(store, FP8Store) and store.dequantize_prefix
+    store = create_method(method, {"prefix_attention": "dequantize"}).store
+    assert store is not None and store.dequantize_prefix
     assert store.describe()["prefix_attention"] == "dequantize"
+    assert not create_method(method).store.dequantize_prefix  # the kernel by default
     store.allocate(_geometry())
     gen = torch.Generator().manual_seed(7)
     slots = torch.randperm(SLOTS - 1, generator=gen)[:45] + 1
@@ -126,6 +128,8 @@ def test_prefix_attention_is_validated() -> None:
 
     with pytest.raises(SparseConfigError, match="prefix_attention"):
         create_method("fp8_kv", {"prefix_attention": "fast"})
+    with pytest.raises(SparseConfigError, match="prefix_attention.*qjl"):
+        create_method("turboquant", {"prefix_attention": "dequantize", "qjl": True})
 
 
 @pytest.mark.parametrize(("prefix", "new"), [(0, 6), (9, 1), (20, 7)])
