@@ -15,8 +15,9 @@ random codes with small scales (timing does not depend on them), the prefix's sl
 * ``<method> (Triton prefix kernel)``: the store's CUDA ``prefix`` (what our server runs today);
   ``--fp8-tiles BMxBNxWARPSxSTAGES``: FP8's kernel at those tiles (BM query tokens a program, BN positions an
   iteration, STAGES 0 = Triton's default);
-* ``fp8_kv (dequantize + FlashInfer ragged)``: the alternative: the prefix's K/V dequantized into a bf16 buffer
-  (``store.read``), then FlashInfer's ragged prefill over it; the dequantization's own time beside it.
+* ``fp8_kv`` / ``turboquant (dequantize + FlashInfer ragged)``: the stores' ``prefix_attention: "dequantize"``: the
+  prefix's K/V dequantized into a bf16 buffer (``store.read``), then FlashInfer's ragged prefill over it; the
+  dequantization's own time beside it.
 
 Columns: microseconds a layer (CUDA events, the median of ``--iters`` after two warm-up calls), the ratio to
 vanilla, the achieved TFLOP/s (4 * NEW * PREFIX * 32 heads * 128 FLOPs a layer), and the largest deviation from the
@@ -163,13 +164,17 @@ def _dequantized(case: Case, iters: int) -> tuple[float, float, float]:
 
 
 def _method_rows(label: str, new: int, prefix: int, vanilla: float, tiles: list[str], iters: int) -> None:
-    """The store's prefix kernel; for FP8 also its tiles and the dequantize + FlashInfer alternative."""
+    """The store's prefix kernel; for FP8 also its tiles; for FP8 and TurboQuant the dequantize + FlashInfer path."""
     case = Case(label, new, prefix)
     flops = case.flops()
     want = case.reference()
     us = _time_us(lambda: case.run(case.q), iters)
     err = _err(case.run(case.q[:CHECK_Q])[0], want)
     print(_row(f"{new} over {prefix}: {label} (Triton prefix kernel)", us, vanilla, flops, err), flush=True)
+    if label == "turboquant":
+        deq, attn, err = _dequantized(case, iters)
+        print(_row(f"{new} over {prefix}: turboquant (dequantize + FlashInfer ragged)", deq + attn, vanilla, flops,
+                   err, f"dequantize {deq:.0f} us + attention {attn:.0f} us"), flush=True)
     if label != "fp8_kv":
         return
     s = case.store
