@@ -122,6 +122,9 @@ def test_a_dequantized_prefix_reads_what_the_kernel_reads(store_servers: dict) -
     for ids in prompts:
         outs = [s.generate(input_ids=ids, max_new_tokens=16, ignore_eos=True)["output_ids"] for s in (server, kernel)]
         assert outs[0] == outs[1], len(ids)
+    st = _state(server)
+    assert st["prefix_dequantized_steps_total"] > 0, st
+    assert _state(kernel)["prefix_dequantized_steps_total"] == 0
     _assert_idle_and_sound(server)
 
 

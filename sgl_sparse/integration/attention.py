@@ -95,8 +95,14 @@ class _SparseBackendMixin:
             return
         req_to_token = self.req_to_token_pool.req_to_token
         if forward_batch.forward_mode.is_extend():
-            self.store_lists = extend_lists(forward_batch, req_to_token, compact=self.skip_sentinels,
-                                            dequantize=self.dequantize_prefix)
+            lists = self.store_lists = extend_lists(forward_batch, req_to_token, compact=self.skip_sentinels,
+                                                    dequantize=self.dequantize_prefix)
+            if self.dequantize_prefix and lists.has_prefix:
+                c = self.runtime.counters
+                if lists.dense is not None:
+                    c.prefix_dequantized_steps_total += 1
+                else:
+                    c.prefix_kernel_steps_total += 1
         elif self.skip_sentinels and forward_batch.forward_mode.is_decode():
             self.store_rows = decode_rows(forward_batch, req_to_token, compact=True)
 
@@ -371,7 +377,8 @@ def _flashinfer_backend_cls() -> type:
 
                 if self._dense_wrapper is None:  # SGLang's float workspace, as its own wrappers share it
                     self._dense_wrapper = BatchPrefillWithRaggedKVCacheWrapper(self.workspace_buffer, "NHD")
-                self._dense_wrapper.plan(lists.qo_indptr, lists.dense.kv_indptr, q3.shape[1], k.shape[1],
+                # Host indptrs: the plan copies them to the device without a sync.
+                self._dense_wrapper.plan(lists.qo_indptr_host(), lists.dense.kv_indptr, q3.shape[1], k.shape[1],
                                          q3.shape[2], causal=False, q_data_type=q3.dtype, kv_data_type=k.dtype)
                 self._dense_planned = lists
             o, lse = self._dense_wrapper.forward_return_lse(q3, k, v, causal=False, sm_scale=layer.scaling)

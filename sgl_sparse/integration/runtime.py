@@ -57,6 +57,10 @@ class Counters:
     chain_hit_kept_tokens_total: int = 0  # of them, with resident KV (physical)
     eviction_steps_total: int = 0
     unscored_prunes_total: int = 0  # requests' own scored prunes not applied (kvzip_global with no replay room)
+    # Extend steps with a cached prefix under a store that reads it dequantized (prefix_attention "dequantize"):
+    # read so, or through the store's kernel (a request of the step without a prefix, or past the token cap).
+    prefix_dequantized_steps_total: int = 0
+    prefix_kernel_steps_total: int = 0
 
 
 @dataclass

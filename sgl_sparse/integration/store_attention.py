@@ -62,33 +62,49 @@ def raw_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: t
 
 # The most prefix tokens one extend step reads dequantized (a store's ``dequantize_prefix``): the transient K/V
 # buffer of one layer's call is this x 4 bytes x KV heads x head dim (1 GiB for Llama-3-8B's 8 x 128), outside
-# SGLang's KV budget (it comes from the activations' share). A step over more reads its prefix through the
-# store's kernel.
+# SGLang's KV budget (it comes from the activations' share), plus the store's own temporaries for one piece of
+# READ_PIECE tokens at a time. A step over more reads its prefix through the store's kernel.
 DEQUANTIZE_MAX_TOKENS = 262_144
+READ_PIECE = 16_384
 
 
 @dataclass
 class DensePrefix:
     """An extend step's cached prefixes as one flat list of slots, request after request in position order (what
-    :meth:`KVStore.read` dequantizes for the base's dense prefill): ``kv_indptr`` ``[bs + 1]`` int32 (device),
-    ``lens`` each request's count (host)."""
+    :meth:`KVStore.read` dequantizes for the base's dense prefill): ``kv_indptr`` ``[bs + 1]`` int32 on the host
+    (a plan made from it needs no device sync), ``lens`` each request's count."""
 
     slots: torch.Tensor
     kv_indptr: torch.Tensor
     lens: list[int]
 
 
+def read_flat(store: KVStore, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``store.read`` of ``slots`` into one K and one V buffer, :data:`READ_PIECE` slots at a time: a store's read
+    makes fp32 (and wider) temporaries of what it reads, which must not scale with a 100K-token prefix."""
+    n = slots.numel()
+    if n <= READ_PIECE:
+        return store.read(layer_id, slots)
+    k0, v0 = store.read(layer_id, slots[:READ_PIECE])
+    k, v = k0.new_empty((n, *k0.shape[1:])), v0.new_empty((n, *v0.shape[1:]))
+    k[:READ_PIECE], v[:READ_PIECE] = k0, v0
+    for at in range(READ_PIECE, n, READ_PIECE):
+        k[at:at + READ_PIECE], v[at:at + READ_PIECE] = store.read(layer_id, slots[at:at + READ_PIECE])
+    return k, v
+
+
 def dense_prefix(prefix: StoreRows, lens: list[int]) -> DensePrefix:
     """The slots of the first ``lens[i]`` positions of each row of ``prefix``, flattened (device only)."""
     device = prefix.table.device
     bs, total = len(lens), sum(lens)
-    counts = torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True)
-    indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
-    indptr[1:] = torch.cumsum(counts, 0)
+    host = torch.zeros(bs + 1, dtype=torch.int64)
+    host[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    indptr = host.to(device, non_blocking=True)
+    counts = indptr[1:] - indptr[:-1]
     req = torch.repeat_interleave(torch.arange(bs, device=device), counts, output_size=total)
     pos = torch.arange(total, device=device) - indptr[req]
     slots = prefix.table[prefix.indices.to(torch.int64)[req], pos].to(torch.int64)
-    return DensePrefix(slots, indptr.to(torch.int32), lens)
+    return DensePrefix(slots, host.to(torch.int32), lens)
 
 
 @dataclass
@@ -103,6 +119,11 @@ class ExtendLists:
     extend_lens: list[int]
     has_prefix: bool
     dense: DensePrefix | None = None
+
+    def qo_indptr_host(self) -> torch.Tensor:
+        out = torch.zeros(len(self.extend_lens) + 1, dtype=torch.int32)
+        out[1:] = torch.cumsum(torch.tensor(self.extend_lens, dtype=torch.int32), 0)
+        return out
 
 
 def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False,
@@ -210,7 +231,7 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     o, lse = new_tokens(q3, k3, v3, layer, lists)
     if lists.has_prefix:
         if lists.dense is not None:
-            kp, vp = store.read(layer.layer_id, lists.dense.slots)
+            kp, vp = read_flat(store, layer.layer_id, lists.dense.slots)
             o2, lse2 = dense_prefix_fn(q3, kp, vp, layer, lists)
         else:
             p = lists.prefix
