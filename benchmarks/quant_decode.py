@@ -55,15 +55,16 @@ def _fill(store: object) -> None:
                     t.fill_(0.05)  # small: a softmax that is not one-hot, so the check below means something
 
 
-def _decode(label: str, store: Any, warps: int | None, block: int | None = None) -> Callable[..., torch.Tensor]:
+def _decode(label: str, store: Any, warps: int | None, block: int | None = None,
+            stages: int | None = None) -> Callable[..., torch.Tensor]:
     """The store's CUDA decode, or its kernel called with ``warps`` and ``block`` (FP8: positions an iteration,
-    KIVI: pages an iteration)."""
-    if warps is None and block is None:
+    KIVI: pages an iteration) and, for FP8, ``stages``."""
+    if warps is None and block is None and stages is None:
         return store.decode
     if label == "fp8_kv":
         return lambda layer, q, *rest: fp8_attention.decode_attention(
             q, store.k_codes[layer], store.k_scale[layer], store.v_codes[layer], store.v_scale[layer], *rest,
-            block=block, warps=warps)
+            block=block, warps=warps, stages=stages)
     if label.startswith("kivi"):
         return lambda layer, q, *rest: kivi_attention.decode_attention(q, *store._buffers(layer), *rest, store.bits,
                                                                         store.group, warps=warps, pages=block)
@@ -71,7 +72,8 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None)
                                                                           warps=warps)
 
 
-def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | None = None) -> str:
+def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | None = None,
+         stages: int | None = None) -> str:
     name, config = METHODS[label]
     method = create_method(name, config)
     store = method.store
@@ -89,7 +91,7 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
-    decode = _decode(label, store, warps, block)
+    decode = _decode(label, store, warps, block, stages)
     us = graph_us(lambda: decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     # The kernel against the store's torch path (the CPU server's, the tests' reference) on the same pool.
     got = decode(0, q, r2t, rpi, seq, scale).float()
@@ -100,9 +102,10 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     pool = bs * n * store.bytes_per_token(g)  # one layer's bytes for the batch's tokens
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
-    if warps is not None or block is not None:
+    if warps is not None or block is not None or stages is not None:
         unit = "pages" if label.startswith("kivi") else "positions"
-        label = f"{label} ({', '.join(x for x in (block and f'{block} {unit}', warps and f'{warps} warps') if x)})"
+        parts = (block and f"{block} {unit}", warps and f"{warps} warps", stages and f"{stages} stages")
+        label = f"{label} ({', '.join(x for x in parts if x)})"
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
 
@@ -118,6 +121,8 @@ def main() -> None:
                    help="also time KIVI's kernel at these pages an iteration (x each of --warps, if any)")
     p.add_argument("--tq-blocks", nargs="*", type=int, default=[],
                    help="also time TurboQuant's kernel at these positions an iteration (x each of --warps, if any)")
+    p.add_argument("--fp8-stages", nargs="*", type=int, default=[],
+                   help="also time FP8's kernel at these pipeline stages (its default tile and warps)")
     args = p.parse_args()
     print("| pool | batch x context | us/layer | step ms (32 layers) | pool MB read | pool floor us | % of floor | "
           "bf16 MB | bf16 floor us | bf16 floor / ours | max error / max of the torch path |")
@@ -131,6 +136,8 @@ def main() -> None:
                 for w in args.warps or [None]:
                     if b is not None or w is not None:
                         print(_row(label, bs, n, w, b), flush=True)
+            for st in args.fp8_stages if label == "fp8_kv" else []:
+                print(_row(label, bs, n, stages=st), flush=True)
 
 
 if __name__ == "__main__":

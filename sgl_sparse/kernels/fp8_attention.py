@@ -131,12 +131,13 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                      v_scale: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, splits: int | None = None, block: int | None = None,
-                     warps: int | None = None) -> torch.Tensor:
+                     warps: int | None = None, stages: int | None = None) -> torch.Tensor:
     """:func:`decode_attention_torch` as one Triton kernel over the batch, then the splits' merge.
     Codes uint8; no host sync (fixed shapes, loop bounds from ``seq_lens`` on the device). ``splits``:
     :func:`decode_splits` of the batch and the rows' width by default (static shapes, CUDA-graph safe);
-    ``block`` (positions an iteration, default 128 on the GPU) and ``warps`` (default 2): for timing other
-    choices (``benchmarks/quant_decode.py --fp8-blocks``)."""
+    ``block`` (positions an iteration, default 128 on the GPU), ``warps`` (default 2) and ``stages`` (Triton's
+    software pipelining of the loop, default Triton's): for timing other choices (``benchmarks/quant_decode.py
+    --fp8-blocks``, ``--stages``)."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -155,7 +156,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
         # --fp8-blocks, 2026-12-03, per layer at 6 x 130K): 686 us, against 811 at 64 and 4 warps (the earlier
         # default), 777 at 128 and 4, 691 at 64 and 2, 1,244 at 1 warp, 2,816 at 256 positions.
         scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=block or (128 if q.is_cuda else 16),
-        NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 2)
+        NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 2, **({"num_stages": stages} if stages else {}))
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
