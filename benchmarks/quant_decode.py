@@ -43,7 +43,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _fill(store: object) -> None:
+def fill_pool(store: object) -> None:
     """Random codes in every uint8 buffer, 0.05 in the scales elsewhere (zeros would decode to a constant row)."""
     for value in vars(store).values():
         if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
@@ -84,7 +84,7 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     g = KVGeometry(num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=ps, num_slots=slots,
                    dtype=torch.bfloat16, device=torch.device("cuda"), max_requests=bs + 1)
     store.allocate(g)
-    _fill(store)
+    fill_pool(store)
     r2t = torch.zeros(bs + 1, WIDTH, dtype=torch.int32, device="cuda")
     r2t[1:] = (torch.arange(bs, device="cuda")[:, None] * row_slots + torch.arange(WIDTH, device="cuda") + ps).int()
     rpi = torch.arange(1, bs + 1, device="cuda")

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from quant_decode import fill_pool
 
 from sgl_sparse.contract import KVGeometry, pool_page_size
 from sgl_sparse.kernels import fp8_attention
@@ -64,18 +65,6 @@ def _time_us(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def _fill(store: object) -> None:
-    """Random codes in every uint8 buffer, 0.05 in the scales elsewhere (as benchmarks/quant_decode.py)."""
-    for value in vars(store).values():
-        if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-            for t in value:
-                if t.dtype == torch.uint8:
-                    t.random_(0, 256)
-                    t[(t & 0x7F) == 0x7F] = 0  # no E4M3 NaN codes
-                elif t.is_floating_point() and t.dim() >= 2:
-                    t.fill_(0.05)
-
-
 class Case:
     """One store holding one request's prefix, and the extend's lists."""
 
@@ -90,7 +79,7 @@ class Case:
                        num_slots=width + ps, dtype=torch.bfloat16, device=torch.device("cuda"), max_requests=2)
         self.store.allocate(g)
         self.store.use_triton = True
-        _fill(self.store)
+        fill_pool(self.store)
         self.r2t = torch.zeros(2, width, dtype=torch.int32, device="cuda")
         self.r2t[1] = (torch.arange(width, device="cuda") + ps).int()  # page 0: SGLang's padding page
         self.rpi = torch.ones(1, dtype=torch.int64, device="cuda")

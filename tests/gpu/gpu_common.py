@@ -150,6 +150,12 @@ def generate(server: ServerProcess, prompts: list[list[int]], max_new_tokens: in
     return outs
 
 
+def token_agreement(ref: list[Out], got: list[Out]) -> float:
+    """The fraction of ``ref``'s output tokens that ``got`` matches position by position (greedy paths that
+    drift apart after a near-tie count only up to the split)."""
+    return sum(a == b for r, o in zip(ref, got) for a, b in zip(r.ids, o.ids)) / sum(len(r.ids) for r in ref)
+
+
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

@@ -9,7 +9,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gpu_common import SELECTION_LENS, assert_idle_and_sound, assert_same_tokens, generate, ours, prose, state, vanilla
+from gpu_common import (
+    SELECTION_LENS,
+    assert_idle_and_sound,
+    assert_same_tokens,
+    generate,
+    ours,
+    prose,
+    state,
+    token_agreement,
+    vanilla,
+)
 
 from sgl_sparse.integration.syncs import sync_debug
 from sgl_sparse.kernels import fp8_attention as fa
@@ -105,7 +115,7 @@ def test_greedy_text_follows_vanilla_bf16(servers: dict[str, ServerProcess]) -> 
     prompts = [prose(800 + i, n) for i, n in enumerate(SELECTION_LENS * 2)]
     ref = generate(servers["vanilla"], prompts, 48)
     got = generate(servers["fp8"], prompts, 48)
-    same = sum(a == b for r, o in zip(ref, got) for a, b in zip(r.ids, o.ids)) / sum(len(r.ids) for r in ref)
+    same = token_agreement(ref, got)
     assert same >= 0.8, same
     assert_idle_and_sound(servers["fp8"])
 
@@ -118,6 +128,6 @@ def test_a_dequantized_prefix_follows_the_kernel(servers: dict[str, ServerProces
     prompts = [prose(900 + i, n) for i, n in enumerate(SELECTION_LENS * 2)]
     ref = generate(servers["fp8"], prompts, 48)
     got = generate(servers["fp8-dequant"], prompts, 48)
-    same = sum(a == b for r, o in zip(ref, got) for a, b in zip(r.ids, o.ids)) / sum(len(r.ids) for r in ref)
+    same = token_agreement(ref, got)
     assert same >= 0.9, same
     assert_idle_and_sound(servers["fp8-dequant"])

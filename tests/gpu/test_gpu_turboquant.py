@@ -9,7 +9,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gpu_common import SELECTION_LENS, assert_idle_and_sound, assert_same_tokens, generate, ours, prose, state, vanilla
+from gpu_common import (
+    SELECTION_LENS,
+    assert_idle_and_sound,
+    assert_same_tokens,
+    generate,
+    ours,
+    prose,
+    state,
+    token_agreement,
+    vanilla,
+)
 
 from sgl_sparse.contract import KVGeometry
 from sgl_sparse.integration.syncs import sync_debug
@@ -128,6 +138,6 @@ def test_greedy_text_follows_vanilla_bf16(servers: dict[str, ServerProcess]) -> 
     prompts = [prose(1000 + i, n) for i, n in enumerate(SELECTION_LENS * 2)]
     ref = generate(servers["vanilla"], prompts, 48)
     got = generate(servers["turboquant"], prompts, 48)
-    same = sum(a == b for r, o in zip(ref, got) for a, b in zip(r.ids, o.ids)) / sum(len(r.ids) for r in ref)
+    same = token_agreement(ref, got)
     assert same >= 0.7, same
     assert_idle_and_sound(servers["turboquant"])
