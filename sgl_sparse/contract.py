@@ -453,6 +453,9 @@ class TreePayload:
     data: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+READ_PIECE = 16_384  # slots a default KVStore.read_prefix reads at a time
+
+
 class KVStore(ABC):
     """Method-owned K/V storage (the quantization and compression families): the layout of every
     layer's K/V in the pool, how the write path stores it, and how attention reads it back without
@@ -482,8 +485,8 @@ class KVStore(ABC):
     # Whether an extend reads the cached prefix as :meth:`read`'s dequantized K/V through the base's own dense
     # prefill (FlashInfer's on the GPU) instead of :meth:`prefix`: a prefill is compute-bound, each prefix token
     # is read once per layer for thousands of queries, so materializing the batch's prefix for one layer costs
-    # little beside it. Only for a layout whose :meth:`read` returns every slot as its torch path reads it (no
-    # per-request residual, no term :meth:`read` leaves out).
+    # little beside it. :meth:`read_prefix` gives the K/V (by default through :meth:`read`); a layout whose scores add
+    # a term the dequantized K/V lack (TurboQuant's QJL) must not set it.
     dequantize_prefix: bool = False
     # Whether decode and prefix run as device kernels (CUDA-graph safe): the torch defaults below loop over
     # requests with host reads, so a store without kernels serves on CPU only.
@@ -518,6 +521,24 @@ class KVStore(ABC):
     @abstractmethod
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V of ``slots`` (``[n]``): ``[n, Hkv, D]`` each, in the model dtype."""
+
+    def read_prefix(self, layer_id: int, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    prefix_lens: torch.Tensor, lens: list[int],
+                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An extend step's cached prefixes dequantized, flat (:attr:`dequantize_prefix`): the first ``lens[i]``
+        positions (also on the device: ``prefix_lens``) of row ``req_to_token[req_pool_indices[i]]``, request after
+        request -> K, V ``[sum(lens), Hkv, D]`` in the model dtype. ``slots``: those positions' slots, flat. The
+        default reads ``slots`` through :meth:`read`, :data:`READ_PIECE` at a time (a read's fp32 temporaries must not
+        scale with a 100K-token prefix); a layout with per-request state (KIVI's residual) reads its own way."""
+        n = slots.numel()
+        if n <= READ_PIECE:
+            return self.read(layer_id, slots)
+        k0, v0 = self.read(layer_id, slots[:READ_PIECE])
+        k, v = k0.new_empty((n, *k0.shape[1:])), v0.new_empty((n, *v0.shape[1:]))
+        k[:READ_PIECE], v[:READ_PIECE] = k0, v0
+        for at in range(READ_PIECE, n, READ_PIECE):
+            k[at:at + READ_PIECE], v[at:at + READ_PIECE] = self.read(layer_id, slots[at:at + READ_PIECE])
+        return k, v
 
     def describe(self) -> dict[str, Any]:
         """What ``/server_info`` reports of the layout (e.g. bits); JSON values."""

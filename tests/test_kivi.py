@@ -230,6 +230,40 @@ def test_prefix_kernel_equals_the_store_reference(bits: int) -> None:
     assert prefix_passes([27, 5, 0, 40], 80) == [[0, 1, 3]]
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_read_prefix_is_whole_pages_and_the_residual_flat(bits: int) -> None:
+    """``prefix_attention: dequantize``: the step's prefixes (whole pages + residual, one inside its first page),
+    rows in batch order, flat; the same through the Triton workspace kernel (interpreted run)."""
+    from sgl_sparse.integration.store_attention import StoreRows, dense_prefix
+
+    store = create_method("kivi", {"bits": bits, "group_size": GS, "prefix_attention": "dequantize"}).store
+    assert store.dequantize_prefix and store.describe()["prefix_attention"] == "dequantize"
+    store.allocate(_geometry())
+    gen = torch.Generator().manual_seed(20 + bits)
+    prefix = {3: 40, 0: 27, 1: 5}
+    r2t = torch.zeros(ROWS, 64, dtype=torch.int32)
+    want_k, want_v = [], []
+    for r, n in prefix.items():
+        slots = _row_slots(r, n)
+        k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
+        store.write(1, slots, k, v, torch.full((n,), r), decode=False)
+        r2t[r, :n] = slots.to(torch.int32)
+        ek, ev = _expected(k, v, bits) if n >= GS else (k, v)  # inside its first page: the residual alone
+        want_k.append(ek)
+        want_v.append(ev)
+    rpi, lens = torch.tensor(list(prefix)), list(prefix.values())
+    dense = dense_prefix(StoreRows(r2t, rpi, torch.tensor(lens)), lens)
+    got_k, got_v = store.read_prefix(1, r2t, rpi, torch.tensor(lens, dtype=torch.int32), lens, dense.slots)
+    torch.testing.assert_close(got_k, torch.cat(want_k), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_v, torch.cat(want_v), atol=1e-5, rtol=1e-5)
+    if INTERPRETED:
+        store.use_triton = True
+        tk, tv = store.read_prefix(1, r2t, rpi.to(torch.int32), torch.tensor(lens, dtype=torch.int32), lens,
+                                   dense.slots)
+        torch.testing.assert_close(tk, got_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tv, got_v, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_triton_kernel_under_the_interpreter() -> None:
     rerun_interpreted(__file__)

@@ -18,7 +18,6 @@ from sgl_sparse.integration.store_attention import (
     dense_prefix,
     merge,
     prefix_attention_torch,
-    read_flat,
 )
 from sgl_sparse.kernels import quant
 from sgl_sparse.methods.quantization.fp8_kv import FP8Store
@@ -118,23 +117,24 @@ def test_the_dequantized_prefix_path_reads_what_the_store_prefix_reads(method: s
     assert dense.kv_indptr.tolist() == [0, 30, 42] and dense.kv_indptr.dtype == torch.int32
     assert not dense.kv_indptr.is_cuda
     q = torch.randn(sum(extend), HKV * G, D, generator=gen)
-    k, v = store.read(1, dense.slots)
+    k, v = store.read_prefix(1, r2t, indices, torch.tensor(lens), lens, dense.slots)
     got, got_lse = prefix_attention_torch(q, k, v, extend, lens, SCALE)
     want, want_lse = store.prefix(1, q, torch.tensor([0, 5, 7]), r2t, indices, torch.tensor(lens), extend, SCALE)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_read_flat_reads_in_pieces_what_one_read_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_sparse.integration import store_attention
+def test_read_prefix_reads_in_pieces_what_one_read_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_sparse import contract
 
     store = _store()
     gen = torch.Generator().manual_seed(8)
     slots = torch.randperm(SLOTS - 1, generator=gen)[:23] + 1
     store.write(0, slots, torch.randn(23, HKV, D, generator=gen), torch.randn(23, HKV, D, generator=gen),
                 torch.zeros_like(slots), decode=False)
-    monkeypatch.setattr(store_attention, "READ_PIECE", 5)
-    k, v = read_flat(store, 0, slots)
+    monkeypatch.setattr(contract, "READ_PIECE", 5)
+    r2t = slots[None].to(torch.int32)
+    k, v = store.read_prefix(0, r2t, torch.tensor([0]), torch.tensor([23]), [23], slots)
     want_k, want_v = store.read(0, slots)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
 

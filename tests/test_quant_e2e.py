@@ -33,11 +33,12 @@ def store_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterato
     plain = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "plain_store"],
                           env={"SGLSPARSE_METHOD_MODULES": "tests.plain_store"})
     kivi = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi"])
-    fp8_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv", "--sparse-config",
-                                             '{"prefix_attention": "dequantize"}'])
-    with running(fp8, plain, kivi, fp8_dequant):
-        yield {"fp8": fp8, "plain": plain, "kivi": kivi, "fp8-dequant": fp8_dequant, "dense": servers["ours"],
-               "vanilla": servers["vanilla"]}
+    dequant = '{"prefix_attention": "dequantize"}'
+    fp8_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv", "--sparse-config", dequant])
+    kivi_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi", "--sparse-config", dequant])
+    with running(fp8, plain, kivi, fp8_dequant, kivi_dequant):
+        yield {"fp8": fp8, "plain": plain, "kivi": kivi, "fp8-dequant": fp8_dequant, "kivi-dequant": kivi_dequant,
+               "dense": servers["ours"], "vanilla": servers["vanilla"]}
 
 
 def test_a_lossless_store_serves_exactly_dense(store_servers: dict) -> None:
@@ -102,11 +103,13 @@ def test_first_chunk_is_exact_later_chunks_read_the_quantized_prefix(store_serve
     _assert_idle_and_sound(store_servers[name])
 
 
-def test_a_dequantized_prefix_reads_what_the_kernel_reads(store_servers: dict) -> None:
-    """``fp8_kv {"prefix_attention": "dequantize"}``: later chunks read the cached prefix dequantized, through the
-    base's dense prefill: the prompt's logprobs equal the kernel path's (the first chunk's equal dense's), a batch
-    of chunked prompts and a prefix hit decode the same tokens, and nothing leaks."""
-    server, kernel = store_servers["fp8-dequant"], store_servers["fp8"]
+@pytest.mark.parametrize("name", ["fp8", "kivi"])
+def test_a_dequantized_prefix_reads_what_the_kernel_reads(store_servers: dict, name: str) -> None:
+    """``{"prefix_attention": "dequantize"}``: later chunks read the cached prefix dequantized (KIVI: whole pages
+    and the open page's residual), through the base's dense prefill: the prompt's logprobs equal the kernel path's
+    (and differ from dense's past the first chunk), a batch of chunked prompts and a prefix hit decode the same
+    tokens, and nothing leaks."""
+    server, kernel = store_servers[f"{name}-dequant"], store_servers[name]
     assert _state(server)["kv_store"]["prefix_attention"] == "dequantize"
     assert _state(kernel)["kv_store"]["prefix_attention"] == "kernel"
     ids = _ids(random.Random(5), 3 * CHUNK)

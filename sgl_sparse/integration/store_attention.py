@@ -62,10 +62,9 @@ def raw_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: t
 
 # The most prefix tokens one extend step reads dequantized (a store's ``dequantize_prefix``): the transient K/V
 # buffer of one layer's call is this x 4 bytes x KV heads x head dim (1 GiB for Llama-3-8B's 8 x 128), outside
-# SGLang's KV budget (it comes from the activations' share), plus the store's own temporaries for one piece of
-# READ_PIECE tokens at a time. A step over more reads its prefix through the store's kernel.
+# SGLang's KV budget (it comes from the activations' share), plus the store's own temporaries (one piece of
+# contract.READ_PIECE slots at a time by default). A step over more reads its prefix through the store's kernel.
 DEQUANTIZE_MAX_TOKENS = 262_144
-READ_PIECE = 16_384
 
 
 @dataclass
@@ -77,20 +76,6 @@ class DensePrefix:
     slots: torch.Tensor
     kv_indptr: torch.Tensor
     lens: list[int]
-
-
-def read_flat(store: KVStore, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``store.read`` of ``slots`` into one K and one V buffer, :data:`READ_PIECE` slots at a time: a store's read
-    makes fp32 (and wider) temporaries of what it reads, which must not scale with a 100K-token prefix."""
-    n = slots.numel()
-    if n <= READ_PIECE:
-        return store.read(layer_id, slots)
-    k0, v0 = store.read(layer_id, slots[:READ_PIECE])
-    k, v = k0.new_empty((n, *k0.shape[1:])), v0.new_empty((n, *v0.shape[1:]))
-    k[:READ_PIECE], v[:READ_PIECE] = k0, v0
-    for at in range(READ_PIECE, n, READ_PIECE):
-        k[at:at + READ_PIECE], v[at:at + READ_PIECE] = store.read(layer_id, slots[at:at + READ_PIECE])
-    return k, v
 
 
 def dense_prefix(prefix: StoreRows, lens: list[int]) -> DensePrefix:
@@ -231,7 +216,9 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     o, lse = new_tokens(q3, k3, v3, layer, lists)
     if lists.has_prefix:
         if lists.dense is not None:
-            kp, vp = read_flat(store, layer.layer_id, lists.dense.slots)
+            p = lists.prefix
+            kp, vp = store.read_prefix(layer.layer_id, p.table, p.indices, p.lens, lists.dense.lens,
+                                       lists.dense.slots)
             o2, lse2 = dense_prefix_fn(q3, kp, vp, layer, lists)
         else:
             p = lists.prefix

@@ -397,6 +397,38 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
+def _dequant_pass(buffers: tuple[torch.Tensor, ...], req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                  prefix_lens: torch.Tensor, lens: list[int], members: list[int], bits: int, group: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefixes of requests ``members`` dequantized into one workspace, request after request in position order
+    (whole pages from the codes, the open page from the residual): (each request's first row, ``-1`` outside the
+    pass; K ``[rows, Hkv, D]``; V)."""
+    k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v = buffers
+    hkv, d = k_codes.shape[1], res_k.shape[-1]
+    ws_start, at = pass_starts(lens, members, k_codes.device)
+    wk = torch.empty(at, hkv, d, dtype=dtype, device=k_codes.device)
+    wv = torch.empty_like(wk)
+    longest = max(lens[i] for i in members)
+    _dequant_kernel[(len(lens), hkv, triton.cdiv(longest, DEQUANT_BLOCK))](
+        k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
+        prefix_lens, ws_start, wk, wv, k_codes.stride(0), k_codes.stride(1), k_scale.stride(0),
+        k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), res_k.stride(0), res_k.stride(1),
+        res_k.stride(2), req_to_token.stride(0), wk.stride(0), wk.stride(1), D=d, GS=group, BITS=bits,
+        BLOCK=DEQUANT_BLOCK)
+    return ws_start, wk, wv
+
+
+def dequantize_prefixes(buffers: tuple[torch.Tensor, ...], req_to_token: torch.Tensor,
+                        req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, lens: list[int], bits: int,
+                        group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's first ``lens[i]`` positions (``prefix_lens`` on the device, ``lens`` on the host, each > 0)
+    dequantized into one flat K and V, request after request: what a dense prefill over the prefix reads
+    (``prefix_attention: dequantize``). ``buffers``: ``KIVIStore._buffers(layer)``."""
+    _, wk, wv = _dequant_pass(buffers, req_to_token, req_pool_indices, prefix_lens, lens, list(range(len(lens))),
+                              bits, group, dtype)
+    return wk, wv
+
+
 def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
                      k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
                      res_v: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
@@ -419,17 +451,10 @@ def prefix_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     lens = prefix_lens_host if prefix_lens_host is not None else prefix_lens.tolist()
     g = hq // hkv
     passes = prefix_passes(lens, ws_tokens)
+    buffers = (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v)
     for members in passes:
-        ws_start, at = pass_starts(lens, members, q.device)
-        wk = torch.empty(at, hkv, d, dtype=q.dtype, device=q.device)
-        wv = torch.empty_like(wk)
-        longest = max(lens[i] for i in members)
-        _dequant_kernel[(len(lens), hkv, triton.cdiv(longest, DEQUANT_BLOCK))](
-            k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
-            prefix_lens, ws_start, wk, wv, k_codes.stride(0), k_codes.stride(1), k_scale.stride(0),
-            k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), res_k.stride(0), res_k.stride(1),
-            res_k.stride(2), req_to_token.stride(0), wk.stride(0), wk.stride(1), D=d, GS=group, BITS=bits,
-            BLOCK=DEQUANT_BLOCK)
+        ws_start, wk, wv = _dequant_pass(buffers, req_to_token, req_pool_indices, prefix_lens, lens, members, bits,
+                                         group, q.dtype)
         if blocks is not None and len(passes) == 1:
             blk_req, blk_start = blocks  # requests without a prefix read nothing (their prefix length is 0)
         else:

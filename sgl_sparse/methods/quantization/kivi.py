@@ -42,14 +42,20 @@ from sgl_sparse.registry import register_method
 @dataclass(frozen=True)
 class KIVIConfig(MethodConfig):
     """``bits`` per key and value code; ``group_size`` tokens per key group (the pool's page size) and
-    channels per value group; the open group is the full-precision residual."""
+    channels per value group; the open group is the full-precision residual. ``prefix_attention``: how an
+    extend's queries read the cached prefix once it is dequantized into the workspace (whole pages and each
+    row's residual): ``"kernel"``, our Triton prefill kernel; ``"dequantize"``, the attention base's dense
+    prefill (FlashInfer's ragged prefill on the GPU), as ``fp8_kv``'s."""
 
     method_name = "kivi"
     bits: int = 4
     group_size: int = 32
+    prefix_attention: str = "kernel"
 
     def validate(self) -> None:
         self.require(self.bits in (2, 4), "bits", "must be 2 or 4")
+        self.require(self.prefix_attention in ("kernel", "dequantize"), "prefix_attention",
+                     "must be 'kernel' or 'dequantize'")
         self.require(self.group_size in (8, 16, 32, 64, 128), "group_size", "must be a power of two from 8 to 128")
 
 
@@ -61,6 +67,7 @@ class KIVIStore(KVStore):
     def __init__(self, config: KIVIConfig) -> None:
         self.bits = config.bits
         self.page_size = self.group = config.group_size
+        self.dequantize_prefix = config.prefix_attention == "dequantize"
         self.dtype = torch.bfloat16
         self.use_triton = False
         self._blocks = fp8_attention.StepBlocks()
@@ -118,7 +125,8 @@ class KIVIStore(KVStore):
     def describe(self) -> dict[str, Any]:
         return {"format": "kivi", "bits": self.bits, "group_size": self.group,
                 "scales": "keys per page and channel, values per token and channel group, fp16",
-                "residual": "each running request's open page, model dtype"}
+                "residual": "each running request's open page, model dtype",
+                "prefix_attention": "dequantize" if self.dequantize_prefix else "kernel"}
 
     # -- write -------------------------------------------------------------------------------------
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
@@ -201,6 +209,17 @@ class KIVIStore(KVStore):
             return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
         return kivi_attention.decode_attention(q, *self._buffers(layer_id), req_to_token, req_pool_indices,
                                                seq_lens, scale, self.bits, self.group)
+
+    def read_prefix(self, layer_id: int, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    prefix_lens: torch.Tensor, lens: list[int],
+                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole pages from the codes, each row's open page from its residual (``read`` covers whole pages only)."""
+        if not self.use_triton:
+            parts = [self._row(layer_id, req_to_token, int(r), n) for r, n in zip(req_pool_indices.tolist(), lens,
+                                                                                   strict=True)]
+            return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+        return kivi_attention.dequantize_prefixes(self._buffers(layer_id), req_to_token, req_pool_indices,
+                                                  prefix_lens, lens, self.bits, self.group, self.dtype)
 
     def prefix(self, layer_id: int, q: torch.Tensor, qo_indptr: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: list[int],
