@@ -15,8 +15,8 @@ random codes with small scales (timing does not depend on them), the prefix's sl
 * ``<method> (Triton prefix kernel)``: the store's CUDA ``prefix`` (what our server runs today);
   ``--fp8-tiles BMxBNxWARPSxSTAGES``: FP8's kernel at those tiles (BM query tokens a program, BN positions an
   iteration, STAGES 0 = Triton's default);
-* ``fp8_kv`` / ``turboquant (dequantize + FlashInfer ragged)``: the stores' ``prefix_attention: "dequantize"``: the
-  prefix's K/V dequantized into a bf16 buffer (``store.read``), then FlashInfer's ragged prefill over it; the
+* ``<method> (dequantize + FlashInfer ragged)``: the stores' ``prefix_attention: "dequantize"``: the prefix's K/V
+  dequantized into a bf16 buffer (``store.read_prefix``), then FlashInfer's ragged prefill over it; the
   dequantization's own time beside it.
 
 Columns: microseconds a layer (CUDA events, the median of ``--iters`` after two warm-up calls), the ratio to
@@ -130,8 +130,8 @@ def _vanilla(new: int, prefix: int, iters: int) -> float:
 
 
 def _dequantized(case: Case, iters: int) -> tuple[float, float, float]:
-    """(dequantize us, FlashInfer ragged us, max error): the prefix read through ``store.read`` into bf16, then
-    FlashInfer's ragged prefill over it."""
+    """(dequantize us, FlashInfer ragged us, max error): the prefix read through ``store.read_prefix`` into bf16
+    (what ``prefix_attention: dequantize`` reads), then FlashInfer's ragged prefill over it."""
     import flashinfer
 
     slots = case.r2t[1, : case.prefix].long()
@@ -143,8 +143,11 @@ def _dequantized(case: Case, iters: int) -> tuple[float, float, float]:
                torch.tensor([0, case.prefix], dtype=torch.int32, device="cuda"), HQ, HKV, D, causal=False,
                q_data_type=torch.bfloat16, sm_scale=case.scale)
 
-    deq_us = _time_us(lambda: case.store.read(0, slots), iters)
-    k, v = case.store.read(0, slots)
+    def read() -> tuple[torch.Tensor, torch.Tensor]:
+        return case.store.read_prefix(0, case.r2t, case.rpi, case.prefix_lens, [case.prefix], slots)
+
+    deq_us = _time_us(read, iters)
+    k, v = read()
     plan(CHECK_Q)
     err = _err(w.run(case.q[:CHECK_Q], k, v), case.reference())
     plan(case.new)
@@ -153,17 +156,16 @@ def _dequantized(case: Case, iters: int) -> tuple[float, float, float]:
 
 
 def _method_rows(label: str, new: int, prefix: int, vanilla: float, tiles: list[str], iters: int) -> None:
-    """The store's prefix kernel; for FP8 also its tiles; for FP8 and TurboQuant the dequantize + FlashInfer path."""
+    """The store's prefix kernel and its dequantize + FlashInfer path; for FP8 also the kernel's tiles."""
     case = Case(label, new, prefix)
     flops = case.flops()
     want = case.reference()
     us = _time_us(lambda: case.run(case.q), iters)
     err = _err(case.run(case.q[:CHECK_Q])[0], want)
     print(_row(f"{new} over {prefix}: {label} (Triton prefix kernel)", us, vanilla, flops, err), flush=True)
-    if label == "turboquant":
-        deq, attn, err = _dequantized(case, iters)
-        print(_row(f"{new} over {prefix}: turboquant (dequantize + FlashInfer ragged)", deq + attn, vanilla, flops,
-                   err, f"dequantize {deq:.0f} us + attention {attn:.0f} us"), flush=True)
+    deq, attn, err = _dequantized(case, iters)
+    print(_row(f"{new} over {prefix}: {label} (dequantize + FlashInfer ragged)", deq + attn, vanilla, flops, err,
+               f"dequantize {deq:.0f} us + attention {attn:.0f} us"), flush=True)
     if label != "fp8_kv":
         return
     s = case.store
@@ -185,9 +187,6 @@ def _method_rows(label: str, new: int, prefix: int, vanilla: float, tiles: list[
         except Exception as e:  # a tile that does not compile (shared memory): say so, go on
             print(f"| {new} over {prefix}: fp8_kv kernel {tile} | failed: {type(e).__name__}: {str(e)[:120]} "
                   "| | | | |", flush=True)
-    deq, attn, err = _dequantized(case, iters)
-    print(_row(f"{new} over {prefix}: fp8_kv (dequantize + FlashInfer ragged)", deq + attn, vanilla, flops, err,
-               f"dequantize {deq:.0f} us + attention {attn:.0f} us"), flush=True)
 
 
 def main() -> None:
