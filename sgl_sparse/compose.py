@@ -181,4 +181,11 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
         raise SparseConfigError(f"{where}: {both} {why}; a composition is one eviction method over one "
                                 "quantization method")
     quantization = next(m for m in methods if not m.evicts)
+    store = quantization.store
+    if store is not None and store.dequantize_prefix:
+        # Under eviction the prefix rows hold sentinels and are read compacted (store_attention.compact_rows),
+        # a path the dequantized read does not take: refused rather than silently read through the kernel.
+        raise SparseConfigError(f"{where}: {quantization.name}'s prefix_attention 'dequantize' is not served under "
+                                "eviction (its rows are read compacted, through the store's kernel): leave it "
+                                "'kernel' in a composition")
     return Composed(evicting[0], quantization)
