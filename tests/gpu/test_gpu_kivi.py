@@ -70,6 +70,15 @@ def test_kernels_at_a_serving_shape_match_the_torch_path(bits: int) -> None:
     got_o, got_lse = store.prefix(*args)
     torch.testing.assert_close(got_o.float(), want_o.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got_lse, want_lse, atol=2e-2, rtol=1e-3)
+    # prefix_attention "dequantize": the workspace kernel's flat prefixes equal the torch path's rows.
+    plens = [6000, 4097]
+    read = (0, r2t, rpi[:2], torch.tensor(plens, dtype=torch.int32, device=DEV), plens, torch.empty(0, device=DEV))
+    got_k, got_v = store.read_prefix(*read)
+    store.use_triton = False
+    want_k, want_v = store.read_prefix(*read)
+    assert got_k.shape == (sum(plens), HKV, D)
+    torch.testing.assert_close(got_k, want_k, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got_v, want_v, atol=1e-2, rtol=1e-2)
 
 
 def test_serving_writes_on_cuda_read_back_kivi_of_what_was_written() -> None:
