@@ -1,5 +1,5 @@
-"""Instructions per KV element in the decode loops of KIVI's and TurboQuant's Triton kernels (and in Quest's and
-OmniKV's scoring loops), compiled for sm_90
+"""Instructions per KV element in the decode loops of KIVI's, TurboQuant's and FP8's Triton kernels (and in FP8's
+prefix kernel at a few tiles, Quest's and OmniKV's scoring loops), compiled for sm_90
 (the H100/H200) without a GPU: Triton's ``compile`` for a ``cuda`` target and the ``cuobjdump`` that Triton ships.
 
     python benchmarks/sass_counts.py [--warps W] [--gp GP] [--head-dim 128] [--group 4] [--page 32]
@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sgl_sparse.kernels import kivi_attention, omnikv, quest, turboquant_attention
+from sgl_sparse.kernels import fp8_attention, kivi_attention, omnikv, quest, turboquant_attention
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 KINDS = {
@@ -54,14 +54,24 @@ TQ_ARGS = dict(q_rot="*fp32", q_proj="*fp32", k_codes="*u8", v_codes="*u8", k_no
                seq_lens="*i64", ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32", stride_r2t="i32", scale="fp32",
                qjl_scale="fp32")
 
+FP8_ARGS = dict(q="*bf16", k_codes="*u8", k_scale="*fp32", v_codes="*u8", v_scale="*fp32", req_to_token="*i32",
+                req_pool_indices="*i64", seq_lens="*i64", ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32",
+                stride_qb="i32", stride_qh="i32", stride_cs="i32", stride_ch="i32", stride_ss="i32",
+                stride_r2t="i32", scale="fp32")
+FP8_PREFIX_ARGS = dict(q="*bf16", k_codes="*u8", k_scale="*fp32", v_codes="*u8", v_scale="*fp32",
+                       qo_indptr="*i32", req_to_token="*i32", req_pool_indices="*i64", prefix_lens="*i32",
+                       blk_req="*i32", blk_start="*i32", out="*bf16", lse="*fp32", stride_qt="i32", stride_qh="i32",
+                       stride_ot="i32", stride_oh="i32", stride_cs="i32", stride_ch="i32", stride_ss="i32",
+                       stride_r2t="i32", scale="fp32")
 
-def _compile(fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int) -> Any:
+
+def _compile(fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int, stages: int = 2) -> Any:
     constants = {k: v for k, v in constants.items() if k in fn.arg_names}
     sig = {name: "constexpr" if name in constants else args[name] for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in constants and (args[name].startswith("*") or args[name] == "i32")}
     src = ASTSource(fn=fn, signature=sig, constexprs=constants, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
 def _loop_body(sass: str) -> list[str]:
@@ -77,8 +87,9 @@ def _loop_body(sass: str) -> list[str]:
     raise ValueError("no loop found")
 
 
-def count(label: str, fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int, elements: int) -> None:
-    c = _compile(fn, args, constants, warps)
+def count(label: str, fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int, elements: int,
+          stages: int = 2) -> None:
+    c = _compile(fn, args, constants, warps, stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
         f.flush()
@@ -120,6 +131,16 @@ def main() -> None:
         consts = dict(HKV=8, G=g, GP=gp, D=d, LANE=lane, BITS=bits, NLEV=2**bits, QJL=qjl, BLOCK=32, NSPLIT=64)
         count(f"turboquant{bits}{' + qjl' if qjl else ''}", turboquant_attention._decode_kernel, TQ_ARGS, consts,
               a.warps or 4, 32 * d * 2)
+    # FP8's decode loop (as served: 128 positions an iteration, 2 warps) and its prefix kernel's at a few tiles
+    # (BLOCK_M query tokens x the group's heads a program, BLOCK_N positions an iteration; served: 32 x 64, 8 warps).
+    fc = dict(HKV=8, G=g, GP=max(16, gp), D=d, BLOCK=128, NSPLIT=64, NATIVE=True)
+    for stages in (2, 3):
+        count(f"fp8_kv decode, {stages} stages", fp8_attention._decode_kernel, FP8_ARGS, fc, a.warps or 2,
+              128 * d * 2, stages)
+    for bm, bn, warps, stages in ((32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2)):
+        pc = dict(HQ=8 * g, G=g, GP=gp, D=d, BLOCK_M=bm, BLOCK_N=bn, NATIVE=True)
+        count(f"fp8_kv prefix {bm}x{bn}, {warps} warps, {stages} stages", fp8_attention._prefix_kernel,
+              FP8_PREFIX_ARGS, pc, warps, bn * d * 2, stages)
     # The selection methods' scoring loops (an element: a page summary's entry, min or max; a key's): the served
     # CUDA-core kernels and their tensor-core forms (score_pages / score_tokens with mma=True), 4 warps as served.
     qc = dict(stride_r2t=131076, HKV=8, GROUP=g, D=d, PAGE=16, BLOCK_P=quest.BLOCK_PAGES, NPROG=16)
