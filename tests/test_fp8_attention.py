@@ -140,6 +140,33 @@ def test_prefix_attention_is_dense_over_the_prefix_and_the_kernel_equals_its_ref
         torch.testing.assert_close(got_lse, ref_lse, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted re-run")
+def test_the_decode_kernel_reads_compacted_lists_as_rows() -> None:
+    """A composition on CUDA: the decode kernel over FlashInfer-style compacted lists (each request's live slots,
+    flat; ``store_attention.flat_rows``), a row width under a list's end, a padding row of one slot: each request's
+    output is attention over exactly its list."""
+    from sgl_sparse.integration.store_attention import flat_rows
+
+    gen = torch.Generator().manual_seed(11)
+    hkv, g, d, n_slots = 2, 2, 16, 200
+    kc, ks = quant.fp8_quantize(torch.randn(n_slots, hkv, d, generator=gen))
+    vc, vs = quant.fp8_quantize(torch.randn(n_slots, hkv, d, generator=gen))
+    kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
+    lists = [torch.randperm(n_slots - 1, generator=gen)[:n] + 1 for n in (37, 5, 60)]
+    indices = torch.cat([*lists, torch.zeros(1, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)]).int()
+    indptr = torch.tensor([0, 37, 42, 102, 103], dtype=torch.int32)  # the last: a padding row (one slot)
+    rows = flat_rows(indptr, indices, 4, width=64)
+    assert rows.table.shape == (1, 64) and rows.lens.tolist() == [37, 5, 60, 1]
+    q = torch.randn(4, hkv * g, d, generator=gen)
+    scale = 1 / math.sqrt(d)
+    got = fa.decode_attention(q, kc, ks, vc, vs, rows.table, rows.indices, rows.lens, scale)
+    r2t = torch.zeros(3, 64, dtype=torch.int32)
+    for i, slots in enumerate(lists):
+        r2t[i, :slots.numel()] = slots.int()
+    want = fa.decode_attention_torch(q[:3], kc, ks, vc, vs, r2t, torch.arange(3), torch.tensor([37, 5, 60]), scale)
+    torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_triton_kernel_under_the_interpreter() -> None:
     rerun_interpreted(__file__)

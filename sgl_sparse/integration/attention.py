@@ -45,6 +45,7 @@ from sgl_sparse.integration.store_attention import (
     causal_attention_torch,
     decode_rows,
     extend_lists,
+    flat_rows,
     merge,
     prefix_attention_torch,
     store_decode,
@@ -103,7 +104,9 @@ class _SparseBackendMixin:
                     c.prefix_dequantized_steps_total += 1
                 else:
                     c.prefix_kernel_steps_total += 1
-        elif self.skip_sentinels and forward_batch.forward_mode.is_decode():
+        elif self.skip_sentinels and forward_batch.forward_mode.is_decode() and not req_to_token.is_cuda:
+            # CPU: compacted rows built per step (a sort over each row); CUDA reads the base's compacted lists
+            # (_store_decode_rows), which CUDA graphs replay.
             self.store_rows = decode_rows(forward_batch, req_to_token, compact=True)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
@@ -142,8 +145,7 @@ class _SparseBackendMixin:
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.store is not None:
             self._capture(q, layer, forward_batch, is_decode=True)
-            rows = self.store_rows if self.skip_sentinels else decode_rows(forward_batch,
-                                                                             self.req_to_token_pool.req_to_token)
+            rows = self._store_decode_rows(forward_batch, q)
             return store_decode(self, q, k, v, layer, forward_batch, rows,
                                 kwargs.get("save_kv_cache", args[0] if args else True))
         self._capture(q, layer, forward_batch, is_decode=True)
@@ -163,6 +165,14 @@ class _SparseBackendMixin:
                               lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
         """An extend step's new tokens over themselves (causal, full precision): (output, natural lse)."""
         return causal_attention_torch(q3, k3, v3, lists.extend_lens, float(layer.scaling))
+
+    def _store_decode_rows(self, forward_batch: Any, q: torch.Tensor) -> StoreRows:
+        """The rows a store's decode reads: each request's own, or under eviction its live slots (built per step
+        on CPU)."""
+        if self.skip_sentinels:
+            assert self.store_rows is not None, "compacted store rows are built per step on CPU only"
+            return self.store_rows
+        return decode_rows(forward_batch, self.req_to_token_pool.req_to_token)
 
     # Whether this base has a GPU dense prefill for a store's dequantized prefix (FlashInfer's); on CPU every base
     # attends it in plain torch.
@@ -365,6 +375,16 @@ def _flashinfer_backend_cls() -> type:
             o, lse2 = self.prefill_wrapper_ragged.forward_return_lse(q3, k3, v3, causal=True, sm_scale=layer.scaling)
             return o, lse2 * LN2  # FlashInfer's log-sum-exp is base 2
 
+        def _store_decode_rows(self, forward_batch, q):  # type: ignore[no-untyped-def]
+            if not (self.skip_sentinels and q.is_cuda):
+                return super()._store_decode_rows(forward_batch, q)
+            # A composition on CUDA: the decode wrapper's lists, compacted by our index launcher from the runtime's
+            # live counts (device only), in the graph's static buffers under CUDA graphs; the store reads them as
+            # rows (flat_rows) instead of req_to_token's, which hold sentinels.
+            w = self.forward_metadata.decode_wrappers[0]
+            return flat_rows(w._paged_kv_indptr_buf, w._paged_kv_indices_buf, q.shape[0],
+                             self.req_to_token_pool.req_to_token.shape[1])
+
         dense_prefix_on_gpu = True
         _dense_wrapper: Any = None
         _dense_planned: Any = None  # the ExtendLists the wrapper is planned for (one plan a forward)
@@ -464,6 +484,7 @@ def _flashinfer_backend_cls() -> type:
 
 # Models that fuse the K/V write into RoPE on CUDA with a bf16 pool (sglang/srt/models/*.py, 0.5.17).
 FUSED_KV_WRITE_MODELS = frozenset({"qwen3_moe", "gpt_oss", "bailing_moe", "mellum", "sdar", "sdar_moe", "llada2"})
+GPU_COMPOSE_ENV = "SGLSPARSE_GPU_COMPOSE"  # opts a composition in on CUDA until tests/gpu/test_gpu_compose.py passes
 IMPL_ENV = "SGLSPARSE_ATTENTION_IMPL"  # overrides the base, for tests: torch_native | triton | flashinfer
 
 
@@ -483,10 +504,11 @@ def create_backend(model_runner: Any) -> _SparseBackendMixin:
     """Factory for ``register_attention_backend``."""
     base = choose_base(model_runner)
     method = get_runtime().method
-    if method.store is not None and method.evicts and model_runner.device != "cpu":
-        raise ValueError(f"sgl_sparse: {method.name} (eviction over a method-owned layout) serves on the CPU server "
-                         "only: the store's GPU kernels read raw req_to_token rows, which hold sentinels after "
-                         "eviction")
+    if method.store is not None and method.evicts and model_runner.device != "cpu" and (
+            base != "flashinfer" or os.environ.get(GPU_COMPOSE_ENV) != "1"):
+        raise ValueError(f"sgl_sparse: {method.name} (eviction over a method-owned layout) serves on the CPU server; "
+                         f"on CUDA it reads FlashInfer's compacted decode lists, not run on a GPU yet "
+                         f"({GPU_COMPOSE_ENV}=1 with the flashinfer base starts it, for tests and benchmarks)")
     if method.store is not None and base == "triton":
         raise ValueError(f"sgl_sparse: {method.name} (a method-owned KV layout) serves on the flashinfer base "
                          "(GPU) or torch_native (CPU), not triton")

@@ -300,14 +300,15 @@ GPU_VALIDATED_STORES: frozenset[str] = frozenset()
 GPU_STORE_STATUS = {
     "kivi": "its decode kernel takes 1.02 ms a layer at 130K x 6 on an H200 at 4 bits (0.89 ms at 2 bits), slower "
             "than the 0.74 ms floor of reading that KV in bf16 (benchmarks/quant_decode.py, 2026-12-03)",
-    "fp8_kv": "its decode kernel takes 0.69 ms a layer at 130K x 6 on an H200, under the 0.74 ms floor of reading "
-              "that KV in bf16, but its served decode at 130K has not been measured against vanilla yet "
-              "(benchmarks/quant_decode.py, 2026-12-03)",
+    "fp8_kv": "served at 130K on an H200 it decodes 11 requests at 1.08x vanilla's 6 (its decode kernel reads at "
+              "about half the HBM rate; the target is 1.7x) and prefills 2.4x slower than vanilla (BENCHMARKS.md, "
+              "2026-12-04)",
     "turboquant": "its decode kernel (chunk-major codes) takes 1.5 ms a layer at 130K x 6 on an H200 at 4 bits, "
                   "slower than the 0.74 ms floor of reading that KV in bf16 (benchmarks/quant_decode.py, "
                   "2026-12-03)",
 }
 GPU_STORE_ENV = "SGLSPARSE_GPU_QUANT"
+GPU_COMPOSE_ENV = "SGLSPARSE_GPU_COMPOSE"  # a composition on CUDA (attention.GPU_COMPOSE_ENV), until its GPU tests pass
 
 # --max-running-requests for a store with per-request buffers when the flag is not given.
 DEFAULT_STORE_RUNNING_REQUESTS = 64
@@ -409,11 +410,11 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
     if method.store is not None:
-        if device != "cpu" and method.evicts:
+        if device != "cpu" and method.evicts and os.environ.get(GPU_COMPOSE_ENV) != "1":
             problems.append(f"--sparse-method {method.name}: an eviction method over a method-owned layout serves on "
-                            "--device cpu only for now: the store's GPU kernels read each request's req_to_token "
-                            "row as it is, which holds sentinel slots after eviction (the CPU path reads compacted "
-                            "rows)")
+                            "--device cpu for now: on CUDA its store reads FlashInfer's compacted decode lists "
+                            "instead of req_to_token rows (which hold sentinel slots after eviction), a path not run "
+                            f"on a GPU yet ({GPU_COMPOSE_ENV}=1 starts it anyway, for tests and benchmarks)")
         elif device != "cpu" and not method.store.gpu_kernels:
             problems.append(f"--sparse-method {method.name}: its GPU kernels are not written yet (its layout runs "
                             "in plain torch, which cannot run inside CUDA graphs); it serves on --device cpu")

@@ -56,6 +56,19 @@ def compact_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, len
     return StoreRows(rows.gather(1, order), torch.arange(bs, device=device), live.sum(1).to(lens.dtype))
 
 
+def flat_rows(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, bs: int, width: int) -> StoreRows:
+    """The rows of a decode step's compacted KV lists (FlashInfer's ``kv_indptr`` / ``kv_indices``: each request's
+    live slots, flat), as the stores' Triton decode kernels read rows, on the device and CUDA-graph safe (the lists
+    are the graph's static buffers). A kernel reads slot ``table[row] + pos`` through ``table.stride(0)``, so the
+    flat list viewed with row stride 1 and each request's row index its list's start reads exactly its list;
+    ``table.shape[1]`` (what the kernels size their splits from) is ``width``, capped by the list's length. For
+    Triton kernels only: a torch path would index rows past the view's shape."""
+    w = max(1, min(width, kv_indices.numel()))
+    table = kv_indices.as_strided((1, w), (1, 1))
+    starts = kv_indptr[:bs]
+    return StoreRows(table, starts, kv_indptr[1:bs + 1] - starts)
+
+
 def raw_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor) -> StoreRows:
     return StoreRows(req_to_token, req_pool_indices, lens)
 
