@@ -10,7 +10,7 @@
   token's row are computed once per forward (sizes from the host: no sync).
 * A store that reads its prefix dequantized (:attr:`~sgl_sparse.contract.KVStore.dequantize_prefix`): the
   step's prefix slots are listed flat once per forward (:func:`dense_prefix`), each layer dequantizes them
-  (:meth:`~sgl_sparse.contract.KVStore.read`) and the base's dense prefill attends them (FlashInfer's ragged
+  (:meth:`~sgl_sparse.contract.KVStore.read_prefix`) and the base's dense prefill attends them (FlashInfer's ragged
   prefill, non-causal, on the GPU; plain torch on CPU), merged as above.
 * Under an evicting method (a composition) rows hold sentinel slots at evicted positions, so the store reads
   compacted rows instead (:func:`compact_rows`, once per forward): each request's live slots in position
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import KVStore
+from sgl_sparse.contract import KVStore, attend
 from sgl_sparse.slots import SENTINEL_SLOT
 
 LN2 = math.log(2.0)
@@ -181,14 +181,9 @@ def prefix_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex
     flat (:class:`DensePrefix` order) -> (output ``[n, Hq, D]``, natural lse ``[n, Hq]``)."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    group = q.shape[1] // k.shape[1]
     at = kv = 0
     for n, m in zip(extend_lens, prefix_lens, strict=True):
-        qs, ks, vs = q[at:at + n].float(), k[kv:kv + m].float(), v[kv:kv + m].float()
-        logits = torch.einsum("thd,shd->hts", qs, ks.repeat_interleave(group, dim=1)) * scale
-        lse[at:at + n] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
-        out[at:at + n] = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1),
-                                      vs.repeat_interleave(group, dim=1)).to(q.dtype)
+        out[at:at + n], lse[at:at + n] = attend(q[at:at + n], k[kv:kv + m], v[kv:kv + m], scale)
         at, kv = at + n, kv + m
     return out, lse
 
