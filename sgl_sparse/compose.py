@@ -182,10 +182,12 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
                                 "quantization method")
     quantization = next(m for m in methods if not m.evicts)
     store = quantization.store
-    if store is not None and store.dequantize_prefix:
+    if store is not None:
         # Under eviction the prefix rows hold sentinels and are read compacted (store_attention.compact_rows),
-        # a path the dequantized read does not take: refused rather than silently read through the kernel.
-        raise SparseConfigError(f"{where}: {quantization.name}'s prefix_attention 'dequantize' is not served under "
-                                "eviction (its rows are read compacted, through the store's kernel): leave it "
-                                "'kernel' in a composition")
+        # a path the dequantized read does not take: "auto" reads through the kernel, "dequantize" is refused.
+        try:
+            store.decline_dequantized_prefix("not served under eviction (a composition's rows are read compacted, "
+                                             "through the store's kernel)")
+        except SparseConfigError as e:
+            raise SparseConfigError(f"{where}: {quantization.name}'s {e}") from None
     return Composed(evicting[0], quantization)

@@ -80,6 +80,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from sgl_sparse.config import MethodConfig
+from sgl_sparse.errors import SparseConfigError
 
 
 class Family(enum.StrEnum):
@@ -486,8 +487,12 @@ class KVStore(ABC):
     # prefill (FlashInfer's on the GPU) instead of :meth:`prefix`: a prefill is compute-bound, each prefix token
     # is read once per layer for thousands of queries, so materializing the batch's prefix for one layer costs
     # little beside it. :meth:`read_prefix` gives the K/V (by default through :meth:`read`); a layout whose scores add
-    # a term the dequantized K/V lack (TurboQuant's QJL) must not set it.
+    # a term the dequantized K/V lack (TurboQuant's QJL) must not set it. Set through :meth:`choose_prefix_attention`.
     dequantize_prefix: bool = False
+    # The configured choice: "auto" (dequantize where that read is served, else the kernel), "dequantize" (refused
+    # where it is not served) or "kernel"; and why an "auto" store reads through the kernel, if it does.
+    prefix_attention: str = "kernel"
+    prefix_attention_fallback: str | None = None
     # Whether decode and prefix run as device kernels (CUDA-graph safe): the torch defaults below loop over
     # requests with host reads, so a store without kernels serves on CPU only.
     gpu_kernels: ClassVar[bool] = False
@@ -543,6 +548,32 @@ class KVStore(ABC):
     def describe(self) -> dict[str, Any]:
         """What ``/server_info`` reports of the layout (e.g. bits); JSON values."""
         return {}
+
+    def choose_prefix_attention(self, mode: str) -> None:
+        """Set the configured prefix read (``"auto"``, ``"dequantize"`` or ``"kernel"``)."""
+        self.prefix_attention = mode
+        self.dequantize_prefix = mode != "kernel"
+        self.prefix_attention_fallback = None
+
+    def decline_dequantized_prefix(self, why: str) -> None:
+        """Where the dequantized prefix read is not served (``why``): an ``"auto"`` store reads through
+        :meth:`prefix` instead and says so in :meth:`describe_prefix_attention`; an explicit ``"dequantize"``
+        raises :class:`SparseConfigError` with ``why``."""
+        if not self.dequantize_prefix:
+            return
+        if self.prefix_attention == "dequantize":
+            raise SparseConfigError(f"prefix_attention 'dequantize': {why}: use 'kernel' or 'auto'")
+        self.dequantize_prefix = False
+        self.prefix_attention_fallback = why
+
+    def describe_prefix_attention(self) -> dict[str, Any]:
+        """The prefix read as served, for :meth:`describe`: ``prefix_attention`` (``dequantize`` or ``kernel``), the
+        configured mode and, when ``auto`` fell back to the kernel, why."""
+        out: dict[str, Any] = {"prefix_attention": "dequantize" if self.dequantize_prefix else "kernel",
+                               "prefix_attention_config": self.prefix_attention}
+        if self.prefix_attention_fallback is not None:
+            out["prefix_attention_fallback"] = self.prefix_attention_fallback
+        return out
 
     def read_keys(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
         """Dequantized K of ``slots``, ``[n, Hkv, D]``: what an evicting method's scores read (SnapKV's window)."""

@@ -18,14 +18,14 @@ def test_config_is_keyed_by_member_and_reported_as_given() -> None:
     m = create_method("snapkv+kivi", '{"snapkv": {"budget": 1024}, "kivi": {"bits": 2}}')
     assert isinstance(m, Composed) and m.name == "snapkv+kivi" and m.evicts
     assert m.config.to_dict()["snapkv"]["budget"] == 1024 and m.config.to_dict()["kivi"] == {
-        "bits": 2, "group_size": 32, "prefix_attention": "kernel"}
+        "prefix_attention": "auto", "bits": 2, "group_size": 32}
     assert m.store is m.quantization.store and m.selector is None
     assert m.observation_window() == 32  # SnapKV's
     assert family_label(m) == "eviction+quantization" and family_label(create_method("snapkv")) == "eviction"
     # A member left out keeps its defaults; the handed-off dict builds the same composition again.
     d = create_method("streamingllm+fp8_kv", {"streamingllm": {"recent_tokens": 100}})
     assert d.config.to_dict() == {"streamingllm": {"sink_tokens": 64, "recent_tokens": 100, "evict_interval": 64},
-                                  "fp8_kv": {"prefix_attention": "kernel"}}
+                                  "fp8_kv": {"prefix_attention": "auto"}}
     assert create_method(d.name, d.config.to_dict()).config == d.config
     assert create_method("turboquant+snapkv").name == "snapkv+turboquant"  # either order, eviction first
 
@@ -60,7 +60,7 @@ def test_fingerprint_covers_both_members() -> None:
     ("snapkv+fp8_kv", '{"snapkv": {"budget": 0}}', "snapkv: field 'budget' must be >= 1"),
     ("snapkv+kivi", '{"kivi": {"bits": 3}}', "kivi: field 'bits' must be 2 or 4"),
     ("snapkv+fp8_kv", '{"fp8_kv": {"prefix_attention": "dequantize"}}',
-     "fp8_kv's prefix_attention 'dequantize' is not served under eviction"),
+     "fp8_kv's prefix_attention 'dequantize': not served under eviction"),
 ])
 def test_bad_compositions_name_the_problem(name: str, config: str | None, message: str) -> None:
     with pytest.raises(SparseConfigError, match=message):

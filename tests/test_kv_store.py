@@ -100,10 +100,10 @@ def test_the_dequantized_prefix_path_reads_what_the_store_prefix_reads(method: s
     """``prefix_attention: dequantize``: the step's prefix slots listed flat (rows in the batch's order, scattered
     slots, rows of the table the batch skips), read through ``store.read`` and attended by plain torch, give the
     store's own ``prefix`` output and log-sum-exp, request by request."""
-    store = create_method(method, {"prefix_attention": "dequantize"}).store
+    store = create_method(method).store  # "auto": dequantize where served
     assert store is not None and store.dequantize_prefix
     assert store.describe()["prefix_attention"] == "dequantize"
-    assert not create_method(method).store.dequantize_prefix  # the kernel by default
+    assert not create_method(method, {"prefix_attention": "kernel"}).store.dequantize_prefix
     store.allocate(_geometry())
     gen = torch.Generator().manual_seed(7)
     slots = torch.randperm(SLOTS - 1, generator=gen)[:45] + 1
@@ -146,6 +146,28 @@ def test_prefix_attention_is_validated() -> None:
         create_method("fp8_kv", {"prefix_attention": "fast"})
     with pytest.raises(SparseConfigError, match="prefix_attention.*qjl"):
         create_method("turboquant", {"prefix_attention": "dequantize", "qjl": True})
+
+
+def test_auto_falls_back_to_the_kernel_where_the_dequantized_read_is_not_served() -> None:
+    """``auto`` reads through the kernel where ``dequantize`` is not served (TurboQuant's ``qjl``; under eviction;
+    on a GPU base without a dense prefill, which the backend declines) and ``describe`` says why; an explicit
+    ``dequantize`` there is refused."""
+    from sgl_sparse.errors import SparseConfigError
+
+    qjl = create_method("turboquant", {"qjl": True}).store
+    assert not qjl.dequantize_prefix
+    assert qjl.describe()["prefix_attention"] == "kernel" and "qjl" in qjl.describe()["prefix_attention_fallback"]
+    composed = create_method("snapkv+turboquant").store
+    assert not composed.dequantize_prefix and "eviction" in composed.describe()["prefix_attention_fallback"]
+    for mode, served in (("auto", False), ("kernel", False)):
+        store = create_method("fp8_kv", {"prefix_attention": mode}).store
+        store.decline_dequantized_prefix("not here")
+        assert store.dequantize_prefix is served
+        assert store.describe()["prefix_attention_config"] == mode
+    explicit = create_method("fp8_kv", {"prefix_attention": "dequantize"}).store
+    with pytest.raises(SparseConfigError, match="'dequantize': not here"):
+        explicit.decline_dequantized_prefix("not here")
+    assert explicit.dequantize_prefix  # refused, unchanged
 
 
 @pytest.mark.parametrize(("prefix", "new"), [(0, 6), (9, 1), (20, 7)])

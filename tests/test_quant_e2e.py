@@ -29,13 +29,15 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", str(CHUNK), "--enable-cach
 
 @pytest.fixture(scope="module")
 def store_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
-    fp8 = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv"])
+    # "fp8" and "kivi" read the prefix through the store's kernel path, the "-dequant" servers at the default
+    # ("auto": dequantized through the base's dense prefill).
+    kernel = '{"prefix_attention": "kernel"}'
+    fp8 = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv", "--sparse-config", kernel])
     plain = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "plain_store"],
                           env={"SGLSPARSE_METHOD_MODULES": "tests.plain_store"})
-    kivi = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi"])
-    dequant = '{"prefix_attention": "dequantize"}'
-    fp8_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv", "--sparse-config", dequant])
-    kivi_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi", "--sparse-config", dequant])
+    kivi = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi", "--sparse-config", kernel])
+    fp8_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv"])
+    kivi_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi"])
     with running(fp8, plain, kivi, fp8_dequant, kivi_dequant):
         yield {"fp8": fp8, "plain": plain, "kivi": kivi, "fp8-dequant": fp8_dequant, "kivi-dequant": kivi_dequant,
                "dense": servers["ours"], "vanilla": servers["vanilla"]}
@@ -105,12 +107,15 @@ def test_first_chunk_is_exact_later_chunks_read_the_quantized_prefix(store_serve
 
 @pytest.mark.parametrize("name", ["fp8", "kivi"])
 def test_a_dequantized_prefix_reads_what_the_kernel_reads(store_servers: dict, name: str) -> None:
-    """``{"prefix_attention": "dequantize"}``: later chunks read the cached prefix dequantized (KIVI: whole pages
+    """``prefix_attention`` at its default (``auto``: ``dequantize`` on this base): later chunks read the cached prefix
+    dequantized (KIVI: whole pages
     and the open page's residual), through the base's dense prefill: the prompt's logprobs equal the kernel path's
     (and differ from dense's past the first chunk), a batch of chunked prompts and a prefix hit decode the same
     tokens, and nothing leaks."""
     server, kernel = store_servers[f"{name}-dequant"], store_servers[name]
-    assert _state(server)["kv_store"]["prefix_attention"] == "dequantize"
+    served = _state(server)["kv_store"]
+    assert served["prefix_attention"] == "dequantize" and served["prefix_attention_config"] == "auto"
+    assert "prefix_attention_fallback" not in served
     assert _state(kernel)["kv_store"]["prefix_attention"] == "kernel"
     ids = _ids(random.Random(5), 3 * CHUNK)
     for s in (server, kernel):

@@ -170,7 +170,7 @@ def test_bad_choices_get_400_naming_the_key_and_change_nothing(rm_servers: dict)
 
 def test_openai_extra_body_chooses_the_method(rm_servers: dict) -> None:
     """The OpenAI client's extra_body reaches the scheduler: a SnapKV chat on the dense server answers as the
-    SnapKV server does."""
+    SnapKV server does, and the response's ``metadata`` names the method that served it (chat and completions)."""
     mixed, snapkv = rm_servers["mixed"], rm_servers["snapkv"]
     messages = [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}]
     outs = {}
@@ -179,7 +179,14 @@ def test_openai_extra_body_chooses_the_method(rm_servers: dict) -> None:
         r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,  # type: ignore[arg-type]
                                            extra_body={"ignore_eos": True, **extra})
         outs[name] = r.choices[0].message.content
+        served = r.to_dict()["metadata"]["sgl_sparse"]
+        assert served["method"] == "snapkv" and served["source"] == ("request" if extra else "server"), served
     assert outs["mixed"] == outs["snapkv"]
+    client = openai.OpenAI(base_url=f"{mixed.base_url}/v1", api_key="none", max_retries=0)
+    c = client.completions.create(model="tiny", prompt="word1 word2 word3", max_tokens=4, temperature=0,
+                                  extra_body={"custom_params": SNAPKV})
+    meta = c.to_dict()["metadata"]
+    assert meta["sgl_sparse"]["method"] == "snapkv" and "weight_version" in meta, meta
     _assert_idle_and_sound(mixed)
 
 

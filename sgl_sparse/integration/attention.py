@@ -35,6 +35,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
+from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
 from sgl_sparse.integration.selection import allocate_once, attend_itself, attend_selected, observe, write_summaries
@@ -74,10 +75,13 @@ class _SparseBackendMixin:
             allocate_once(self.selector, model_runner)
         self.store = self.method.store
         self.store_lists: ExtendLists | None = None  # the extend step's prefix lists (method-owned layouts)
+        if self.store is not None and model_runner.device != "cpu" and not self.dense_prefix_on_gpu:
+            try:
+                self.store.decline_dequantized_prefix("on a GPU it reads the prefix through FlashInfer's prefill, "
+                                                      "so it needs --attention-backend flashinfer")
+            except SparseConfigError as e:
+                raise ValueError(f"sgl_sparse: {self.method.name}'s {e}") from None
         self.dequantize_prefix = self.store is not None and self.store.dequantize_prefix
-        if self.dequantize_prefix and model_runner.device != "cpu" and not self.dense_prefix_on_gpu:
-            raise ValueError(f"sgl_sparse: {self.method.name}'s prefix_attention 'dequantize' reads the prefix "
-                             "through FlashInfer's prefill: use --attention-backend flashinfer (or the kernel)")
         # A decode step's compacted rows, when a store serves under eviction (built once per forward).
         self.store_rows: StoreRows | None = None
         if self.store is not None and not hasattr(model_runner.token_to_kv_pool, "store"):
@@ -484,7 +488,6 @@ def _flashinfer_backend_cls() -> type:
 
 # Models that fuse the K/V write into RoPE on CUDA with a bf16 pool (sglang/srt/models/*.py, 0.5.17).
 FUSED_KV_WRITE_MODELS = frozenset({"qwen3_moe", "gpt_oss", "bailing_moe", "mellum", "sdar", "sdar_moe", "llada2"})
-GPU_COMPOSE_ENV = "SGLSPARSE_GPU_COMPOSE"  # opts a composition in on CUDA until tests/gpu/test_gpu_compose.py passes
 IMPL_ENV = "SGLSPARSE_ATTENTION_IMPL"  # overrides the base, for tests: torch_native | triton | flashinfer
 
 
@@ -504,11 +507,9 @@ def create_backend(model_runner: Any) -> _SparseBackendMixin:
     """Factory for ``register_attention_backend``."""
     base = choose_base(model_runner)
     method = get_runtime().method
-    if method.store is not None and method.evicts and model_runner.device != "cpu" and (
-            base != "flashinfer" or os.environ.get(GPU_COMPOSE_ENV) != "1"):
-        raise ValueError(f"sgl_sparse: {method.name} (eviction over a method-owned layout) serves on the CPU server; "
-                         f"on CUDA it reads FlashInfer's compacted decode lists, not run on a GPU yet "
-                         f"({GPU_COMPOSE_ENV}=1 with the flashinfer base starts it, for tests and benchmarks)")
+    if method.store is not None and method.evicts and model_runner.device != "cpu" and base != "flashinfer":
+        raise ValueError(f"sgl_sparse: {method.name} (eviction over a method-owned layout) reads FlashInfer's "
+                         "compacted decode lists on CUDA: use --attention-backend flashinfer")
     if method.store is not None and base == "triton":
         raise ValueError(f"sgl_sparse: {method.name} (a method-owned KV layout) serves on the flashinfer base "
                          "(GPU) or torch_native (CPU), not triton")

@@ -298,17 +298,17 @@ def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> hand
 # tok/s (vanilla bf16: 216): each needs a 130K run at or above vanilla before it is served by default.
 GPU_VALIDATED_STORES: frozenset[str] = frozenset()
 GPU_STORE_STATUS = {
-    "kivi": "its decode kernel takes 1.02 ms a layer at 130K x 6 on an H200 at 4 bits (0.89 ms at 2 bits), slower "
-            "than the 0.74 ms floor of reading that KV in bf16 (benchmarks/quant_decode.py, 2026-12-03)",
-    "fp8_kv": "served at 130K on an H200 it decodes 11 requests at 1.08x vanilla's 6 (its decode kernel reads at "
-              "about half the HBM rate; the target is 1.7x) and prefills 2.4x slower than vanilla (BENCHMARKS.md, "
+    "kivi": "served at 130K x 6 on an H200 it decodes at 0.63x vanilla at 4 bits: its decode kernel takes 1.03 ms a "
+            "layer (0.99 ms at 2 bits), slower than the 0.74 ms floor of reading that KV in bf16 (BENCHMARKS.md, "
+            "2026-12-04)",
+    "fp8_kv": "served at 130K on an H200 it decodes 11 requests at 1.09x vanilla's 6 (its decode kernel reads at "
+              "about half the HBM rate; the target is 1.7x; its prefill keeps vanilla's pace) (BENCHMARKS.md, "
               "2026-12-04)",
     "turboquant": "its decode kernel (chunk-major codes) takes 1.5 ms a layer at 130K x 6 on an H200 at 4 bits, "
                   "slower than the 0.74 ms floor of reading that KV in bf16 (benchmarks/quant_decode.py, "
                   "2026-12-03)",
 }
 GPU_STORE_ENV = "SGLSPARSE_GPU_QUANT"
-GPU_COMPOSE_ENV = "SGLSPARSE_GPU_COMPOSE"  # a composition on CUDA (attention.GPU_COMPOSE_ENV), until its GPU tests pass
 
 # --max-running-requests for a store with per-request buffers when the flag is not given.
 DEFAULT_STORE_RUNNING_REQUESTS = 64
@@ -410,17 +410,12 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
     if method.store is not None:
-        if device != "cpu" and method.evicts and os.environ.get(GPU_COMPOSE_ENV) != "1":
-            problems.append(f"--sparse-method {method.name}: an eviction method over a method-owned layout serves on "
-                            "--device cpu for now: on CUDA its store reads FlashInfer's compacted decode lists "
-                            "instead of req_to_token rows (which hold sentinel slots after eviction), a path not run "
-                            f"on a GPU yet ({GPU_COMPOSE_ENV}=1 starts it anyway, for tests and benchmarks)")
-        elif device != "cpu" and not method.store.gpu_kernels:
+        if device != "cpu" and not method.store.gpu_kernels:
             problems.append(f"--sparse-method {method.name}: its GPU kernels are not written yet (its layout runs "
                             "in plain torch, which cannot run inside CUDA graphs); it serves on --device cpu")
-        elif (device != "cpu" and method.name not in GPU_VALIDATED_STORES
+        elif (device != "cpu" and (layout := getattr(method, "quantization", method).name) not in GPU_VALIDATED_STORES
               and os.environ.get(GPU_STORE_ENV) != "1"):
-            why = GPU_STORE_STATUS.get(method.name, "its GPU kernels have not passed the GPU tests yet")
+            why = GPU_STORE_STATUS.get(layout, "its GPU kernels have not passed the GPU tests yet")
             problems.append(f"--sparse-method {method.name}: {why}; it serves on --device cpu for now "
                             f"({GPU_STORE_ENV}=1 starts it anyway, for tests and benchmarks)")
         if kv_dtype != "auto":

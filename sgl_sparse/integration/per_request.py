@@ -3,8 +3,9 @@
 * HTTP process: :func:`http_resolver` (built once from the launcher's hand-off) validates each request's
   ``custom_params`` (through :mod:`.validation`, so a bad choice is HTTP 400 before it reaches the
   scheduler) and :func:`around_wait_one_response` reports the serving method in ``meta_info["sgl_sparse"]``
-  of every response (``/generate``; the OpenAI routes build their own bodies from it), with the outcome of the
-  request's own prune (``custom_params`` ``sgl_sparse_prune``) under ``"prune"``;
+  of every response (``/generate``; :func:`after_build_openai_response` copies it into a non-streaming OpenAI
+  response's ``metadata``), with the outcome of the request's own prune (``custom_params`` ``sgl_sparse_prune``)
+  under ``"prune"``;
 * scheduler: :func:`before_add_request_to_queue` resolves the method when a request first enters the
   waiting queue and namespaces it in the prefix tree (``SparseRuntime.admit``), so every match, including
   the waiting queue's prefix-aware ordering, already sees the request's own namespace.
@@ -65,6 +66,21 @@ def around_wait_one_response(original: Any, tm: Any, obj: Any, *args: Any, **kwa
     return with_method()
 
 
+def after_build_openai_response(result: Any, serving: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER ``OpenAIServingChat._build_chat_response(self, request, ret, created)`` and
+    ``OpenAIServingCompletion._build_completion_response`` (the same arguments): the first output's
+    ``meta_info["sgl_sparse"]`` (the method, and the request's own prune report) goes into the response's
+    ``metadata``, SGLang's response-level field beside its ``weight_version`` (taken from the first output too), so
+    an OpenAI client sees it. Non-streaming responses only: SGLang's stream chunks carry no ``metadata``."""
+    ret = kwargs.get("ret", args[1] if len(args) > 1 else None)
+    meta = ret[0].get("meta_info") if isinstance(ret, list) and ret and isinstance(ret[0], dict) else None
+    info = meta.get("sgl_sparse") if isinstance(meta, dict) else None
+    if info is None or not hasattr(result, "metadata"):  # not our server's, or an error response
+        return result
+    result.metadata = {**(result.metadata or {}), "sgl_sparse": info}
+    return result
+
+
 def before_add_request_to_queue(scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ``Scheduler._add_request_to_queue(self, req, is_retracted=False)``."""
     from sgl_sparse.integration.runtime import get_runtime
@@ -76,3 +92,7 @@ def before_add_request_to_queue(scheduler: Any, req: Any, *args: Any, **kwargs: 
 
 WAIT_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._wait_one_response"
 ADMIT_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+OPENAI_RESPONSE_TARGETS = (
+    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response",
+    "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",
+)

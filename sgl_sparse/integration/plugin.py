@@ -150,6 +150,8 @@ def register() -> None:
     # and prefix-tree namespace at admission (scheduler).
     HookRegistry.register(per_request.WAIT_TARGET, per_request.around_wait_one_response, HookType.AROUND)
     HookRegistry.register(per_request.ADMIT_TARGET, per_request.before_add_request_to_queue, HookType.BEFORE)
+    for target in per_request.OPENAI_RESPONSE_TARGETS:  # and in a non-streaming OpenAI response's metadata
+        HookRegistry.register(target, per_request.after_build_openai_response, HookType.AFTER)
     from sgl_sparse.integration import prune_api
 
     # Prefix-Cache Pruning's control request, handled by each scheduler between batches.

@@ -1,7 +1,7 @@
 """An eviction method over a quantized pool on the GPU (``snapkv+fp8_kv``): the store's decode reads FlashInfer's
 compacted decode lists as rows (``store_attention.flat_rows``), built by our index launcher from the live counts
-and replayed by CUDA graphs, where the CPU server sorts each row per step. Behind ``SGLSPARSE_GPU_COMPOSE=1`` until
-this file passes on an H200.
+and replayed by CUDA graphs, where the CPU server sorts each row per step. Passed on an H200 (2026-12-04), so a
+composition needs only its store's ``SGLSPARSE_GPU_QUANT=1``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gpu_common import SELECTION_LENS, assert_idle_and_sound, assert_same_tokens
 from sgl_sparse.server_process import ServerProcess, running
 
 pytestmark = pytest.mark.gpu
-ENV = {"SGLSPARSE_GPU_QUANT": "1", "SGLSPARSE_GPU_COMPOSE": "1"}
+ENV = {"SGLSPARSE_GPU_QUANT": "1"}
 COVERING = {"snapkv": {"budget": 16384}}  # above every prompt + output here: nothing is evicted
 SMALL = {"snapkv": {"budget": 1024}}
 
@@ -22,7 +22,8 @@ SMALL = {"snapkv": {"budget": 1024}}
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
     procs = {
-        "fp8": ours("compose-fp8", "fp8_kv", env=ENV),
+        # The kernel's prefix read, as the composition's (under eviction "auto" falls back to it).
+        "fp8": ours("compose-fp8", "fp8_kv", {"prefix_attention": "kernel"}, env=ENV),
         "covering": ours("compose-covering", "snapkv+fp8_kv", COVERING, env={**ENV, "SGLSPARSE_SYNC_DEBUG": "error"}),
         "small": ours("compose-small", "snapkv+fp8_kv", SMALL, env={**ENV, "SGLSPARSE_SYNC_DEBUG": "error"}),
         "small-eager": ours("compose-small-eager", "snapkv+fp8_kv", SMALL, extra=["--disable-cuda-graph"], env=ENV),
@@ -35,6 +36,8 @@ def test_a_covering_budget_serves_exactly_the_store_alone(servers: dict[str, Ser
     """Nothing evicted: every request reads the same FP8 slots through the compacted lists as fp8_kv alone reads
     through its rows, so the tokens are the same."""
     prompts = [prose(1100 + i, n) for i, n in enumerate(SELECTION_LENS)]
+    store = state(servers["covering"])["kv_store"]
+    assert store["prefix_attention"] == "kernel" and "eviction" in store["prefix_attention_fallback"]
     before = state(servers["covering"])["evicted_tokens_total"]
     assert_same_tokens(generate(servers["fp8"], prompts, 64), generate(servers["covering"], prompts, 64),
                        "fp8_kv", "snapkv+fp8_kv covering", "batch of 5")

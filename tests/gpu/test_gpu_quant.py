@@ -87,7 +87,7 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
         "vanilla": vanilla("fp8-vanilla-flashinfer"),
         "fp8": ours("fp8-graph", "fp8_kv", env={**GPU, "SGLSPARSE_SYNC_DEBUG": "error"}),
         "fp8-eager": ours("fp8-eager", "fp8_kv", extra=["--disable-cuda-graph"], env=GPU),
-        "fp8-dequant": ours("fp8-dequant", "fp8_kv", {"prefix_attention": "dequantize"}, env=GPU),
+        "fp8-kernel": ours("fp8-kernel", "fp8_kv", {"prefix_attention": "kernel"}, env=GPU),
     }
     with running(*procs.values()):
         yield procs
@@ -121,13 +121,17 @@ def test_greedy_text_follows_vanilla_bf16(servers: dict[str, ServerProcess]) -> 
 
 
 def test_a_dequantized_prefix_follows_the_kernel(servers: dict[str, ServerProcess]) -> None:
-    """``prefix_attention: dequantize``: 2-6K prompts in 2,048-token chunks, the later chunks reading their prefix
-    dequantized through FlashInfer's ragged prefill (non-causal, merged by log-sum-exp) instead of the Triton prefix
-    kernel: the same FP8 values, so greedy continuations stay on the kernel server's path (rounding apart)."""
-    assert state(servers["fp8-dequant"])["kv_store"]["prefix_attention"] == "dequantize"
+    """``prefix_attention`` ``auto`` (the default) reads the prefix dequantized on FlashInfer: 2-6K prompts in 2,048
+    token chunks, the later chunks reading their prefix through FlashInfer's ragged prefill (non-causal, merged by
+    log-sum-exp) instead of the Triton prefix kernel (``kernel``): the same FP8 values, so greedy continuations stay
+    on the kernel server's path (rounding apart)."""
+    served = state(servers["fp8"])["kv_store"]
+    assert served["prefix_attention"] == "dequantize" and served["prefix_attention_config"] == "auto"
+    assert state(servers["fp8-kernel"])["kv_store"]["prefix_attention"] == "kernel"
     prompts = [prose(900 + i, n) for i, n in enumerate(SELECTION_LENS * 2)]
-    ref = generate(servers["fp8"], prompts, 48)
-    got = generate(servers["fp8-dequant"], prompts, 48)
+    ref = generate(servers["fp8-kernel"], prompts, 48)
+    got = generate(servers["fp8"], prompts, 48)
     same = token_agreement(ref, got)
     assert same >= 0.9, same
-    assert_idle_and_sound(servers["fp8-dequant"])
+    assert_idle_and_sound(servers["fp8"])
+    assert_idle_and_sound(servers["fp8-kernel"])

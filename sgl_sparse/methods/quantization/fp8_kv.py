@@ -15,26 +15,17 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
 from sgl_sparse.kernels import fp8_attention, quant
+from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
 
 @dataclass(frozen=True)
-class FP8KVConfig(MethodConfig):
-    """The scales are dynamic, one per (token, KV head). ``prefix_attention``: how an extend's queries read the
-    cached prefix: ``"kernel"``, the Triton kernel over the codes; ``"dequantize"``, the prefix dequantized to the
-    model dtype for each layer's call (transient: 4 bytes x KV heads x head dim per prefix token, up to
-    ``DEQUANTIZE_MAX_TOKENS`` a step, past which that step uses the kernel) and read by the attention base's
-    dense prefill (FlashInfer's ragged prefill on the GPU)."""
+class FP8KVConfig(QuantConfig):
+    """The scales are dynamic, one per (token, KV head); ``prefix_attention`` as :class:`QuantConfig`'s."""
 
     method_name = "fp8_kv"
-    prefix_attention: str = "kernel"
-
-    def validate(self) -> None:
-        self.require(self.prefix_attention in ("kernel", "dequantize"), "prefix_attention",
-                     "must be 'kernel' or 'dequantize'")
 
 
 class FP8Store(KVStore):
@@ -42,8 +33,8 @@ class FP8Store(KVStore):
 
     gpu_kernels = True
 
-    def __init__(self, dequantize_prefix: bool = False) -> None:
-        self.dequantize_prefix = dequantize_prefix
+    def __init__(self, prefix_attention: str = "kernel") -> None:
+        self.choose_prefix_attention(prefix_attention)
         self.k_codes: list[torch.Tensor] = []
         self.v_codes: list[torch.Tensor] = []
         self.k_scale: list[torch.Tensor] = []
@@ -71,7 +62,7 @@ class FP8Store(KVStore):
 
     def describe(self) -> dict[str, Any]:
         return {"format": "e4m3", "bits": 8, "scales": "per token and KV head, fp32",
-                "prefix_attention": "dequantize" if self.dequantize_prefix else "kernel"}
+                **self.describe_prefix_attention()}
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               decode: bool) -> None:
@@ -121,7 +112,7 @@ class FP8KV(SparseMethod[FP8KVConfig]):
 
     def __init__(self, config: FP8KVConfig) -> None:
         super().__init__(config)
-        self._store = FP8Store(dequantize_prefix=config.prefix_attention == "dequantize")
+        self._store = FP8Store(config.prefix_attention)
 
     @property
     def store(self) -> FP8Store:

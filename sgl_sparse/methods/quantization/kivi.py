@@ -33,29 +33,26 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend
 from sgl_sparse.kernels import fp8_attention, kivi_attention, quant
+from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
 
 @dataclass(frozen=True)
-class KIVIConfig(MethodConfig):
+class KIVIConfig(QuantConfig):
     """``bits`` per key and value code; ``group_size`` tokens per key group (the pool's page size) and
-    channels per value group; the open group is the full-precision residual. ``prefix_attention``: how an
-    extend's queries read the cached prefix once it is dequantized into the workspace (whole pages and each
-    row's residual): ``"kernel"``, our Triton prefill kernel; ``"dequantize"``, the attention base's dense
-    prefill (FlashInfer's ragged prefill on the GPU), as ``fp8_kv``'s."""
+    channels per value group; the open group is the full-precision residual. ``prefix_attention`` as
+    :class:`QuantConfig`'s: either way the cached prefix is first dequantized into the workspace (whole pages and
+    each row's residual), then read by the attention base's dense prefill (``dequantize``) or our Triton kernel."""
 
     method_name = "kivi"
     bits: int = 4
     group_size: int = 32
-    prefix_attention: str = "kernel"
 
     def validate(self) -> None:
         self.require(self.bits in (2, 4), "bits", "must be 2 or 4")
-        self.require(self.prefix_attention in ("kernel", "dequantize"), "prefix_attention",
-                     "must be 'kernel' or 'dequantize'")
+        super().validate()
         self.require(self.group_size in (8, 16, 32, 64, 128), "group_size", "must be a power of two from 8 to 128")
 
 
@@ -67,7 +64,7 @@ class KIVIStore(KVStore):
     def __init__(self, config: KIVIConfig) -> None:
         self.bits = config.bits
         self.page_size = self.group = config.group_size
-        self.dequantize_prefix = config.prefix_attention == "dequantize"
+        self.choose_prefix_attention(config.prefix_attention)
         self.dtype = torch.bfloat16
         self.use_triton = False
         self._blocks = fp8_attention.StepBlocks()
@@ -126,7 +123,7 @@ class KIVIStore(KVStore):
         return {"format": "kivi", "bits": self.bits, "group_size": self.group,
                 "scales": "keys per page and channel, values per token and channel group, fp16",
                 "residual": "each running request's open page, model dtype",
-                "prefix_attention": "dequantize" if self.dequantize_prefix else "kernel"}
+                **self.describe_prefix_attention()}
 
     # -- write -------------------------------------------------------------------------------------
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,

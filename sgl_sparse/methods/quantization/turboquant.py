@@ -28,32 +28,30 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
 from sgl_sparse.kernels import fp8_attention, quant, turboquant_attention
+from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
 
 @dataclass(frozen=True)
-class TurboQuantConfig(MethodConfig):
+class TurboQuantConfig(QuantConfig):
     """``bits`` per coordinate of keys and values (3 stored in 4-bit lanes: 4 bits' bytes); ``qjl`` adds the keys'
-    1-bit residual; ``seed`` draws the rotation (and QJL's projection). ``prefix_attention``: how an extend's
-    queries read the cached prefix, ``"kernel"`` (the Triton kernel over the codes) or ``"dequantize"`` (the
-    reconstruction in the model dtype through the attention base's dense prefill, as ``fp8_kv``'s; not with
-    ``qjl``, whose residual term only the kernels add)."""
+    1-bit residual; ``seed`` draws the rotation (and QJL's projection). ``prefix_attention`` as
+    :class:`QuantConfig`'s; ``dequantize`` reads the MSE reconstruction, without ``qjl``'s residual term, which only
+    the kernels add: refused with ``qjl``, where ``auto`` reads through the kernel."""
 
     method_name = "turboquant"
     bits: int = 4
     qjl: bool = False
     seed: int = 0
-    prefix_attention: str = "kernel"
 
     def validate(self) -> None:
         self.require(self.bits in (2, 3, 4), "bits", "must be 2, 3 or 4")
-        self.require(self.prefix_attention in ("kernel", "dequantize"), "prefix_attention",
-                     "must be 'kernel' or 'dequantize'")
+        super().validate()
         self.require(not (self.qjl and self.prefix_attention == "dequantize"), "prefix_attention",
-                     "'dequantize' reads the MSE reconstruction, without qjl's residual term: use 'kernel' with qjl")
+                     "'dequantize' reads the MSE reconstruction, without qjl's residual term: use 'auto' or "
+                     "'kernel' with qjl")
 
 
 class TurboQuantStore(KVStore):
@@ -65,7 +63,9 @@ class TurboQuantStore(KVStore):
         self.bits = config.bits
         self.qjl = config.qjl
         self.seed = config.seed
-        self.dequantize_prefix = config.prefix_attention == "dequantize"
+        self.choose_prefix_attention(config.prefix_attention)
+        if self.qjl:
+            self.decline_dequantized_prefix("the dequantized keys lack qjl's residual term")
         self.dtype = torch.bfloat16
         self.use_triton = False
         self._blocks = fp8_attention.StepBlocks()
@@ -104,7 +104,7 @@ class TurboQuantStore(KVStore):
     def describe(self) -> dict[str, Any]:
         return {"format": "turboquant", "bits": self.bits, "qjl": self.qjl, "seed": self.seed,
                 "scales": "one norm per token and KV head, fp32; a shared Lloyd-Max codebook",
-                "prefix_attention": "dequantize" if self.dequantize_prefix else "kernel"}
+                **self.describe_prefix_attention()}
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               decode: bool) -> None:
