@@ -27,6 +27,9 @@
 #   bash benchmarks/device_session.sh vanilla32k | quest32k | omnikv32k | retroinfer32k | table32k
 #                                                32,768 in x 16: vanilla FlashInfer, then each selection method at its
 #                                                default config, one server a step; table32k prints them together.
+#   bash benchmarks/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
+#                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
+#                                                at the same batch (each ~6 min of prefill).
 #   bash benchmarks/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
 #                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor
 #                                                (QUANT_WARPS, QUANT_ARGS: tile sweeps, e.g. --kivi-pages 2 4).
@@ -175,6 +178,14 @@ fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a qua
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method "$m" --sparse-config "${QUANT_CONFIG:-{\}}" --log-dir "/root/bench/$name" --json "/root/bench/$name.json"
   ;;
+snapkvfp8130k)  # SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH (default 24; SnapKV alone:
+  install        # snapkv130k at SPARSE_BATCH=24 beside it), ours only
+  b="${COMPOSE_BATCH:-24}"
+  SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/snapkvfp8130k.txt" python3 benchmarks/decode_throughput.py \
+      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
+      --sparse-method snapkv+fp8_kv --sparse-config '{"snapkv": {"budget": 8192}}' --log-dir /root/bench/snapkvfp8130k \
+      --json /root/bench/snapkvfp8130k.json
+  ;;
 quantdecode)  # decode attention over the quantized pools, one layer in a CUDA graph (benchmarks/quant_decode.py), no server
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/quantdecode.txt python3 benchmarks/quant_decode.py \
@@ -194,7 +205,7 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
@@ -369,6 +380,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac

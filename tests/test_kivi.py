@@ -150,6 +150,34 @@ def test_decode_writes_one_token_per_row_in_one_call() -> None:
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_decode_write_kernel_equals_the_torch_write(bits: int) -> None:
+    """kernels/kivi_write.py (one program per row and KV head; only a row whose token fills its page quantizes)
+    leaves every buffer as the torch decode write does, codes, scales and zero points bit for bit, over steps that
+    fill pages of some rows and not others, and rows that start mid-page (run interpreted on CPU)."""
+    if not INTERPRETED:
+        pytest.skip("the kernel runs in the interpreted re-run")
+    from sgl_sparse.kernels import kivi_write
+
+    a, b = _store(bits), _store(bits)
+    gen = torch.Generator().manual_seed(11 + bits)
+    rows = torch.tensor([3, 0, 2])
+    start = torch.tensor([0, 5, GS - 2])  # row 2's first step fills its first page's last but one slot
+    n = 2 * GS + 3
+    k = torch.randn(3, n, HKV, D, generator=gen) * torch.linspace(0.1, 4, D)
+    v = torch.randn(3, n, HKV, D, generator=gen)
+    v[0, :GS, 1] = 0.5  # a constant page (scale 0) and ties in the rounding
+    slots = torch.stack([_row_slots(int(r), int(s) + n)[int(s):] for r, s in zip(rows, start, strict=True)])
+    for t in range(n):
+        a.write(0, slots[:, t], k[:, t], v[:, t], rows, decode=True)
+        kivi_write.decode_write(b._buffers(0), slots[:, t], k[:, t], v[:, t], rows, bits, GS)
+    # Page 0 is SGLang's padding page, where the torch write stores the rows that filled nothing; no row reads it.
+    for name, x, y in zip(["k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "res_k", "res_v"],
+                          a._buffers(0), b._buffers(0), strict=True):
+        skip = 0 if name.startswith("res") else 1 if name in ("k_scale", "k_zero") else GS
+        assert torch.equal(x[skip:], y[skip:]), (name, (x[skip:] != y[skip:]).nonzero()[:5])
+
+
 def test_prefix_reads_whole_pages_and_the_residual() -> None:
     store = _store(4)
     gen = torch.Generator().manual_seed(9)

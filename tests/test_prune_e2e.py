@@ -358,6 +358,9 @@ def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: st
     assert prompt[:len(render(messages))] == render(messages)
     m = _post(server, "match", {"token_ids": prompt}).json()
     assert m["hidden_tokens"] == expected and m["matched_tokens"] == len(prompt), (m, expected)
+    # The outcome in the OpenAI response's metadata, as /generate's meta_info has it.
+    report = r.json()["metadata"]["sgl_sparse"]["prune"]
+    assert report["status"] == "applied" and report["pruned_tokens"] == expected, report
     reply = r.json()["choices"][0]["message"]["content"]
     nxt = {**body, "messages": [*messages, {"role": "assistant", "content": reply},
                                 {"role": "user", "content": "summarize"}]}

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend
-from sgl_sparse.kernels import fp8_attention, kivi_attention, quant
+from sgl_sparse.kernels import fp8_attention, kivi_attention, kivi_write, quant
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
@@ -132,6 +132,9 @@ class KIVIStore(KVStore):
         off = loc % gs
         page = loc // gs
         rows = rows.long()
+        if decode and self.use_triton:  # one kernel: the token, and the page it fills (kernels/kivi_write.py)
+            kivi_write.decode_write(self._buffers(layer_id), loc, k, v, rows, self.bits, gs)
+            return
         if decode:  # one token per row: the rows' residuals are distinct (no host sync: CUDA graphs)
             self.res_k[layer_id][rows, off] = k.to(self.dtype)
             self.res_v[layer_id][rows, off] = v.to(self.dtype)
