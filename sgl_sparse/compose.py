@@ -181,13 +181,4 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
         raise SparseConfigError(f"{where}: {both} {why}; a composition is one eviction method over one "
                                 "quantization method")
     quantization = next(m for m in methods if not m.evicts)
-    store = quantization.store
-    if store is not None:
-        # Under eviction the prefix rows hold sentinels and are read compacted (store_attention.compact_rows),
-        # a path the dequantized read does not take: "auto" reads through the kernel, "dequantize" is refused.
-        try:
-            store.decline_dequantized_prefix("not served under eviction (a composition's rows are read compacted, "
-                                             "through the store's kernel)")
-        except SparseConfigError as e:
-            raise SparseConfigError(f"{where}: {quantization.name}'s {e}") from None
     return Composed(evicting[0], quantization)

@@ -9,13 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
+from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
 
 @dataclass(frozen=True)
-class PlainStoreConfig(MethodConfig):
+class PlainStoreConfig(QuantConfig):
+    """``prefix_attention`` as the real stores' (``auto`` by default: the prefix read dequantized, here exactly)."""
+
     method_name = "plain_store"
 
 
@@ -50,6 +52,7 @@ class PlainStoreMethod(SparseMethod[PlainStoreConfig]):
     def __init__(self, config: PlainStoreConfig) -> None:
         super().__init__(config)
         self._store = PlainStore()
+        self._store.choose_prefix_attention(config.prefix_attention)
 
     @property
     def store(self) -> PlainStore:

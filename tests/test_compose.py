@@ -59,8 +59,6 @@ def test_fingerprint_covers_both_members() -> None:
     ("snapkv+fp8_kv", '{"snapkv": 512}', r"--sparse-config\['snapkv'\] must be a JSON object"),
     ("snapkv+fp8_kv", '{"snapkv": {"budget": 0}}', "snapkv: field 'budget' must be >= 1"),
     ("snapkv+kivi", '{"kivi": {"bits": 3}}', "kivi: field 'bits' must be 2 or 4"),
-    ("snapkv+fp8_kv", '{"fp8_kv": {"prefix_attention": "dequantize"}}',
-     "fp8_kv's prefix_attention 'dequantize': not served under eviction"),
 ])
 def test_bad_compositions_name_the_problem(name: str, config: str | None, message: str) -> None:
     with pytest.raises(SparseConfigError, match=message):

@@ -59,8 +59,8 @@ def test_server_info_reports_both_members(compose_servers: dict) -> None:
     assert st["method"] == "snapkv+fp8_kv" and st["family"] == "eviction+quantization"
     assert st["config"]["snapkv"]["budget"] == SNAPKV["budget"]
     assert st["config"]["fp8_kv"] == {"prefix_attention": "auto"}
-    # Under eviction the prefix rows are read compacted, through the kernel: "auto" says it fell back.
-    assert st["kv_store"]["prefix_attention"] == "kernel" and "eviction" in st["kv_store"]["prefix_attention_fallback"]
+    # Under eviction the prefix rows are read compacted: "auto" reads their live slots dequantized.
+    assert st["kv_store"]["prefix_attention"] == "dequantize" and "prefix_attention_fallback" not in st["kv_store"]
     assert st["kv_store"]["class"] == "FP8Store" and st["kv_store"]["bits"] == 8
     tq = _state(compose_servers["streamingllm+turboquant"])
     assert tq["config"]["streamingllm"]["recent_tokens"] == 128 and tq["kv_store"]["bits"] == 4

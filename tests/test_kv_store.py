@@ -149,16 +149,17 @@ def test_prefix_attention_is_validated() -> None:
 
 
 def test_auto_falls_back_to_the_kernel_where_the_dequantized_read_is_not_served() -> None:
-    """``auto`` reads through the kernel where ``dequantize`` is not served (TurboQuant's ``qjl``; under eviction;
-    on a GPU base without a dense prefill, which the backend declines) and ``describe`` says why; an explicit
-    ``dequantize`` there is refused."""
+    """``auto`` reads through the kernel where ``dequantize`` is not served (TurboQuant's ``qjl``; on a GPU base
+    without a dense prefill, which the backend declines) and ``describe`` says why; an explicit ``dequantize``
+    there is refused. Under eviction (a composition) it is served: the compacted prefix is read dequantized."""
     from sgl_sparse.errors import SparseConfigError
 
     qjl = create_method("turboquant", {"qjl": True}).store
     assert not qjl.dequantize_prefix
     assert qjl.describe()["prefix_attention"] == "kernel" and "qjl" in qjl.describe()["prefix_attention_fallback"]
     composed = create_method("snapkv+turboquant").store
-    assert not composed.dequantize_prefix and "eviction" in composed.describe()["prefix_attention_fallback"]
+    assert composed.dequantize_prefix and "prefix_attention_fallback" not in composed.describe()
+    assert not create_method("snapkv+turboquant", {"turboquant": {"qjl": True}}).store.dequantize_prefix
     for mode, served in (("auto", False), ("kernel", False)):
         store = create_method("fp8_kv", {"prefix_attention": mode}).store
         store.decline_dequantized_prefix("not here")

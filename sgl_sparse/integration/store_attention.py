@@ -127,7 +127,7 @@ class ExtendLists:
 def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False,
                  dequantize: bool = False) -> ExtendLists:
     """``compact``: the prefix rows hold sentinels (an evicting method), read them compacted. ``dequantize``: the
-    store reads its prefix dequantized (:attr:`KVStore.dequantize_prefix`): list its slots flat, when every
+    store reads its prefix dequantized (:attr:`KVStore.dequantize_prefix`): list its (live) slots flat, when every
     request of the step has a prefix (an empty one has no log-sum-exp to merge) and together they fit
     :data:`DEQUANTIZE_MAX_TOKENS`; otherwise the step reads through the store's kernel."""
     device = req_to_token.device
@@ -143,8 +143,12 @@ def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool =
     prefix = (compact_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens, longest) if compact
               else raw_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens))
     dense = None
-    if dequantize and not compact and longest > 0 and min(lens) > 0 and sum(lens) <= DEQUANTIZE_MAX_TOKENS:
-        dense = dense_prefix(prefix, lens)
+    if dequantize and longest > 0 and min(lens) > 0:
+        # Compacted rows (an evicting method: a Chain Cache continuation's prefix holds sentinels) are read by
+        # their live counts, which the host learns in one sync a step (extend steps only; decode never reads here).
+        live = [int(n) for n in prefix.lens.tolist()] if compact else lens
+        if min(live) > 0 and sum(live) <= DEQUANTIZE_MAX_TOKENS:
+            dense = dense_prefix(prefix, live)
     return ExtendLists(qo_indptr, prefix, rows, extend_lens, longest > 0, dense)
 
 

@@ -17,8 +17,7 @@ class QuantConfig(MethodConfig):
     base's dense prefill (FlashInfer's ragged prefill on the GPU): measured 3.7x (FP8) to 8x (TurboQuant) faster
     than the kernels on an H200, and faster than vanilla's bf16 prefill (BENCHMARKS.md). ``"kernel"``: the
     store's Triton prefix kernel over the codes. ``"auto"`` (default): ``dequantize`` where it is served, else the
-    kernel (under eviction, with TurboQuant's ``qjl``, on a GPU base other than FlashInfer), as ``/server_info``
-    reports."""
+    kernel (with TurboQuant's ``qjl``, on a GPU base other than FlashInfer), as ``/server_info`` reports."""
 
     prefix_attention: str = "auto"
 
