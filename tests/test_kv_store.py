@@ -209,3 +209,28 @@ def test_sglang_pool_lists_the_store_buffers_and_refuses_raw_writes() -> None:
 
     with pytest.raises(RuntimeError, match="written by sgl_sparse's attention backend"):
         pool.set_kv_buffer(None, torch.tensor([3]), torch.zeros(1, HKV * D), torch.zeros(1, HKV * D))
+
+
+def test_a_compacted_prefix_is_listed_by_its_live_slots() -> None:
+    """Under eviction (``compact``) the dequantized read lists each row's live slots (sentinels skipped, position
+    order) and counts them per request on the host; a row whose live prefix is empty sends the step to the kernel."""
+    from types import SimpleNamespace
+
+    from sgl_sparse.integration.store_attention import extend_lists
+    from sgl_sparse.slots import SENTINEL_SLOT
+
+    r2t = torch.zeros(4, 16, dtype=torch.int64)
+    r2t[1, :6] = torch.tensor([11, SENTINEL_SLOT, 12, SENTINEL_SLOT, 13, 14])
+    r2t[3, :3] = torch.tensor([21, 22, 23])
+
+    def batch(rows: list[int], prefix: list[int], new: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(extend_seq_lens_cpu=new, extend_seq_lens=torch.tensor(new),
+                               req_pool_indices=torch.tensor(rows), extend_prefix_lens=torch.tensor(prefix),
+                               extend_prefix_lens_cpu=prefix)
+
+    lists = extend_lists(batch([3, 1], [3, 6], [2, 1]), r2t, compact=True, dequantize=True)
+    assert lists.dense is not None and lists.dense.lens == [3, 4]
+    assert lists.dense.slots.tolist() == [21, 22, 23, 11, 12, 13, 14]
+    assert lists.dense.kv_indptr.tolist() == [0, 3, 7]
+    r2t[3, :3] = SENTINEL_SLOT  # every prefix token of row 3 evicted: no log-sum-exp to merge
+    assert extend_lists(batch([3, 1], [3, 6], [2, 1]), r2t, compact=True, dequantize=True).dense is None
