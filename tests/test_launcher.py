@@ -545,6 +545,20 @@ def test_a_composition_on_gpu_needs_its_stores_opt_in_only(capsys: pytest.Captur
     parse_args(flags)  # accepted
 
 
+def test_replay_forwards_on_gpu_need_their_opt_in(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVzip (and a prune's kvzip_global) on CUDA: a launch error until SGLSPARSE_GPU_REPLAY=1 (its GPU test)."""
+    flags = ["--model-path", "m", "--device", "cuda", "--sparse-method", "kvzip"]
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert "SGLSPARSE_GPU_REPLAY=1 starts it anyway" in capsys.readouterr().err
+    monkeypatch.setenv("SGLSPARSE_GPU_REPLAY", "1")
+    _, hand = parse_args(flags)
+    assert hand.replay_prune_problem is None
+    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv"])
+    assert hand.replay_prune_problem is None  # kvzip_global prunes too
+
+
 def test_skipkv_on_gpu_with_decode_graphs_off_is_accepted() -> None:
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "skipkv",
                              "--cuda-graph-backend-decode", "disabled"])
