@@ -534,29 +534,22 @@ def test_bad_compositions_are_argparse_errors(method: str, config: str | None, m
     assert f"--sparse-method {method}: " in err and message in err, err
 
 
-def test_a_composition_on_gpu_needs_its_stores_opt_in_only(capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its GPU tests passed (tests/gpu/test_gpu_compose.py), so a composition needs only its store's opt-in."""
-    flags = ["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv+fp8_kv"]
+@pytest.mark.parametrize(("method", "env"), [
+    ("snapkv+fp8_kv", "SGLSPARSE_GPU_QUANT"),  # a composition needs only its store's opt-in (its GPU tests passed)
+    ("kvzip", "SGLSPARSE_GPU_REPLAY"),  # replay forwards (KVzip, a prune's kvzip_global) until their GPU test runs
+])
+def test_on_gpu_until_its_tests_pass_one_opt_in(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                method: str, env: str) -> None:
+    flags = ["--model-path", "m", "--device", "cuda", "--sparse-method", method]
     with pytest.raises(SystemExit):
         parse_args(flags)
-    assert "SGLSPARSE_GPU_QUANT=1 starts it anyway" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_QUANT", "1")
-    parse_args(flags)  # accepted
-
-
-def test_replay_forwards_on_gpu_need_their_opt_in(capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVzip (and a prune's kvzip_global) on CUDA: a launch error until SGLSPARSE_GPU_REPLAY=1 (its GPU test)."""
-    flags = ["--model-path", "m", "--device", "cuda", "--sparse-method", "kvzip"]
-    with pytest.raises(SystemExit):
-        parse_args(flags)
-    assert "SGLSPARSE_GPU_REPLAY=1 starts it anyway" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_REPLAY", "1")
-    _, hand = parse_args(flags)
-    assert hand.replay_prune_problem is None
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv"])
-    assert hand.replay_prune_problem is None  # kvzip_global prunes too
+    assert f"{env}=1 starts it anyway" in capsys.readouterr().err
+    monkeypatch.setenv(env, "1")
+    _, hand = parse_args(flags)  # accepted
+    if method == "kvzip":
+        assert hand.replay_prune_problem is None
+        _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv"])
+        assert hand.replay_prune_problem is None  # kvzip_global prunes too
 
 
 def test_skipkv_on_gpu_with_decode_graphs_off_is_accepted() -> None:
