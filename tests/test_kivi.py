@@ -268,10 +268,12 @@ def test_read_prefix_is_whole_pages_and_the_residual_flat(bits: int) -> None:
     assert store.dequantize_prefix and store.describe()["prefix_attention"] == "dequantize"
     store.allocate(_geometry())
     gen = torch.Generator().manual_seed(20 + bits)
-    prefix = {3: 40, 0: 27, 1: 5}
+    prefix = {3: 40, 2: 0, 0: 27, 1: 5}  # row 2: a request of the step without a prefix reads nothing
     r2t = torch.zeros(ROWS, 64, dtype=torch.int32)
     want_k, want_v = [], []
     for r, n in prefix.items():
+        if n == 0:
+            continue
         slots = _row_slots(r, n)
         k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
         store.write(1, slots, k, v, torch.full((n,), r), decode=False)

@@ -232,5 +232,36 @@ def test_a_compacted_prefix_is_listed_by_its_live_slots() -> None:
     assert lists.dense is not None and lists.dense.lens == [3, 4]
     assert lists.dense.slots.tolist() == [21, 22, 23, 11, 12, 13, 14]
     assert lists.dense.kv_indptr.tolist() == [0, 3, 7]
-    r2t[3, :3] = SENTINEL_SLOT  # every prefix token of row 3 evicted: no log-sum-exp to merge
-    assert extend_lists(batch([3, 1], [3, 6], [2, 1]), r2t, compact=True, dequantize=True).dense is None
+    assert lists.dense.q_rows is None and lists.dense.qo_indptr.tolist() == [0, 2, 3]
+    # Every prefix token of row 3 evicted: row 1 alone goes to the prefill (its one new token is row 2 of q).
+    r2t[3, :3] = SENTINEL_SLOT
+    lists = extend_lists(batch([3, 1], [3, 6], [2, 1]), r2t, compact=True, dequantize=True)
+    assert lists.dense is not None and lists.dense.lens == [0, 4] and lists.dense.slots.tolist() == [11, 12, 13, 14]
+    assert lists.dense.q_rows.tolist() == [2] and lists.dense.qo_indptr.tolist() == [0, 1]
+    assert lists.dense.kv_indptr.tolist() == [0, 4]
+
+
+def test_requests_without_a_prefix_take_no_part_in_the_dequantized_read() -> None:
+    """A step mixing requests with and without a cached prefix reads dequantized: the new tokens of a request
+    without one get an empty prefix part (output 0, log-sum-exp -inf), which the merge weighs 0; the others read
+    their prefix as the store's own kernel path does."""
+    store = create_method("fp8_kv").store
+    store.allocate(_geometry())
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.randperm(SLOTS - 1, generator=gen)[:40] + 1
+    store.write(1, slots, torch.randn(40, HKV, D, generator=gen), torch.randn(40, HKV, D, generator=gen),
+                torch.zeros(40, dtype=torch.int64), decode=False)
+    r2t = torch.zeros(3, 64, dtype=torch.int64)
+    r2t[0, :25], r2t[2, :15] = slots[:25], slots[25:]
+    lens, extend = [25, 0, 15], [3, 4, 2]
+    dense = dense_prefix(StoreRows(r2t, torch.arange(3), torch.tensor(lens)), lens, extend)
+    assert dense.q_rows.tolist() == [0, 1, 2, 7, 8] and dense.kv_indptr.tolist() == [0, 25, 40]
+    assert dense.qo_indptr.tolist() == [0, 3, 5]
+    q = torch.randn(sum(extend), HKV * G, D, generator=gen)
+    k, v = store.read(1, dense.slots)
+    got, got_lse = prefix_attention_torch(q, k, v, extend, lens, SCALE)
+    want, want_lse = store.prefix(1, q, torch.tensor([0, 3, 7, 9]), r2t, torch.arange(3), torch.tensor(lens),
+                                  extend, SCALE)
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+    assert torch.isinf(got_lse[3:7]).all() and (got[3:7] == 0).all()
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)

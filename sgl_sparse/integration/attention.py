@@ -401,12 +401,21 @@ def _flashinfer_backend_cls() -> type:
 
                 if self._dense_wrapper is None:  # SGLang's float workspace, as its own wrappers share it
                     self._dense_wrapper = BatchPrefillWithRaggedKVCacheWrapper(self.workspace_buffer, "NHD")
-                # Host indptrs: the plan copies them to the device without a sync.
-                self._dense_wrapper.plan(lists.qo_indptr_host(), lists.dense.kv_indptr, q3.shape[1], k.shape[1],
+                # Host indptrs over the requests with a prefix: the plan copies them to the device without a sync.
+                self._dense_wrapper.plan(lists.dense.qo_indptr, lists.dense.kv_indptr, q3.shape[1], k.shape[1],
                                          q3.shape[2], causal=False, q_data_type=q3.dtype, kv_data_type=k.dtype)
                 self._dense_planned = lists
-            o, lse = self._dense_wrapper.forward_return_lse(q3, k, v, causal=False, sm_scale=layer.scaling)
-            return o, lse * LN2  # FlashInfer's log-sum-exp is base 2
+            rows = lists.dense.q_rows
+            qs = q3 if rows is None else q3.index_select(0, rows)
+            o, lse = self._dense_wrapper.forward_return_lse(qs, k, v, causal=False, sm_scale=layer.scaling)
+            lse = lse * LN2  # FlashInfer's log-sum-exp is base 2
+            if rows is None:
+                return o, lse
+            # Requests without a prefix: an empty part (output 0, log-sum-exp -inf), which the merge weighs 0.
+            full_o = o.new_zeros((q3.shape[0], *o.shape[1:]))
+            full_lse = lse.new_full((q3.shape[0], lse.shape[1]), float("-inf"))
+            full_o[rows], full_lse[rows] = o, lse
+            return full_o, full_lse
 
         @staticmethod
         def _merge_parts(o1, lse1, o2, lse2):  # type: ignore[no-untyped-def]

@@ -58,7 +58,7 @@ class Counters:
     eviction_steps_total: int = 0
     unscored_prunes_total: int = 0  # requests' own scored prunes not applied (kvzip_global with no replay room)
     # Extend steps with a cached prefix under a store that reads it dequantized (prefix_attention "dequantize"):
-    # read so, or through the store's kernel (a request of the step without a prefix, or past the token cap).
+    # read so, or through the store's kernel (past the token cap).
     prefix_dequantized_steps_total: int = 0
     prefix_kernel_steps_total: int = 0
 

@@ -83,26 +83,44 @@ DEQUANTIZE_MAX_TOKENS = 262_144
 @dataclass
 class DensePrefix:
     """An extend step's cached prefixes as one flat list of slots, request after request in position order (what
-    :meth:`KVStore.read` dequantizes for the base's dense prefill): ``kv_indptr`` ``[bs + 1]`` int32 on the host
-    (a plan made from it needs no device sync), ``lens`` each request's count."""
+    :meth:`KVStore.read` dequantizes for the base's dense prefill). ``lens``: each request's count (0: no prefix).
+    The base's prefill runs over the requests with a prefix only: ``q_rows`` their new tokens' rows (device; ``None``
+    when every request has one), ``qo_indptr`` and ``kv_indptr`` ``[m + 1]`` int32 over those ``m`` requests on the
+    host (a plan made from them needs no device sync)."""
 
     slots: torch.Tensor
-    kv_indptr: torch.Tensor
     lens: list[int]
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    q_rows: torch.Tensor | None = None
 
 
-def dense_prefix(prefix: StoreRows, lens: list[int]) -> DensePrefix:
-    """The slots of the first ``lens[i]`` positions of each row of ``prefix``, flattened (device only)."""
+def _indptr(counts: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    out[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
+    return out
+
+
+def dense_prefix(prefix: StoreRows, lens: list[int], extend_lens: list[int] | None = None) -> DensePrefix:
+    """The slots of the first ``lens[i]`` positions of each row of ``prefix``, flattened (device only), and the
+    prefill's view of the requests with a prefix (``extend_lens``: each request's new tokens; default one each)."""
     device = prefix.table.device
+    extend_lens = [1] * len(lens) if extend_lens is None else extend_lens
     bs, total = len(lens), sum(lens)
-    host = torch.zeros(bs + 1, dtype=torch.int64)
-    host[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    host = _indptr(lens)
     indptr = host.to(device, non_blocking=True)
     counts = indptr[1:] - indptr[:-1]
     req = torch.repeat_interleave(torch.arange(bs, device=device), counts, output_size=total)
     pos = torch.arange(total, device=device) - indptr[req]
     slots = prefix.table[prefix.indices.to(torch.int64)[req], pos].to(torch.int64)
-    return DensePrefix(slots, host.to(torch.int32), lens)
+    some = [i for i, n in enumerate(lens) if n > 0]
+    q_rows = None
+    if len(some) < bs:
+        starts = _indptr(extend_lens)
+        q_rows = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in some]).to(device,
+                                                                                                  non_blocking=True)
+    return DensePrefix(slots, lens, _indptr([extend_lens[i] for i in some]).to(torch.int32),
+                       _indptr([lens[i] for i in some]).to(torch.int32), q_rows)
 
 
 @dataclass
@@ -118,18 +136,13 @@ class ExtendLists:
     has_prefix: bool
     dense: DensePrefix | None = None
 
-    def qo_indptr_host(self) -> torch.Tensor:
-        out = torch.zeros(len(self.extend_lens) + 1, dtype=torch.int32)
-        out[1:] = torch.cumsum(torch.tensor(self.extend_lens, dtype=torch.int32), 0)
-        return out
-
 
 def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False,
                  dequantize: bool = False) -> ExtendLists:
     """``compact``: the prefix rows hold sentinels (an evicting method), read them compacted. ``dequantize``: the
-    store reads its prefix dequantized (:attr:`KVStore.dequantize_prefix`): list its (live) slots flat, when every
-    request of the step has a prefix (an empty one has no log-sum-exp to merge) and together they fit
-    :data:`DEQUANTIZE_MAX_TOKENS`; otherwise the step reads through the store's kernel."""
+    store reads its prefix dequantized (:attr:`KVStore.dequantize_prefix`): list its (live) slots flat when together
+    they fit :data:`DEQUANTIZE_MAX_TOKENS` (requests without a prefix take no part: their rows' prefix part is empty,
+    log-sum-exp ``-inf``); otherwise the step reads through the store's kernel."""
     device = req_to_token.device
     extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
     bs = len(extend_lens)
@@ -143,12 +156,12 @@ def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool =
     prefix = (compact_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens, longest) if compact
               else raw_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens))
     dense = None
-    if dequantize and longest > 0 and min(lens) > 0:
+    if dequantize and longest > 0:
         # Compacted rows (an evicting method: a Chain Cache continuation's prefix holds sentinels) are read by
         # their live counts, which the host learns in one sync a step (extend steps only; decode never reads here).
         live = [int(n) for n in prefix.lens.tolist()] if compact else lens
-        if min(live) > 0 and sum(live) <= DEQUANTIZE_MAX_TOKENS:
-            dense = dense_prefix(prefix, live)
+        if max(live) > 0 and sum(live) <= DEQUANTIZE_MAX_TOKENS:
+            dense = dense_prefix(prefix, live, extend_lens)
     return ExtendLists(qo_indptr, prefix, rows, extend_lens, longest > 0, dense)
 
 
@@ -187,7 +200,10 @@ def prefix_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     at = kv = 0
     for n, m in zip(extend_lens, prefix_lens, strict=True):
-        out[at:at + n], lse[at:at + n] = attend(q[at:at + n], k[kv:kv + m], v[kv:kv + m], scale)
+        if m == 0:  # no prefix: an empty part of the joint softmax
+            out[at:at + n], lse[at:at + n] = 0, float("-inf")
+        else:
+            out[at:at + n], lse[at:at + n] = attend(q[at:at + n], k[kv:kv + m], v[kv:kv + m], scale)
         at, kv = at + n, kv + m
     return out, lse
 

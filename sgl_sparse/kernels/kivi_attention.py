@@ -421,7 +421,7 @@ def _dequant_pass(buffers: tuple[torch.Tensor, ...], req_to_token: torch.Tensor,
 def dequantize_prefixes(buffers: tuple[torch.Tensor, ...], req_to_token: torch.Tensor,
                         req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, lens: list[int], bits: int,
                         group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request's first ``lens[i]`` positions (``prefix_lens`` on the device, ``lens`` on the host, each > 0)
+    """Every request's first ``lens[i]`` positions (``prefix_lens`` on the device, ``lens`` on the host, 0: none)
     dequantized into one flat K and V, request after request: what a dense prefill over the prefix reads
     (``prefix_attention: dequantize``). ``buffers``: ``KIVIStore._buffers(layer)``."""
     _, wk, wv = _dequant_pass(buffers, req_to_token, req_pool_indices, prefix_lens, lens, list(range(len(lens))),
