@@ -129,12 +129,12 @@ class KIVIStore(KVStore):
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               decode: bool) -> None:
         gs = self.group
-        off = loc % gs
-        page = loc // gs
-        rows = rows.long()
         if decode and self.use_triton:  # one kernel: the token, and the page it fills (kernels/kivi_write.py)
             kivi_write.decode_write(self._buffers(layer_id), loc, k, v, rows, self.bits, gs)
             return
+        off = loc % gs
+        page = loc // gs
+        rows = rows.long()
         if decode:  # one token per row: the rows' residuals are distinct (no host sync: CUDA graphs)
             self.res_k[layer_id][rows, off] = k.to(self.dtype)
             self.res_v[layer_id][rows, off] = v.to(self.dtype)
