@@ -29,7 +29,10 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
         "covering": ours("kvzip-covering", "kvzip", {"budget": 16384}, env=REPLAY),
         "small": ours("kvzip-small", "kvzip", SMALL, env={**REPLAY, "SGLSPARSE_SYNC_DEBUG": "error"}),
         "small-eager": ours("kvzip-small-eager", "kvzip", SMALL, extra=["--disable-cuda-graph"], env=REPLAY),
-        "snapkv": ours("kvzip-global-snapkv", "snapkv", {"budget": 16384}, env=REPLAY),
+        # The route's kvzip_global runs an internal request under the sequence's method, which must not evict on
+        # its own (an evicting server answers 400): a dense server that serves eviction methods per request, as
+        # the CPU test's (tests/test_request_prune_e2e.py).
+        "dense": ours("kvzip-global-dense", "dense", extra=["--sparse-request-methods", "eviction"], env=REPLAY),
     }
     with running(*procs.values()):
         yield procs
@@ -64,7 +67,7 @@ def test_a_small_budget_replays_evicts_and_graphs_equal_eager(servers: dict[str,
 def test_a_kvzip_global_prune_through_the_route(servers: dict[str, ServerProcess]) -> None:
     """The prune's internal request replays its ranges' reconstruction on the GPU: of 4,000 positions in two
     ranges 256 stay, the rest of their slots go back, and the next turn is a hit through the whole prompt."""
-    server = servers["snapkv"]
+    server = servers["dense"]
     ids = prose(1500, 6000)
     requests.post(f"{server.base_url}/flush_cache", timeout=30)
     base = assert_idle_and_sound(server)["kv_slots_used"]
