@@ -158,6 +158,7 @@ class PrefillChunk:
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP group; returns the sum
+MaxOverRanks = Callable[[torch.Tensor], torch.Tensor]  # the element-wise maximum over the TP group's ranks
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,11 @@ class StepInfo:
     # step after its K/V was written: SGLang's overlap scheduler (its default, on CPU too) appends a sampled
     # token to the request after the next forward has run. Valid during the hook call only.
     token_ids: Callable[[int, int], Sequence[int]] | None = None
+    # Tensor parallelism: a score that is a maximum over heads (KVzip's replays) holds only this rank's heads;
+    # ``max_over_ranks`` takes its element-wise maximum over the TP group (every rank then holds the same scores
+    # and keeps the same set). The same call on every rank, decided from replicated data only (as
+    # ``ObservationWindow.reduce_heads``). ``None``: one rank holds every head.
+    max_over_ranks: MaxOverRanks | None = None
 
 
 @dataclass(frozen=True)

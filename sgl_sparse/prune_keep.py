@@ -170,6 +170,8 @@ class ReplayInputs:
     config: Any
     max_tokens: int
     run: Callable[[list[Any], Any], None]
+    # Under TP: the scores' maximum over the ranks (each scored its own heads); None with one rank.
+    max_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def knorm_scores(keys: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -235,7 +237,7 @@ def replay_scores(kept: torch.Tensor, ranges: Sequence[tuple[int, int]], inputs:
                             "model's context or the free KV slots); nothing pruned")
     scorer = RangeScores(kept.numel(), inputs.config.sink_tokens)
     inputs.run(replays, scorer)
-    return scorer.scores
+    return scorer.scores if inputs.max_over_ranks is None else inputs.max_over_ranks(scorer.scores)
 
 
 def request_prune_leaves(kept: torch.Tensor, spec: PruneSpec, window: Callable[[], ObservationWindow],

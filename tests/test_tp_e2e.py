@@ -164,3 +164,47 @@ def test_dp2_one_tree_per_rank_and_affinity(tp1: ServerProcess, dp2: ServerProce
     states = [by_rank[0], by_rank[1]]
     assert states[1]["evicted_tokens_total"] > 0 and states[1]["chain_hits_total"] >= 1, states[1]
     assert states[0]["evicted_tokens_total"] == 0 and states[0]["chain_hits_total"] == 0, states[0]
+
+
+# KVzip: scores are maxima over heads (replay forwards), so the ranks take their maximum, not their sum.
+KVZIP = {"budget": 64, "chunk_size": 128}
+KVZIP_FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report", "--sparse-method",
+               "kvzip", "--sparse-config", json.dumps(KVZIP)]
+
+
+def test_tp2_kvzip_replays_keep_what_tp1_keeps(tiny_model: str) -> None:
+    """KVzip at --tp-size 2: every rank runs the same replay forwards (their all-reduces matched), scores its own KV
+    head, and the maximum over the ranks is the maximum over every head, so both ranks keep the positions one rank
+    holding both heads keeps and decode the same tokens; a request's own kvzip_global prune too (its replays score
+    the ranges, then KVzip evicts from the rest). The ranks' keep sets are checked equal at every step."""
+    tp1 = ServerProcess(tiny_model, KVZIP_FLAGS, startup_timeout=600)
+    tp2 = ServerProcess(tiny_model, [*KVZIP_FLAGS, "--tp-size", "2"], env={**CPU_TP_ENV, "SGLSPARSE_TP_CHECK": "1"},
+                        startup_timeout=600)
+    rng = random.Random(37)
+    prompts = [_ids(rng, n) for n in (300, 450, 40)]  # 40: under the budget, no replay
+    prune = json.dumps({"ranges": [[20, 120], [150, 250]], "keep_tokens": 30, "policy": "kvzip_global"})
+    outs, hidden, stats = {}, {}, {}
+    with running(tp1, tp2):
+        for name, server in (("tp1", tp1), ("tp2", tp2)):
+            base = _state(server)
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs[name] = [o["output_ids"] for o in pool.map(lambda ids, s=server: _generate(s, ids), prompts)]
+            body = {"input_ids": prompts[1], "sampling_params": {
+                "temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
+                "custom_params": {"sgl_sparse_prune": prune}}}
+            r = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
+            assert r.status_code == 200, r.text[:300]
+            outs[name].append(r.json()["output_ids"])
+            assert r.json()["meta_info"]["sgl_sparse"]["prune"]["status"] == "applied", r.json()["meta_info"]
+            seq = prompts[1] + outs[name][-1]
+            insp = requests.post(f"{server.base_url}/v1/prefix_cache/inspect", json={"token_ids": seq},
+                                 timeout=60).json()
+            hidden[name] = insp["hidden_ranges"]
+            st = _assert_idle_and_sound(server)
+            stats[name] = {k: st["method_stats"][k] - base.get("method_stats", {}).get(k, 0)
+                           for k in ("scored_requests", "replay_forwards")}
+            stats[name]["evicted"] = st["evicted_tokens_total"] - base["evicted_tokens_total"]
+        assert "TP ranks planned different keep sets" not in tp2.log_tail(400)
+    assert outs["tp2"] == outs["tp1"] and hidden["tp2"] == hidden["tp1"] and hidden["tp1"]
+    assert stats["tp2"] == stats["tp1"], stats
+    assert stats["tp1"]["scored_requests"] == 3 and stats["tp1"]["replay_forwards"] >= 5, stats

@@ -320,9 +320,6 @@ DEFAULT_STORE_RUNNING_REQUESTS = 64
 GPU_VALIDATED_SELECTION = frozenset({"quest", "omnikv", "retroinfer"})
 GPU_SELECTION_ENV = "SGLSPARSE_GPU_SELECTION"
 
-# Replay forwards (KVzip, a prune's kvzip_global) on CUDA: opt-in until tests/gpu/test_gpu_kvzip.py passes on a GPU.
-GPU_REPLAY_ENV = "SGLSPARSE_GPU_REPLAY"
-
 # Eviction with --tp-size > 1 on CUDA: opt-in until a multi-GPU run passes (docs/parallelism.md).
 GPU_TP_ENV = "SGLSPARSE_GPU_TP"
 
@@ -330,13 +327,9 @@ GPU_TP_ENV = "SGLSPARSE_GPU_TP"
 def replay_problems(args: argparse.Namespace, method: Any, device: str) -> list[str]:
     """Why replay forwards (KVzip's reconstruction, integration/replay.py; a method's or a prune's kvzip_global)
     cannot run on this server; empty when they can."""
+    # CUDA since tests/gpu/test_gpu_kvzip.py passed on the H200 (2026-12-04); --tp-size > 1 takes the scores'
+    # maximum over the ranks (tests/test_tp_e2e.py), --dp-size > 1 runs them on the rank that holds the request.
     problems = []
-    if device != "cpu" and os.environ.get(GPU_REPLAY_ENV) != "1":
-        problems.append("replay forwards (integration/replay.py) have run on the CPU server only; --device cpu for now "
-                        f"({GPU_REPLAY_ENV}=1 starts it anyway, for tests/gpu/test_gpu_kvzip.py)")
-    if (args.tp_size or 1) > 1 or (args.dp_size or 1) > 1:
-        problems.append("replay scores are maxima over heads, and the TP reduction sums; --tp-size/--dp-size > 1 "
-                        "not yet")
     if method.store is not None:
         problems.append("replay forwards over a method-owned KV layout are not served yet")
     if method.selector is not None:

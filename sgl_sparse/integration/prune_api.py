@@ -362,11 +362,10 @@ class _Api:
         policy = parsed["policy"]
         if int(getattr(tm.server_args, "dp_size", 1) or 1) > 1:
             # The request would go where SGLang's DP balancing sends it, not to the rank whose tree holds the sequence.
-            elsewhere = "custom_params['sgl_sparse_prune']" if policy == SNAPKV_GLOBAL else \
-                "nowhere yet (its replay forwards run on one rank only)"
             raise BadPruneRequest("policy", f"'{policy}' runs as a request on the rank that holds the "
                                             "sequence, which this route cannot choose under --dp-size > 1: prune "
-                                            f"with knorm here; as the next request's own prune: {elsewhere}")
+                                            "with knorm here, or as the next request's own prune "
+                                            "(custom_params['sgl_sparse_prune'])")
         resolver = http_resolver()
         why = prune_problem(resolver, PruneSpec(tuple(ranges), keep, policy))
         if why is not None:

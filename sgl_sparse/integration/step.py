@@ -21,7 +21,7 @@ import torch
 from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan, in_ranges
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.per_request import PRUNE_REPORT
-from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce
+from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce, scores_max_over_ranks
 from sgl_sparse.prune_keep import (
     KVZIP_GLOBAL,
     SNAPKV_WINDOW,
@@ -64,7 +64,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         method = t.method
         ids = functools.partial(_token_ids, req) if method.needs_token_ids() else None
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
-                        token_ids=ids)
+                        token_ids=ids, max_over_ranks=scores_max_over_ranks())
         if final and (spec := getattr(req, PRUNE_ATTR, None)):
             if (left := _prune(rt, batch, req, t, spec, model_runner)) is not None:
                 pruned.append(left)
@@ -106,8 +106,8 @@ def _prune(rt: SparseRuntime, batch: Any, req: Any, t: Tracked, spec: PruneSpec,
     without them. Positions already gone (an earlier turn's eviction) are not handed over. A scored keep keeps
     the ``keep_tokens`` of the ranges' retained positions its policy scores highest (the prompt's last queries
     over every retained key, summed over the TP group: every rank keeps the same; ``kvzip_global``: replay forwards
-    that reconstruct the ranges, one rank only). The spec comes with the request, identical on every TP rank.
-    Returns the retained positions left (None: the prune removed nothing)."""
+    that reconstruct the ranges, their scores' maximum over the TP group). The spec comes with the request,
+    identical on every TP rank. Returns the retained positions left (None: the prune removed nothing)."""
     st = t.state
     kept = st.kept
     replays = None
@@ -115,7 +115,8 @@ def _prune(rt: SparseRuntime, batch: Any, req: Any, t: Tracked, spec: PruneSpec,
         replays = ReplayInputs(
             token_ids=_token_ids(req, 0, st.logical_len), config=rt.prune_replays,
             max_tokens=replay.room(model_runner, st.logical_len),
-            run=lambda rs, scorer: replay.run(rt, batch, req, st, scorer, rs, model_runner))
+            run=lambda rs, scorer: replay.run(rt, batch, req, st, scorer, rs, model_runner),
+            max_over_ranks=scores_max_over_ranks())
     in_ranges_n = int(in_ranges(kept, list(spec.ranges)).sum())
     try:
         drop = request_prune_leaves(kept, spec, lambda: _window(rt, req, t, model_runner, SNAPKV_WINDOW), replays)

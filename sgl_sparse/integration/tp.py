@@ -6,7 +6,8 @@ allocator or tree state; docs/parallelism.md). Each rank's attention holds its o
 window scores a rank computes cover its heads only: kept sets picked from them would differ between ranks,
 their free counts and admissions would diverge, and the next collective of the model would hang. The methods
 therefore sum their per-position scores over the TP group (:meth:`ObservationWindow.reduce_heads`) through
-the reducer this module hands to every observation window.
+the reducer this module hands to every observation window; scores that are maxima over heads (KVzip's replay
+forwards, a prune's ``kvzip_global``) take their maximum over the ranks instead (``StepInfo.max_over_ranks``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import AllReduce
+from sgl_sparse.contract import AllReduce, MaxOverRanks
 
 # SGLSPARSE_TP_CHECK=1: after every eviction step, check that every TP rank planned the same keep sets (one
 # extra all-reduce per step; the TP server tests turn it on). Read once: the schedulers inherit it.
@@ -57,6 +58,23 @@ def scores_all_reduce() -> AllReduce | None:
         return group.all_reduce(t.clone())
 
     return all_reduce
+
+
+@functools.cache
+def scores_max_over_ranks() -> MaxOverRanks | None:
+    """The element-wise maximum over this scheduler's TP group (``None`` with one rank), for scores that are
+    maxima over heads (KVzip's replays): through the group's gloo group on the host, where those scores live (a
+    device tensor comes back to its device), so it needs no NCCL max and no device sync beyond the copy."""
+    group = _tp_group()
+    if group is None:
+        return None
+
+    def max_over_ranks(t: torch.Tensor) -> torch.Tensor:
+        host = t.detach().to("cpu", torch.float32, copy=True).contiguous()
+        torch.distributed.all_reduce(host, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return host.to(t.device)
+
+    return max_over_ranks
 
 
 def check_ranks_agree(keeps: list[torch.Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""Replay forwards on the GPU (``SGLSPARSE_GPU_REPLAY=1``, FlashInfer base): KVzip's context reconstruction and a
+"""Replay forwards on the GPU (FlashInfer base): KVzip's context reconstruction and a
 prune's ``kvzip_global`` run extra extend forwards of one request inside its step (integration/replay.py), which
 the CPU server tests against an HF reference (tests/test_kvzip_e2e.py, tests/test_request_prune_e2e.py). Here: a
 covering budget replays nothing and serves vanilla FlashInfer's tokens; a small budget replays, evicts, and CUDA
@@ -18,7 +18,6 @@ from sgl_sparse.server_process import ServerProcess, running
 
 pytestmark = pytest.mark.gpu
 
-REPLAY = {"SGLSPARSE_GPU_REPLAY": "1"}
 SMALL = {"budget": 1024, "chunk_size": 2048}  # 2-6K prompts: one to three replays each, most positions evicted
 
 
@@ -26,13 +25,13 @@ SMALL = {"budget": 1024, "chunk_size": 2048}  # 2-6K prompts: one to three repla
 def servers() -> Iterator[dict[str, ServerProcess]]:
     procs = {
         "vanilla": vanilla("kvzip-vanilla-flashinfer"),
-        "covering": ours("kvzip-covering", "kvzip", {"budget": 16384}, env=REPLAY),
-        "small": ours("kvzip-small", "kvzip", SMALL, env={**REPLAY, "SGLSPARSE_SYNC_DEBUG": "error"}),
-        "small-eager": ours("kvzip-small-eager", "kvzip", SMALL, extra=["--disable-cuda-graph"], env=REPLAY),
+        "covering": ours("kvzip-covering", "kvzip", {"budget": 16384}),
+        "small": ours("kvzip-small", "kvzip", SMALL, env={"SGLSPARSE_SYNC_DEBUG": "error"}),
+        "small-eager": ours("kvzip-small-eager", "kvzip", SMALL, extra=["--disable-cuda-graph"]),
         # The route's kvzip_global runs an internal request under the sequence's method, which must not evict on
         # its own (an evicting server answers 400): a dense server that serves eviction methods per request, as
         # the CPU test's (tests/test_request_prune_e2e.py).
-        "dense": ours("kvzip-global-dense", "dense", extra=["--sparse-request-methods", "eviction"], env=REPLAY),
+        "dense": ours("kvzip-global-dense", "dense", extra=["--sparse-request-methods", "eviction"]),
     }
     with running(*procs.values()):
         yield procs

@@ -251,6 +251,8 @@ class KVzip(SparseMethod[KVzipConfig]):
         scores = state.extra.pop(SCORES, None)
         if scores is None:
             return None
+        if step.max_over_ranks is not None:  # TP: each rank scored its own heads; the maximum is every head's
+            scores = step.max_over_ranks(scores)
         cfg = self.config
         kept = state.kept
         keep = topk_keep(kept, scores, cfg.target(kept.numel()), cfg.sink_tokens, cfg.recent_tokens)
