@@ -36,6 +36,7 @@ import dataclasses
 import json
 import random
 import re
+import shlex
 import statistics
 import sys
 import threading
@@ -318,6 +319,9 @@ def main() -> None:
     p.add_argument("--sparse-batch", type=int, default=None, help="concurrent requests for ours (default: --batch)")
     p.add_argument("--sparse-method", default="dense", help="dense (parity with vanilla), snapkv, h2o, rkv, ...")
     p.add_argument("--sparse-config", default="{}")
+    p.add_argument("--sparse-server-args", default="",
+                   help="more flags for our server only, one string (e.g. '--cuda-graph-backend-decode disabled', "
+                        "which methods observing decode queries need on GPU: h2o, rkv, skipkv)")
     p.add_argument("--vanilla-backend", choices=BACKENDS, default="flashinfer",
                    help="vanilla's --attention-backend (default flashinfer, the fastest on the H200)")
     p.add_argument("--sparse-base", choices=BACKENDS, default="flashinfer",
@@ -354,7 +358,8 @@ def main() -> None:
     if args.only in (None, "vanilla"):
         record(run_one("vanilla", "sglang.launch_server", args, [], args.batch, args.vanilla_backend, None))
     if args.only in (None, "sgl_sparse"):
-        extra = ["--sparse-method", args.sparse_method, "--sparse-config", args.sparse_config]
+        extra = ["--sparse-method", args.sparse_method, "--sparse-config", args.sparse_config,
+                 *shlex.split(args.sparse_server_args)]
         record(run_one(f"sgl_sparse:{args.sparse_method}", "sgl_sparse.launch_server", args, extra,
                        args.sparse_batch or args.batch, args.sparse_base,
                        f"{args.sparse_method} {args.sparse_config}"))

@@ -27,6 +27,10 @@
 #   bash benchmarks/device_session.sh vanilla32k | quest32k | omnikv32k | retroinfer32k | table32k
 #                                                32,768 in x 16: vanilla FlashInfer, then each selection method at its
 #                                                default config, one server a step; table32k prints them together.
+#   bash benchmarks/device_session.sh evict130k   EVICT_METHODS (default h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (6), default
+#                                                configs, ours only, one server each; h2o/rkv/skipkv with decode CUDA graphs
+#                                                off (they observe decode queries; the launcher requires it). Run it
+#                                                through `queue` (its servers then start one after another).
 #   bash benchmarks/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
 #                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
 #                                                at the same batch (each ~6 min of prefill).
@@ -205,9 +209,20 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/selection.txt python3 benchmarks/selection_overhead.py \
       ${SELECTION_ARGS:-}
   ;;
+evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (default 6, vanilla's), default
+  install    # configs, ours only, one server each (~3 min each); h2o, rkv, skipkv observe decode queries, so their
+  # servers run decode without CUDA graphs (the launcher requires it; their own defaults, nothing tuned).
+  for m in ${EVICT_METHODS:-h2o rkv skipkv kvzip}; do
+    graphs=""; [ "$m" != kvzip ] && graphs="--cuda-graph-backend-decode disabled"
+    CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/${m}130k.txt" python3 \
+        benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 \
+        --sparse-batch "${EVICT_BATCH:-6}" --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
+        --sparse-server-args "$graphs" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
+  done
+  ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,omnikv130k,retroinfer130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,omnikv130k,retroinfer130k,h2o130k,rkv130k,skipkv130k,kvzip130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
