@@ -292,18 +292,16 @@ def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> hand
     return hand
 
 
-# Method-owned KV layouts served on CUDA without the opt-in: none yet. fp8_kv, kivi and turboquant passed their
-# tests/gpu files on an H200 (18 passed, 2026-12-03: kernels, CUDA graphs on = off, greedy text near bf16), but
-# their decode speed at long context is what they are for, and KIVI-4's first 130K x 6 run decoded at 6.9
-# tok/s (vanilla bf16: 216): each needs a 130K run at or above vanilla before it is served by default.
-GPU_VALIDATED_STORES: frozenset[str] = frozenset()
+# Method-owned KV layouts served on CUDA without the opt-in. fp8_kv, kivi and turboquant passed their tests/gpu
+# files on an H200 (kernels, CUDA graphs on = off, greedy text near bf16), but their decode speed at long context is
+# what they are for (KIVI-4's first 130K x 6 run decoded at 6.9 tok/s, vanilla bf16 216): each needs a 130K run at
+# or above vanilla before it is served by default. fp8_kv has one: 11 x 130K decode at 1.09x vanilla's 6, prefill at
+# vanilla's input rate (BENCHMARKS.md, 2026-12-04, fifteenth session; its GPU files passed then too).
+GPU_VALIDATED_STORES: frozenset[str] = frozenset({"fp8_kv"})
 GPU_STORE_STATUS = {
-    "kivi": "served at 130K x 6 on an H200 it decodes at 0.63x vanilla at 4 bits: its decode kernel takes 1.03 ms a "
+    "kivi": "served at 130K x 6 on an H200 it decodes at 0.70x vanilla at 4 bits: its decode kernel takes 1.03 ms a "
             "layer (0.99 ms at 2 bits), slower than the 0.74 ms floor of reading that KV in bf16 (BENCHMARKS.md, "
             "2026-12-04)",
-    "fp8_kv": "served at 130K on an H200 it decodes 11 requests at 1.09x vanilla's 6 (its decode kernel reads at "
-              "about half the HBM rate; the target is 1.7x; its prefill keeps vanilla's pace) (BENCHMARKS.md, "
-              "2026-12-04)",
     "turboquant": "its decode kernel (chunk-major codes) takes 1.5 ms a layer at 130K x 6 on an H200 at 4 bits, "
                   "slower than the 0.74 ms floor of reading that KV in bf16 (benchmarks/quant_decode.py, "
                   "2026-12-03)",
