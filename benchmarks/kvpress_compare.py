@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    import kvpress
-    import transformers
+    from importlib.metadata import version
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype),
                                                  attn_implementation="sdpa").eval()
     items = build_items(tokenizer, list(TASKS), args.n, args.tokens, SEED, chain=False, workers=default_workers())
-    print(f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}, transformers "
-          f"{transformers.__version__}, {args.model_dir}, {len(items)} prompts of <= {args.tokens} tokens, "
+    print(f"kvpress {version('kvpress')}, transformers {version('transformers')}, {args.model_dir}, "
+          f"{len(items)} prompts of <= {args.tokens} tokens, "
           f"budget {args.budget}, {args.dtype}", flush=True)
     results: dict[str, Any] = {}
     for name in args.presses:
