@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_sparse.quality.eval import MAX_NEW_TOKENS, Rendered, build_items, default_workers  # noqa: E402
+from sgl_sparse.quality.eval import MAX_NEW_TOKENS, Rendered, build_items, default_workers, tabulate  # noqa: E402
 from sgl_sparse.quality.tasks import TASKS, score  # noqa: E402
 
 SEED = 10_000  # quality_suite.py's first example seed: the same items
@@ -84,19 +84,11 @@ def answer(model: Any, tokenizer: Any, ids: list[int], press_name: str, budget: 
 
 
 def evaluate(model: Any, tokenizer: Any, items: list[Rendered], press_name: str, budget: int) -> dict[str, Any]:
-    table: dict[str, dict[str, Any]] = {}
+    results = []
     for item in items:
         text = answer(model, tokenizer, item.turns[-1], press_name, budget)
-        ok = score(item.example, text)
-        row = table.setdefault(item.example.task, {"n": 0, "correct": 0, "tokens": 0, "failures": []})
-        row["n"] += 1
-        row["correct"] += int(ok)
-        row["tokens"] = max(row["tokens"], len(item.turns[-1]))
-        if not ok and len(row["failures"]) < 3:
-            row["failures"].append({"expected": item.example.answer, "got": text[:80]})
-    for row in table.values():
-        row["accuracy"] = row["correct"] / row["n"]
-    return table
+        results.append((score(item.example, text), text, len(item.turns[-1])))
+    return tabulate(items, results)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -118,7 +118,12 @@ def run_one(url: str, item: Rendered) -> tuple[bool, str, int]:
 
 def evaluate(url: str, items: list[Rendered], parallel: int = 4) -> dict[str, dict[str, Any]]:
     with ThreadPoolExecutor(parallel) as pool:
-        results = list(pool.map(lambda it: run_one(url, it), items))
+        return tabulate(items, list(pool.map(lambda it: run_one(url, it), items)))
+
+
+def tabulate(items: list[Rendered], results: list[tuple[bool, str, int]]) -> dict[str, dict[str, Any]]:
+    """Per task: examples, correct ones, accuracy, the longest prompt, the first three failures; ``results`` as
+    :func:`run_one` gives them, one per item."""
     table: dict[str, dict[str, Any]] = {}
     for item, (ok, text, n_tokens) in zip(items, results):
         row = table.setdefault(item.example.task, {"n": 0, "correct": 0, "tokens": 0, "failures": []})
