@@ -68,9 +68,11 @@
 #                                                runs only those.
 #   bash benchmarks/device_session.sh gpukernels  the kernel-level tests of GPU_TESTS only (no servers), ~2 min.
 #   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
-#   bash benchmarks/device_session.sh quality16ksel | quality16kquant   quality-large at 16K for the selection methods
-#                                                (quest, omnikv, retroinfer) / the quantized pools (fp8_kv, kivi 4
-#                                                and 2 bits, turboquant), default configs, each ~1 min a method.
+#   bash benchmarks/device_session.sh quality16ksel | quality16kquant | quality16kevict   quality-large at 16K for the
+#                                                selection methods (quest, omnikv, retroinfer) / the quantized pools
+#                                                (fp8_kv, kivi 4 and 2 bits, turboquant) / h2o, rkv, skipkv, kvzip (decode
+#                                                graphs off), default configs, each ~1 min a method. QUALITY_SERVER_ARGS:
+#                                                more server flags for `quality`.
 #   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
 #                                                (e.g. `queue gputests headline floorref`); its progress
 #                                                and each step's failure, if any, in /root/bench/queue.txt.
@@ -217,7 +219,7 @@ evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip) at 130K x EVICT_BATC
     CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/${m}130k.txt" python3 \
         benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 \
         --sparse-batch "${EVICT_BATCH:-6}" --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
-        --sparse-server-args "$graphs" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
+        "--sparse-server-args=$graphs" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
   done
   ;;
 table130k)
@@ -313,6 +315,12 @@ quality16ksel)  # quality-large at 16K: quest, omnikv, retroinfer at their defau
   QUALITY_METHODS="${QUALITY_METHODS:-quest omnikv retroinfer}" QUALITY_TAG="${QUALITY_TAG:-selection}" \
       QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
+quality16kevict)  # quality-large at 16K: h2o, rkv, skipkv, kvzip at their defaults (decode CUDA graphs off: h2o, rkv
+  # and skipkv observe decode queries, and one server flag serves all four)
+  QUALITY_METHODS="${QUALITY_METHODS:-h2o rkv skipkv kvzip}" QUALITY_TAG="${QUALITY_TAG:-evict}" \
+      QUALITY_SERVER_ARGS="--cuda-graph-backend-decode disabled" \
+      QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
+  ;;
 quality16kquant)  # quality-large at 16K: fp8_kv, kivi 4 and 2 bits, turboquant 4 bits (~1 min a method)
   quant='fp8_kv kivi kivi:{"bits":2} turboquant'
   QUALITY_METHODS="${QUALITY_METHODS:-$quant}" QUALITY_TAG="${QUALITY_TAG:-quant}" \
@@ -360,7 +368,7 @@ quality)
   read -r -a methods <<< "${QUALITY_METHODS:-dense}"
   CUDA_VISIBLE_DEVICES="${QUALITY_GPU:-0}" python3 benchmarks/quality_suite.py --device cuda --model-dir "$dir" \
       --tokens "${@:-2048}" --n "${QUALITY_N:-50}" --parallel 32 --methods "${methods[@]}" \
-      --json "/root/bench/quality-$name.json" --log-dir /root/bench \
+      --json "/root/bench/quality-$name.json" --log-dir /root/bench "--server-args=${QUALITY_SERVER_ARGS:-}" \
       2>&1 | tee "/root/bench/quality-$name.txt" | tail -n 15
   ;;
 status)
