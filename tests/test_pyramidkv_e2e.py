@@ -95,7 +95,8 @@ def test_pool_holds_the_union_and_layers_read_their_own_sets(pyramid_servers: di
         b, a = before.get("method_stats", {}), after["method_stats"]
         stats[name] = {k: a[k] - b.get(k, 0) for k in ("selections", "union_tokens_total", "layer_tokens_total")}
         stats[name]["budgets"] = a["last_layer_budgets"]
-    budgets = layer_budgets(1500, LAYERS, SMALL["budget"], SMALL["sink_tokens"] + SMALL["window_size"], 20)
+    budgets = layer_budgets(1500, LAYERS, SMALL["budget"], SMALL["sink_tokens"] + SMALL["window_size"], 20,
+                            SMALL["window_size"])
     assert stats["small"]["budgets"] == budgets and budgets[0] > budgets[-1]
     assert stats["small"]["selections"] == 1
     union = stats["small"]["union_tokens_total"]
@@ -157,7 +158,7 @@ def test_chain_cache_three_turns(pyramid_servers: dict) -> None:
             assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
         st = _assert_idle_and_sound(server)
         # Bounded by the layer budgets' sum at this length plus what was decoded since the last selection.
-        bound = sum(layer_budgets(len(history) + 20, LAYERS, SMALL["budget"], 24, 20)) + 20
+        bound = sum(layer_budgets(len(history) + 20, LAYERS, SMALL["budget"], 24, 20, 16)) + 20
         assert st["kv_slots_used"] - base["kv_slots_used"] <= bound, (turn, st)
         prev_len = len(history) + len(out["output_ids"])
         history = history + out["output_ids"] + _ids(rng, 40)
