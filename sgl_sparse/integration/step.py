@@ -49,6 +49,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
     seq_lens = batch.seq_lens_cpu.tolist()
     plans: list[tuple[Any, Tracked, torch.Tensor]] = []
     pruned: list[torch.Tensor] = []  # the retained sets its own prunes left, for the TP check
+    max_over_ranks = scores_max_over_ranks()
     for i, req in enumerate(batch.reqs):
         if req.is_retracted or req.req_pool_idx is None:
             continue
@@ -64,7 +65,7 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         method = t.method
         ids = functools.partial(_token_ids, req) if method.needs_token_ids() else None
         info = StepInfo(is_prefill, new_tokens, max(0, seq_len - len(req.origin_input_ids)), final_prefill=final,
-                        token_ids=ids, max_over_ranks=scores_max_over_ranks())
+                        token_ids=ids, max_over_ranks=max_over_ranks)
         if final and (spec := getattr(req, PRUNE_ATTR, None)):
             if (left := _prune(rt, batch, req, t, spec, model_runner)) is not None:
                 pruned.append(left)

@@ -98,16 +98,23 @@ class PyramidKVConfig(MethodConfig):
         self.require(self.decode_interval >= 0, "decode_interval", "must be >= 0")
 
 
+def _span(mean: float, beta: int, room: int) -> tuple[float, float]:
+    """kvpress's smallest and largest layer amounts of a pyramid of mean ``mean``: ``mean / beta`` and the rest up
+    to twice the mean, the largest capped at ``room`` (then the smallest takes the difference)."""
+    min_num = mean / beta
+    max_num = 2 * mean - min_num
+    if max_num >= room:
+        max_num = room
+        min_num = 2 * mean - max_num
+    return min_num, max_num
+
+
 def pyramid_applies(n: int, budget: int, window: int, beta: int) -> bool:
     """kvpress's guard (``PyramidKVPress.get_layer_budget``, kvpress 0.5.5) in its own terms, ``budget`` tokens kept
     of ``n`` with a ``window``: its pyramid's smallest layer, ``budget / beta``, must still hold the window (and the
     capped largest fit the context), else every layer keeps ``budget``. Without it a small budget starves the last
     layers (quality-small at 512 of 2K, beta 20, window 32: 0.19, against kvpress's 0.91 with the guard; QUALITY.md)."""
-    min_num = budget / beta
-    max_num = 2 * budget - min_num
-    if max_num >= n - window:
-        max_num = n - window
-        min_num = 2 * budget - max_num
+    min_num, max_num = _span(budget, beta, n - window)
     return n >= max_num >= min_num >= window
 
 
@@ -119,12 +126,7 @@ def layer_budgets(n: int, num_layers: int, budget: int, fixed: int, beta: int, w
         return [n] * num_layers
     if num_layers == 1 or not pyramid_applies(n, budget, window, beta):
         return [budget] * num_layers
-    avg = budget - fixed
-    min_num = avg / beta
-    max_num = 2 * avg - min_num
-    if max_num >= n - fixed:
-        max_num = n - fixed
-        min_num = 2 * avg - max_num
+    min_num, max_num = _span(budget - fixed, beta, n - fixed)
     step = (max_num - min_num) / (num_layers - 1)
     return [fixed + round(max_num - layer * step) for layer in range(num_layers)]
 
