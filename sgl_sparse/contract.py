@@ -737,8 +737,11 @@ class SparseMethod(ABC, Generic[C]):
     def replays(self, state: RequestState, step: StepInfo, max_tokens: int) -> list[Replay]:
         """After the forward of a prompt's final chunk (``step.final_prefill``), before :meth:`on_step_end`:
         extra forwards to run now, in order, each at most ``max_tokens`` tokens long (a replay starts at
-        ``state.logical_len``; the model's context length and the pool bound it). Each one's layers are handed
-        to :meth:`on_replay_layer` as they run. Default: none. Needs ``needs_token_ids()`` to read the prompt."""
+        ``state.logical_len``; the model's context length bounds it). Each one's layers are handed to
+        :meth:`on_replay_layer` as they run. Default: none. Needs ``needs_token_ids()`` to read the prompt.
+        Where the plan's longest replay would not fit the KV memory left (free and tree-evictable slots), the
+        runtime calls this again in the same step with that smaller ``max_tokens`` and runs the last plan: keep
+        what it records idempotent (count in :meth:`on_step_end`)."""
         return []
 
     def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None:

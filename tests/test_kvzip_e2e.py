@@ -21,6 +21,7 @@ from sgl_sparse.methods.eviction import kvzip
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
+    _flush,
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
@@ -34,14 +35,18 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-rep
 SMALL = {"budget": 64, "chunk_size": 128}  # sink 4, recent 0, prev_postfix 8: the rest KVzip's
 
 
-def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+TIGHT_POOL = 2048  # the "tight" server's KV pool: a few dozen cached sequences fill it
+
+
+def _server(model: str, method: str, config: dict | None = None, flags: tuple[str, ...] = ()) -> ServerProcess:
     extra = ["--sparse-config", json.dumps(config)] if config is not None else []
-    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
+    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra, *flags], startup_timeout=900)
 
 
 @pytest.fixture(scope="module")
 def kvzip_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "kvzip", SMALL)}
+    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "kvzip", SMALL),
+             "tight": _server(tiny_model, "kvzip", SMALL, ("--max-total-tokens", str(TIGHT_POOL)))}
     with running(*procs.values()):
         yield procs
 
@@ -149,6 +154,30 @@ def test_over_budget_answer_equals_the_plain_torch_reference(kvzip_servers: dict
     assert stats["scored_requests"] == 1 and stats["replay_forwards"] == len(reps) == -(-(n - 4) // 128)
     assert stats["replay_tokens"] == sum(len(r.token_ids) for r in reps)
     # The prompt compacted to the budget after its final chunk; decode appends (one more forward under overlap).
+    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == n - SMALL["budget"]
+
+
+def test_a_pool_full_of_cached_sequences_leaves_the_replays_and_the_answer_as_on_an_idle_server(
+        kvzip_servers: dict, tiny_model: str) -> None:
+    """Other requests' cached sequences fill the pool (all evictable): the replay room counts what the tree can
+    evict, so the chunks, the kept set and the answer are the plain-torch reference's, as on an idle server.
+    Before, the room was the free slots alone: a warm server cut the chunks (or left the prompt unscored), and one
+    user's answer depended on what others had left cached (quality-small: 9 of 10 niah_multivalue answers)."""
+    server = kvzip_servers["tight"]
+    base = _flush(server)
+    rng = random.Random(12)
+    while _state(server)["kv_slots_used"] < TIGHT_POOL - 100:  # 56 + 4 tokens each: under the budget, kept whole
+        server.generate(input_ids=_ids(rng, 56), max_new_tokens=4, ignore_eos=True)
+    before = _assert_idle_and_sound(server)
+    assert before["tree_evictable_slots"] >= TIGHT_POOL - 100
+    n, prompt = 300, _ids(random.Random(1), 300)
+    out = server.generate(input_ids=prompt, max_new_tokens=12, ignore_eos=True)
+    after = _assert_idle_and_sound(server)
+    kept, ref_out = _reference(tiny_model, prompt, {**after["config"]}, 12)
+    assert out["output_ids"] == ref_out
+    stats = _stats(before, after)
+    assert stats["scored_requests"] == 1 and stats["replay_forwards"] == -(-(n - 4) // 128), stats
+    assert after["replay_room_memory_bound_total"] == base["replay_room_memory_bound_total"]
     assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == n - SMALL["budget"]
 
 

@@ -64,18 +64,38 @@ class ActiveReplay:
             layer.layer_id, q3, k3, buf, self.slots, self.k_pos, float(layer.scaling)))
 
 
-def room(model_runner: Any, logical_len: int) -> int:
-    """The most tokens a replay of a request of ``logical_len`` tokens may have: its row's width and the model's
-    context (RoPE positions) bound ``L + r``, the allocator's free slots bound ``r``."""
+@dataclass(frozen=True)
+class Room:
+    """Bounds on a replay's tokens: ``context``, the request's row and the model's context (RoPE positions) after
+    its ``L`` tokens; ``memory``, the allocator's free slots plus what the prefix tree can evict (:func:`run`
+    evicts it). A plan is made within ``context``; the step re-plans within :attr:`tokens` only when it would not
+    fit ``memory``, and counts that (a busy server's chunks are then shorter than an idle one's)."""
+
+    context: int
+    memory: int
+
+    @property
+    def tokens(self) -> int:
+        return max(0, min(self.context, self.memory))
+
+
+def room(model_runner: Any, logical_len: int, tree: Any) -> Room:
+    """The :class:`Room` of a replay of a request of ``logical_len`` tokens. Memory counts the tree's evictable
+    slots: free slots alone made the chunks, hence the kept set and the answer, depend on what other requests had
+    left cached (9 of 10 niah_multivalue answers of quality-small changed between a flushed and a warm server)."""
     width = int(model_runner.req_to_token_pool.req_to_token.shape[1])
-    context = int(model_runner.model_config.context_len)
-    free = int(model_runner.token_to_kv_pool_allocator.available_size())
-    return max(0, min(min(width, context) - logical_len, free))
+    context = min(width, int(model_runner.model_config.context_len)) - logical_len
+    memory = int(model_runner.token_to_kv_pool_allocator.available_size())
+    if tree is not None and not tree.disable:
+        memory += int(tree.evictable_size())
+    return Room(max(0, context), memory)
 
 
 def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, scorer: ReplayScorer,
         replays: list[Replay], model_runner: Any) -> None:
     """Run ``replays`` of ``req`` (whose step just ran), in order, each layer handed to ``scorer``."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
     req_to_token = model_runner.req_to_token_pool.req_to_token
     allocator = model_runner.token_to_kv_pool_allocator
     row = int(req.req_pool_idx)
@@ -84,10 +104,13 @@ def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, scorer: Re
     slots = req_to_token[row][to_device(k_pos, req_to_token.device)].long()
     for replay in replays:
         r = len(replay.token_ids)
+        if rt.tree is not None:  # the room counted the tree's evictable slots: take them as SGLang's alloc does
+            evict_from_tree_cache(rt.tree, r)
         loc = allocator.alloc(r)
         if loc is None:
             raise RuntimeError(f"sgl_sparse: {scorer.name}: no {r} free KV slots for a replay of request {req.rid} "
-                               "(the replay's room is bounded by the free slots when it is planned)")
+                               "(the replay's room is bounded by the free and tree-evictable slots when it is "
+                               "planned)")
         saved = req_to_token[row, n:n + r].clone()
         req_to_token[row, n:n + r] = loc.to(req_to_token.dtype)
         rt.replay = ActiveReplay(scorer, state, replay, slots, k_pos, model_runner)

@@ -61,6 +61,9 @@ class Counters:
     # read so, or through the store's kernel (past the token cap).
     prefix_dequantized_steps_total: int = 0
     prefix_kernel_steps_total: int = 0
+    # Replay plans (KVzip's, a kvzip_global prune's) whose room was bound by KV memory (free slots plus what the
+    # tree could evict) rather than by the context: their chunks may be shorter than on an idle server.
+    replay_room_memory_bound_total: int = 0
 
 
 @dataclass
@@ -95,6 +98,8 @@ class SparseRuntime:
     # The kvzip config a request's own prune with policy kvzip_global replays with (its instructions tokenized by
     # the launcher); None where the launcher found it cannot be served (the request is refused at admission).
     prune_replays: Any = None
+    # This scheduler's SparseRadixCache (set where the plugin builds it): replays evict from it for their slots.
+    tree: Any = None
 
     # Whether any request may evict (the server's method, or one a request chooses): rows may then hold
     # sentinels, so attention reads compacted lists; fixed.

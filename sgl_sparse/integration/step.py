@@ -70,7 +70,11 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
             if (left := _prune(rt, batch, req, t, spec, model_runner)) is not None:
                 pruned.append(left)
         if final and type(method).replays is not SparseMethod.replays:
-            replays = method.replays(st, info, replay.room(model_runner, st.logical_len))
+            room = replay.room(model_runner, st.logical_len, rt.tree)
+            replays = method.replays(st, info, room.context)
+            if replays and max(len(r.token_ids) for r in replays) > room.memory:
+                _memory_bound(rt, req, method.name, room)
+                replays = method.replays(st, info, room.tokens)  # the contract: the last plan runs
             if replays:
                 replay.run(rt, batch, req, st, method, replays, model_runner)
         if method.observation_window() > 0 and method.wants_observation(st, info):
@@ -88,6 +92,23 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
         check_ranks_agree([*pruned, *(keep for _, _, keep in plans)])
     if plans:
         _apply(rt, plans, model_runner)
+
+
+def _memory_bound(rt: SparseRuntime, req: Any, who: str, room: replay.Room) -> None:
+    """A replay plan cut to KV memory rather than the context: its chunks are shorter than on an idle server, so
+    its kept set may differ. Counted and logged, not hidden."""
+    rt.counters.replay_room_memory_bound_total += 1
+    logger.warning("sgl_sparse: %s: request %s: replays cut to %d tokens by KV memory (free and tree-evictable "
+                   "slots; the context allows %d)", who, req.rid, room.tokens, room.context)
+
+
+def _prune_room(rt: SparseRuntime, req: Any, model_runner: Any, logical_len: int) -> int:
+    """The room of a ``kvzip_global`` prune's replays (their longest: a chunk plus the instructions)."""
+    room = replay.room(model_runner, logical_len, rt.tree)
+    cfg = rt.prune_replays
+    if room.memory < min(room.context, cfg.chunk_size + cfg.overhead):
+        _memory_bound(rt, req, KVZIP_GLOBAL, room)
+    return room.tokens
 
 
 def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
@@ -115,7 +136,7 @@ def _prune(rt: SparseRuntime, batch: Any, req: Any, t: Tracked, spec: PruneSpec,
     if spec.policy == KVZIP_GLOBAL and rt.prune_replays is not None:
         replays = ReplayInputs(
             token_ids=_token_ids(req, 0, st.logical_len), config=rt.prune_replays,
-            max_tokens=replay.room(model_runner, st.logical_len),
+            max_tokens=_prune_room(rt, req, model_runner, st.logical_len),
             run=lambda rs, scorer: replay.run(rt, batch, req, st, scorer, rs, model_runner),
             max_over_ranks=scores_max_over_ranks())
     in_ranges_n = int(in_ranges(kept, list(spec.ranges)).sum())

@@ -66,6 +66,7 @@ from sgl_sparse.methods.eviction.base import topk_keep
 from sgl_sparse.registry import register_method
 
 SCORES = "kvzip_scores"  # state.extra: [num_kept] float32, aligned with the kept set at the final prefill
+PLAN = "kvzip_plan"  # state.extra: (forwards, tokens) of the replays planned, counted once they ran
 QUERY_BLOCK = 256  # replay queries scored at once (softmax rows are independent: blocking is exact)
 MIN_CHUNK = 16  # a replay with room for fewer context tokens is not run
 
@@ -235,13 +236,14 @@ class KVzip(SparseMethod[KVzipConfig]):
         ids = list(step.token_ids(0, state.logical_len)) if step.token_ids is not None else []
         out = build_replays(ids, state.kept, state.logical_len, cfg, max_tokens) if len(ids) == state.logical_len \
             else []
+        # Idempotent (the runtime may re-plan with less room): what ran is counted in on_step_end.
         if not out:
+            state.extra.pop(SCORES, None)
+            state.extra.pop(PLAN, None)
             self._stats["unscored_requests"] += 1
             return []
         state.extra[SCORES] = torch.zeros(state.num_kept, dtype=torch.float32)
-        self._stats["scored_requests"] += 1
-        self._stats["replay_forwards"] += len(out)
-        self._stats["replay_tokens"] += sum(len(r.token_ids) for r in out)
+        state.extra[PLAN] = (len(out), sum(len(r.token_ids) for r in out))
         return out
 
     def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None:
@@ -251,6 +253,10 @@ class KVzip(SparseMethod[KVzipConfig]):
         scores = state.extra.pop(SCORES, None)
         if scores is None:
             return None
+        forwards, tokens = state.extra.pop(PLAN)
+        self._stats["scored_requests"] += 1
+        self._stats["replay_forwards"] += forwards
+        self._stats["replay_tokens"] += tokens
         if step.max_over_ranks is not None:  # TP: each rank scored its own heads; the maximum is every head's
             scores = step.max_over_ranks(scores)
         cfg = self.config
