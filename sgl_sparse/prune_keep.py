@@ -162,8 +162,9 @@ class PruneUnscored(RuntimeError):
 class ReplayInputs:
     """What ``kvzip_global`` scores with: the prompt's ``token_ids`` (at least up to the last range's end), the
     ``kvzip`` config of its replays (instructions, chunk size, sink; ``KVzipConfig``), the most tokens a replay may
-    have (``max_tokens``: the row, the model's context, the free slots), and ``run(replays, scorer)``, which runs
-    the replays of the request and hands each layer to ``scorer.on_replay_layer`` (the server's
+    have (``max_tokens``: the row, the model's context, the free and tree-evictable slots), and
+    ``run(replays, scorer)``, which runs the replays of the request and hands each layer to
+    ``scorer.on_replay_layer`` (the server's
     ``integration/replay.py``, the reference driver's own loop)."""
 
     token_ids: Sequence[int]
@@ -234,7 +235,7 @@ def replay_scores(kept: torch.Tensor, ranges: Sequence[tuple[int, int]], inputs:
     replays = range_replays(list(inputs.token_ids), kept, list(ranges), inputs.config, inputs.max_tokens)
     if not replays:
         raise PruneUnscored(f"{KVZIP_GLOBAL}: no room for a replay forward ({inputs.max_tokens} tokens: the row, the "
-                            "model's context or the free KV slots); nothing pruned")
+                            "model's context or the free and tree-evictable KV slots); nothing pruned")
     scorer = RangeScores(kept.numel(), inputs.config.sink_tokens)
     inputs.run(replays, scorer)
     return scorer.scores if inputs.max_over_ranks is None else inputs.max_over_ranks(scorer.scores)
