@@ -322,6 +322,34 @@ def test_snapkv_decode_reselection_bounds_kept_tokens(sparse_servers: dict) -> N
     assert after["eviction_steps_total"] - before["eviction_steps_total"] >= 1 + 100 // 16 - 1
 
 
+def alone_equals_beside_traffic(server: ServerProcess, rng: random.Random, n: int = 500) -> None:
+    """One prompt's greedy answer alone on a flushed server, sent among four other requests (so its prefill
+    chunks start and end elsewhere: SGLang shares a step's chunk budget), and again once their sequences fill the
+    tree: the same tokens each time. A method's decisions must not depend on other users' traffic (KVzip's replay
+    chunks once did, through the pool's free slots)."""
+    prompt = _ids(rng, n)
+    others = [_ids(rng, 60 + 37 * k) for k in range(4)]
+    _flush(server)
+    alone = server.generate(input_ids=prompt, max_new_tokens=24, ignore_eos=True)["output_ids"]
+    _flush(server)
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(server.generate, input_ids=o, max_new_tokens=30, ignore_eos=True) for o in others[:2]]
+        mine = pool.submit(server.generate, input_ids=prompt, max_new_tokens=24, ignore_eos=True)
+        futures += [pool.submit(server.generate, input_ids=o, max_new_tokens=30, ignore_eos=True) for o in others[2:]]
+        beside = mine.result()["output_ids"]
+        for f in futures:
+            f.result()
+    after = server.generate(input_ids=prompt, max_new_tokens=24, ignore_eos=True)["output_ids"]
+    assert beside == alone, "the answer changed beside other requests"
+    assert after == alone, "the answer changed after other requests"
+    _assert_idle_and_sound(server)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
+def test_an_answer_alone_equals_beside_and_after_other_traffic(sparse_servers: dict, method: str) -> None:
+    alone_equals_beside_traffic(sparse_servers[method], random.Random(41))
+
+
 @pytest.mark.parametrize("method", ["streamingllm", "snapkv"])
 def test_one_conversations_eviction_never_changes_anothers_answer(sparse_servers: dict, method: str) -> None:
     """Two conversations on one shared system prompt. B's greedy output is the same whether or not A

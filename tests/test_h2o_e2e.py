@@ -20,6 +20,7 @@ from tests.test_eviction_e2e import (
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
+    alone_equals_beside_traffic,
     covering_budget_equals_dense,
 )
 
@@ -128,3 +129,7 @@ def test_h2o_over_fp8_kv_scores_the_stores_keys_and_bounds_slots(h2o_fp8: Server
     used = after["kv_slots_used"] - before["kv_slots_used"]
     assert SMALL["budget"] <= used <= SMALL["budget"] + SMALL["evict_interval"], used
     abort_mid_prefill_and_mid_decode(h2o_fp8, random.Random(6), "h2o-fp8")
+
+
+def test_an_answer_alone_equals_beside_and_after_other_traffic(h2o_servers: dict) -> None:
+    alone_equals_beside_traffic(h2o_servers["small"], random.Random(43), 800)

@@ -25,6 +25,7 @@ from tests.test_eviction_e2e import (
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
+    alone_equals_beside_traffic,
     covering_budget_equals_dense,
 )
 from tests.test_kvzip import dense_chunk_scores
@@ -232,3 +233,7 @@ def test_kvzip_cannot_be_chosen_per_request(kvzip_servers: dict) -> None:
         "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "custom_params": {
             "sgl_sparse_method": "kvzip", "sgl_sparse_config": json.dumps({"budget": 32})}}})
     assert r.status_code == 400 and "sgl_sparse_method" in r.text and "per request" in r.text, r.text
+
+
+def test_an_answer_alone_equals_beside_and_after_other_traffic(kvzip_servers: dict) -> None:
+    alone_equals_beside_traffic(kvzip_servers["small"], random.Random(47), 300)

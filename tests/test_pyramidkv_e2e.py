@@ -27,6 +27,7 @@ from tests.test_eviction_e2e import (
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
+    alone_equals_beside_traffic,
     covering_budget_equals_dense,
 )
 
@@ -218,3 +219,7 @@ def test_concurrent_sessions_do_not_leak(pyramid_servers: dict) -> None:
 
 def test_aborts_mid_prefill_and_mid_decode_do_not_leak(pyramid_servers: dict) -> None:
     abort_mid_prefill_and_mid_decode(pyramid_servers["small"], random.Random(4), "pyramidkv")
+
+
+def test_an_answer_alone_equals_beside_and_after_other_traffic(pyramid_servers: dict) -> None:
+    alone_equals_beside_traffic(pyramid_servers["small"], random.Random(46), 800)

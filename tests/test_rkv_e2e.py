@@ -20,6 +20,7 @@ from tests.test_eviction_e2e import (
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
+    alone_equals_beside_traffic,
     covering_budget_equals_dense,
 )
 
@@ -139,3 +140,7 @@ def test_rkv_over_fp8_kv_scores_the_stores_keys_and_bounds_slots(rkv_fp8: Server
     used = after["kv_slots_used"] - before["kv_slots_used"]
     assert used == SMALL["budget"] + 100 % SMALL["evict_interval"], used
     abort_mid_prefill_and_mid_decode(rkv_fp8, random.Random(6), "rkv-fp8")
+
+
+def test_an_answer_alone_equals_beside_and_after_other_traffic(rkv_servers: dict) -> None:
+    alone_equals_beside_traffic(rkv_servers["small"], random.Random(44), 800)

@@ -17,7 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, abort_mid_prefill_and_mid_decode
+from tests.test_eviction_e2e import (
+    _assert_idle_and_sound,
+    _ids,
+    abort_mid_prefill_and_mid_decode,
+    alone_equals_beside_traffic,
+)
 
 pytestmark = pytest.mark.server
 
@@ -142,3 +147,7 @@ def test_small_budget_answers_the_suite_and_random_selection_does_not(method: st
         acc[scoring] = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
     method_acc, random_acc = (acc[s] for s in scorings)
     assert method_acc >= bar and random_acc <= 0.5, acc
+
+
+def test_an_answer_alone_equals_beside_and_after_other_traffic(selection_servers: dict) -> None:
+    alone_equals_beside_traffic(selection_servers["small"], random.Random(48), 700)

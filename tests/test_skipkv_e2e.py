@@ -21,6 +21,7 @@ from tests.test_eviction_e2e import (
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
+    alone_equals_beside_traffic,
     covering_budget_equals_dense,
 )
 
@@ -110,3 +111,7 @@ def test_chain_cache_three_turns(skipkv_servers: dict) -> None:
 
 def test_aborts_mid_prefill_and_mid_decode_do_not_leak(skipkv_servers: dict) -> None:
     abort_mid_prefill_and_mid_decode(skipkv_servers["small"], random.Random(4), "skipkv")
+
+
+def test_an_answer_alone_equals_beside_and_after_other_traffic(skipkv_servers: dict) -> None:
+    alone_equals_beside_traffic(skipkv_servers["small"], random.Random(45), 900)
