@@ -381,3 +381,32 @@ PREFIXED_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+def test_a_dense_hit_leaves_the_observed_window_to_be_computed_but_a_record_resumes_whole() -> None:
+    """window_for(req) = 4: a dense hit stops 4 positions before the request's end, so the method observes the
+    queries it would observe alone (a hit over them gave PyramidKV the same prompt's answer differently); a
+    Chain Cache continuation still resumes from its record's end (its window is its new tokens)."""
+    req_pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", None, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=1)
+    m = create_method("snapkv")
+    tree = SparseRadixCache(params, m, m.config.fingerprint(), window_for=lambda req: 4)
+    prompt = list(range(600, 620))
+    a = FakeReq("a", prompt, output_ids=[1, 2])
+    _admit(tree, req_pool, alloc, a, 1)
+    tree.cache_finished_req(a, kv_len_to_handle=22)  # dense: nothing evicted
+    same = FakeReq("same", prompt)  # the same prompt again: SGLang would reuse 19 positions
+    _admit(tree, req_pool, alloc, same, 2)
+    assert len(same.prefix_indices) == 20 - 4 and _holes_in(same.prefix_indices) == []
+    tree.cache_finished_req(same, kv_len_to_handle=20)
+    # A continuation of a compacted sequence resumes from the record, even with fewer new tokens than the window.
+    t1 = FakeReq("t1", list(range(700, 716)))
+    _admit(tree, req_pool, alloc, t1, 1)
+    _evict_positions(req_pool, alloc, t1, [3, 4, 5])
+    tree.cache_finished_req(t1, kv_len_to_handle=16)
+    t2 = FakeReq("t2", list(range(700, 716)) + [9, 9])
+    _admit(tree, req_pool, alloc, t2, 3)
+    assert len(t2.prefix_indices) == 16 and _holes_in(t2.prefix_indices) == [3, 4, 5]
+    tree.cache_finished_req(t2, kv_len_to_handle=18)
+    assert _invariant(tree, alloc) == 0

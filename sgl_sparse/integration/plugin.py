@@ -56,7 +56,7 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
 
         rt.metrics = SparseMetrics(rt.method.name)
     tree = SparseRadixCache(ctx.params, rt.method, rt.fingerprint, on_finish=rt.finish, evicts_for=rt.evicts_for,
-                            evicting=rt.evicting)
+                            evicting=rt.evicting, window_for=rt.window_for)
     rt.tree = tree
     if rt.evicting:
         from sgl_sparse.integration.chat_resume import load_suffix

@@ -160,6 +160,17 @@ class SparseRuntime:
             s = getattr(req, SERVED_ATTR)
         return s
 
+    def window_for(self, req: Any) -> int:
+        """The prompt's last queries ``req``'s final prefill reads: its method's observation window and, where its
+        own prune scores the ranges with the prompt's last queries (snapkv_global; knorm reads keys only, but one
+        window for both keeps this simple), at least SnapKV's; the method is handed only its own (step._window).
+        The tree leaves these positions to be computed on a dense prefix hit (``SparseRadixCache.window_for``)."""
+        window = self.served(req).method.observation_window()
+        spec = getattr(req, PRUNE_ATTR, None)
+        if spec is not None and spec.needs_window:
+            window = max(window, SNAPKV_WINDOW)
+        return window
+
     def evicts_for(self, req: Any) -> bool:
         """Whether ``req``'s method evicts, or it prunes its own prompt (either way the tree defers its insertion
         to finish and keeps its holes)."""
@@ -203,13 +214,7 @@ class SparseRuntime:
             method.restore_state(st, payload)
         t = Tracked(st, int(req.req_pool_idx), method)
         self.tracked[req.rid] = t
-        window = method.observation_window()
-        spec = getattr(req, PRUNE_ATTR, None)
-        if spec is not None and spec.needs_window:
-            # Its own prune scores the ranges with the prompt's last queries (snapkv_global; knorm reads keys only,
-            # but one window for both keeps this simple): capture at least SnapKV's window; the method is handed
-            # only its own (step._window).
-            window = max(window, SNAPKV_WINDOW)
+        window = self.window_for(req)
         if window > 0:
             self.capture.start(req.rid, window, method.observation_window() > 0 and method.observes_decode())
         return t

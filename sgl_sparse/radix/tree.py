@@ -126,7 +126,8 @@ def _set_holes(node: TreeNode, holes: torch.Tensor) -> None:
 class SparseRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, method: SparseMethod[Any], fingerprint: str,
                  on_finish: Callable[[Any], FinishedState | None] | None = None,
-                 evicts_for: Callable[[Any], bool] | None = None, evicting: bool | None = None) -> None:
+                 evicts_for: Callable[[Any], bool] | None = None, evicting: bool | None = None,
+                 window_for: Callable[[Any], int] | None = None) -> None:
         self.method = method
         self.fingerprint = fingerprint
         # Whether any request may evict (then a match may meet holes); per request, ``evicts_for(req)``
@@ -134,6 +135,9 @@ class SparseRadixCache(RadixCache):
         # its own namespace), else every request as ``method``.
         self.evicting = method.evicts if evicting is None else evicting
         self._evicts_for = evicts_for
+        # window_for(req): how many of its prompt's last positions req's final prefill reads the queries of (an
+        # observation window); a dense prefix hit leaves them to be computed (_chain_view).
+        self._window_for = window_for
         # Runtime callback(req) -> FinishedState (or None: the request never ran a step); it also drops
         # the request's per-request state.
         self._on_finish = on_finish
@@ -308,6 +312,15 @@ class SparseRadixCache(RadixCache):
             if inner is not None:
                 record, payload, length = inner, None, pos
                 kept = inner.kept[inner.kept < pos]
+        if record is None and req is not None and self._window_for is not None:
+            # A dense hit that covers the positions whose queries the request's method observes would hand it a
+            # shorter window than computing its prompt gives, so its kept set, and answer, would depend on what
+            # another request had cached (PyramidKV: the same prompt twice answered differently). Those positions
+            # are computed again; a Chain Cache record is resumed as it is (its window is the new tokens).
+            total = len(req.origin_input_ids) + len(req.output_ids)
+            cap = max(0, total - self._window_for(req))
+            if length > cap:
+                length, kept = cap, torch.arange(cap)
         if req is not None:
             setattr(req, VIEW_ATTR, MatchView(length, kept, record, payload))
         if length == pos and record is None:
