@@ -312,7 +312,8 @@ class SparseRadixCache(RadixCache):
             if inner is not None:
                 record, payload, length = inner, None, pos
                 kept = inner.kept[inner.kept < pos]
-        if record is None and req is not None and self._window_for is not None:
+        # (A probe of radix/prune.py, which asks what is cached, carries no prompt and gets the whole view.)
+        if record is None and self._window_for is not None and hasattr(req, "origin_input_ids"):
             # A dense hit that covers the positions whose queries the request's method observes would hand it a
             # shorter window than computing its prompt gives, so its kept set, and answer, would depend on what
             # another request had cached (PyramidKV: the same prompt twice answered differently). Those positions
