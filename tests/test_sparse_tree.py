@@ -47,14 +47,14 @@ class FakeReq:
 
 
 def _make(tree_cls: type = SparseRadixCache, method: str = "streamingllm",
-          disable: bool = False) -> tuple[Any, ReqToTokenPool, Any]:
+          disable: bool = False, window_for: Any = None) -> tuple[Any, ReqToTokenPool, Any]:
     req_pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
     alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", None, need_sort=False)
     params = CacheInitParams(disable=disable, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=1)
     if tree_cls is RadixCache:
         return RadixCache(params), req_pool, alloc
     m = create_method(method)
-    return SparseRadixCache(params, m, m.config.fingerprint()), req_pool, alloc
+    return SparseRadixCache(params, m, m.config.fingerprint(), window_for=window_for), req_pool, alloc
 
 
 def _invariant(tree: Any, alloc: Any) -> int:
@@ -387,11 +387,7 @@ def test_a_dense_hit_leaves_the_observed_window_to_be_computed_but_a_record_resu
     """window_for(req) = 4: a dense hit stops 4 positions before the request's end, so the method observes the
     queries it would observe alone (a hit over them gave PyramidKV the same prompt's answer differently); a
     Chain Cache continuation still resumes from its record's end (its window is its new tokens)."""
-    req_pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
-    alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", None, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=alloc, page_size=1)
-    m = create_method("snapkv")
-    tree = SparseRadixCache(params, m, m.config.fingerprint(), window_for=lambda req: 4)
+    tree, req_pool, alloc = _make(method="snapkv", window_for=lambda req: 4)
     prompt = list(range(600, 620))
     a = FakeReq("a", prompt, output_ids=[1, 2])
     _admit(tree, req_pool, alloc, a, 1)
