@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--prune-lag", type=int, default=None,
                    help="pruning mode (openai client): after each turn prune the session's tool results but the "
                         "N most recent through POST /v1/prefix_cache/prune; each method runs twice, without and with")
+    c.add_argument("--prune-only", action="store_true",
+                   help="with --prune-lag: replay each method in pruning mode only (not also without)")
     c.add_argument("--prune-roles", default="tool", help="comma-separated roles pruned in pruning mode")
     c.add_argument("--prune-keep-ratio", type=float, default=0.0,
                    help="pruning mode: keep this fraction of each prune's tokens, scored by --prune-policy")
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--prune-keep-ratio {args.prune_keep_ratio}: expected a number in [0, 1)")
     if args.cmd in ("replay", "compare") and args.prune_policy in REQUEST_ONLY_POLICIES and not args.prune_keep_ratio:
         p.error(f"--prune-policy {args.prune_policy} scores what each prune keeps: give --prune-keep-ratio > 0")
+    if args.cmd == "compare" and args.prune_only and args.prune_lag is None:
+        p.error("--prune-only replays each method in pruning mode only: give --prune-lag")
 
     if args.cmd == "generate":
         data = {}
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                           out_dir=args.out, time_scale=args.time_scale, skip_vanilla=args.skip_vanilla,
                           vanilla_backend=args.vanilla_backend, prune_lag=args.prune_lag,
                           prune_roles=args.prune_roles.split(","), prune_keep_ratio=args.prune_keep_ratio,
-                          prune_policy=args.prune_policy)
+                          prune_policy=args.prune_policy, prune_only=args.prune_only)
         summaries = report.save(results, args.out)
     print(report.table(summaries))
     print(json.dumps(summaries), file=sys.stderr)

@@ -22,10 +22,13 @@ def compare(model_path: str, trace: Trace, tokenizer: Any, methods: list[tuple[s
             time_scale: float = 1.0, skip_vanilla: bool = False,
             vanilla_backend: str = "flashinfer", prune_lag: int | None = None,
             prune_roles: list[str] | None = None, prune_keep_ratio: float = 0.0,
-            prune_policy: str = "knorm") -> list[RunResult]:
+            prune_policy: str = "knorm", prune_only: bool = False) -> list[RunResult]:
     """``methods``: (sparse_method, sparse_config JSON) pairs replayed after vanilla. ``vanilla_backend``:
     vanilla's ``--attention-backend`` on GPU (on CPU it is torch_native, as ours). ``prune_lag``: each method
-    is replayed a second time in pruning mode (bench_agent/replay.py), labelled ``sgl_sparse:NAME+prune``."""
+    is replayed a second time in pruning mode (bench_agent/replay.py), labelled ``sgl_sparse:NAME+prune``;
+    ``prune_only``: only in pruning mode (one replay fewer a method, where its plain run is measured already)."""
+    if prune_only and prune_lag is None:
+        raise ValueError("prune_only replays each method in pruning mode only: give prune_lag")
     if vanilla_backend not in VANILLA_GPU_BACKENDS:
         raise ValueError(f"vanilla_backend {vanilla_backend!r}: one of {', '.join(VANILLA_GPU_BACKENDS)}")
     base = [*COMMON, *(CPU_SERVER_FLAGS if cpu else []), *(server_args or [])]
@@ -35,7 +38,8 @@ def compare(model_path: str, trace: Trace, tokenizer: Any, methods: list[tuple[s
         runs.append(("vanilla", "sglang.launch_server", [*base, *vanilla], None))
     for name, cfg in methods:
         flags = [*base, "--sparse-method", name, "--sparse-config", cfg]
-        runs.append((f"sgl_sparse:{name}", "sgl_sparse.launch_server", flags, None))
+        if not prune_only:
+            runs.append((f"sgl_sparse:{name}", "sgl_sparse.launch_server", flags, None))
         if prune_lag is not None:
             # A dense server prunes only with compacted attention lists, which this flag turns on (an eviction
             # server has them already; a selection or quantization server cannot prune and its prunes fail).

@@ -62,7 +62,7 @@
 #                                                AGENT_DENSE=0: without dense); each replay ~6 min, a summary per
 #                                                run as it ends. e.g. AGENT_METHODS="quest omnikv". AGENT_PRUNE_LAG=N:
 #                                                each method also replayed in pruning mode (tool results but the N
-#                                                most recent pruned after each turn), labelled NAME+prune.
+#                                                most recent pruned after each turn), labelled NAME+prune; AGENT_PRUNE_ONLY=1: only in pruning mode.
 #   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (test_gpu_eviction.py alone took ~9 min on
 #                                                a fresh machine, JIT included); GPU_TESTS="tests/gpu/a.py tests/gpu/b.py"
 #                                                runs only those.
@@ -292,6 +292,7 @@ agent)  # bench_agent compare on the pool-overflowing trace: vanilla FlashInfer,
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/agent.txt python3 -m bench_agent compare \
       --model-path $MODEL --trace /root/bench/agent.jsonl --time-scale 0.5 --out /root/bench/agent \
       "${methods[@]}" ${AGENT_PRUNE_LAG:+--prune-lag "$AGENT_PRUNE_LAG"} \
+      $([ "${AGENT_PRUNE_ONLY:-0}" = 1 ] && echo --prune-only) \
       --server-args='--load-format dummy --mem-fraction-static 0.80 --context-length 131072 --sampling-backend pytorch --disable-piecewise-cuda-graph --chunked-prefill-size 16384 --cuda-graph-max-bs 32'
   ;;
 gputests)  # the GPU test suite (GPU_TESTS: files or node ids, default all of tests/gpu); logs in /root/bench/gpu-logs
