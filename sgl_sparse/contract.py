@@ -473,8 +473,8 @@ class KVStore(ABC):
     the buffers for that many slots, wherever SGLang stores a layer's post-RoPE K/V :meth:`write`
     encodes it, and attention reads only through :meth:`decode` (a decode step, inside CUDA graphs:
     device only, fixed shapes, no host sync) and :meth:`prefix` (an extend step: the new tokens'
-    queries over their cached prefix; the new tokens attend to each other at full precision, as in
-    SGLang's own extend). Everything is indexed by physical slot and written once by the slot's
+    queries over their cached prefix; the new tokens attend to each other as the layout stores them,
+    :meth:`round_trip`). Everything is indexed by physical slot and written once by the slot's
     owner, so a prefix shared through the radix tree is read back exactly as it was written.
 
     The defaults of :meth:`decode` and :meth:`prefix` are the plain-torch reference (dequantize the
@@ -532,6 +532,23 @@ class KVStore(ABC):
     @abstractmethod
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V of ``slots`` (``[n]``): ``[n, Hkv, D]`` each, in the model dtype."""
+
+    @abstractmethod
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``/``v`` ``[n, Hkv, D]`` (model dtype) as :meth:`read` gives them back once stored, bit for bit: each
+        token alone for a per-token layout; for a grouped one (``page_size`` G > 1) ``n`` is a multiple of G and
+        each run of G tokens is one whole group. An extend's new tokens read each other through it
+        (``integration/store_attention.py``): a query reads every key as the layout serves it, whichever prefill
+        chunk holds the key, so where other traffic cuts a prompt into chunks cannot change its answer. Per-token
+        layouts: every key as stored, the query's own included (as a decode step, which writes first, reads it);
+        grouped ones: the whole groups before the query's own as stored, its own group at full precision (the
+        open group a grouped layout keeps aside, :meth:`read_open`)."""
+
+    def read_open(self, layer_id: int, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A grouped layout's open group, at full precision: the tokens at ``offsets`` (``[n]``, within the group) of
+        the open groups of request rows ``rows`` (``[n]``) -> K, V ``[n, Hkv, D]`` in the model dtype. An extend
+        whose cached prefix ends inside a group reads the group's earlier tokens here."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no open group (page size {self.page_size})")
 
     def read_prefix(self, layer_id: int, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                     prefix_lens: torch.Tensor, lens: list[int],

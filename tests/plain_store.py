@@ -41,6 +41,9 @@ class PlainStore(KVStore):
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id][slots], self.v[layer_id][slots]
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
 
 @register_method
 class PlainStoreMethod(SparseMethod[PlainStoreConfig]):

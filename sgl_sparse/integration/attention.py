@@ -48,6 +48,7 @@ from sgl_sparse.integration.store_attention import (
     extend_lists,
     flat_rows,
     merge,
+    open_pages_attention_torch,
     prefix_attention_torch,
     store_decode,
     store_extend,
@@ -101,7 +102,7 @@ class _SparseBackendMixin:
         req_to_token = self.req_to_token_pool.req_to_token
         if forward_batch.forward_mode.is_extend():
             lists = self.store_lists = extend_lists(forward_batch, req_to_token, compact=self.skip_sentinels,
-                                                    dequantize=self.dequantize_prefix)
+                                                    dequantize=self.dequantize_prefix, group=self.store.page_size)
             if self.dequantize_prefix and lists.has_prefix:
                 c = self.runtime.counters
                 if lists.dense is not None:
@@ -137,7 +138,7 @@ class _SparseBackendMixin:
             self._capture(q, layer, forward_batch, is_decode=False)
             return store_extend(self, q, k, v, layer, forward_batch, self.store_lists,
                                 kwargs.get("save_kv_cache", args[0] if args else True), self._new_tokens_attention,
-                                self._merge_parts, self._dense_prefix_attention)
+                                self._merge_parts, self._dense_prefix_attention, self._open_pages_attention)
         self._capture(q, layer, forward_batch, is_decode=False)
         out = super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
         if self.selector is not None:
@@ -187,6 +188,12 @@ class _SparseBackendMixin:
         """An extend step's queries over their whole prefix, dequantized (``lists.dense``): (output, natural lse)."""
         assert lists.dense is not None
         return prefix_attention_torch(q3, k, v, lists.extend_lens, lists.dense.lens, float(layer.scaling))
+
+    def _open_pages_attention(self, q3: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, kr: torch.Tensor,
+                              vr: torch.Tensor, layer: Any, lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
+        """A grouped store's new tokens over their open pages (``lists.open``): (output, natural lse)."""
+        assert lists.open is not None
+        return open_pages_attention_torch(q3, kf, vf, kr, vr, lists.open, lists.extend_lens, float(layer.scaling))
 
     @staticmethod
     def _merge_parts(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
@@ -392,6 +399,30 @@ def _flashinfer_backend_cls() -> type:
         dense_prefix_on_gpu = True
         _dense_wrapper: Any = None
         _dense_planned: Any = None  # the ExtendLists the wrapper is planned for (one plan a forward)
+
+        _pages_wrapper: Any = None
+        _pages_planned: Any = None  # the ExtendLists the paged wrapper is planned for (one plan a forward)
+
+        def _open_pages_attention(self, q3, kf, vf, kr, vr, layer, lists):  # type: ignore[no-untyped-def]
+            if not q3.is_cuda:
+                return super()._open_pages_attention(q3, kf, vf, kr, vr, layer, lists)
+            pages = lists.open
+            if self._pages_planned is not lists:
+                from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+                if self._pages_wrapper is None:  # SGLang's float workspace, as its own wrappers share it
+                    self._pages_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace_buffer, "NHD")
+                # One request per page of queries; host indptrs and indices: the plan copies them without a sync.
+                self._pages_wrapper.plan(pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.last_page_len,
+                                         q3.shape[1], kf.shape[1], q3.shape[2], pages.group, causal=True,
+                                         q_data_type=q3.dtype, kv_data_type=kf.dtype)
+                self._pages_planned = lists
+            # The buffer's pages as stored, then at full precision (OpenPages.kv_indices counts them so).
+            shape = (2 * pages.pages, pages.group, *kf.shape[1:])
+            k_cache, v_cache = torch.cat([kr, kf]).view(shape), torch.cat([vr, vf]).view(shape)
+            o, lse = self._pages_wrapper.forward_return_lse(q3, (k_cache, v_cache), causal=True,
+                                                            sm_scale=layer.scaling)
+            return o, lse * LN2  # FlashInfer's log-sum-exp is base 2
 
         def _dense_prefix_attention(self, q3, k, v, layer, lists):  # type: ignore[no-untyped-def]
             if not q3.is_cuda:

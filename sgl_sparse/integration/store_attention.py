@@ -3,11 +3,20 @@
 * Decode: the store encodes this step's K/V (:meth:`~sgl_sparse.contract.KVStore.write`, with each
   token's row), then its :meth:`~sgl_sparse.contract.KVStore.decode` reads each row through
   ``req_to_token`` (device only: CUDA-graph safe).
-* Extend: the new tokens attend to each other at full precision (causal; FlashInfer's ragged prefill on
-  the GPU, plain torch on CPU), their queries attend to the cached prefix through the store's
+* Extend: the new tokens attend to each other as the store serves them
+  (:meth:`~sgl_sparse.contract.KVStore.round_trip`; causal; FlashInfer's ragged prefill on the GPU, plain torch
+  on CPU), their queries attend to the cached prefix through the store's
   :meth:`~sgl_sparse.contract.KVStore.prefix`, and the two parts are merged by their log-sum-exp, as
   SGLang's own ragged + paged extend does; then the new K/V is stored. The rows' offsets and each new
-  token's row are computed once per forward (sizes from the host: no sync).
+  token's row are computed once per forward (sizes from the host: no sync). Reading the new keys as stored, not
+  at full precision, is what makes a prompt's answer independent of where its prefill chunks end (other traffic
+  moves them): each key is read the same way by every query after it.
+* A grouped store (page size G > 1, KIVI): a query reads the whole pages before its own as stored and its own
+  page at full precision. The prefix part reads the cached prefix's whole pages; the tokens of the page it ends
+  in (the store's open group, :meth:`~sgl_sparse.contract.KVStore.read_open`) join the new tokens in a transient
+  page-aligned buffer (:class:`OpenPages`), each page at full precision and as stored, which the new tokens'
+  queries read page by page: FlashInfer's paged prefill on the GPU (one request per page of queries, its pages
+  before it as stored, its own at full precision, causal), plain torch on CPU.
 * A store that reads its prefix dequantized (:attr:`~sgl_sparse.contract.KVStore.dequantize_prefix`): the
   step's prefix slots are listed flat once per forward (:func:`dense_prefix`), each layer dequantizes them
   (:meth:`~sgl_sparse.contract.KVStore.read_prefix`) and the base's dense prefill attends them (FlashInfer's ragged
@@ -124,6 +133,114 @@ def dense_prefix(prefix: StoreRows, lens: list[int], extend_lens: list[int] | No
 
 
 @dataclass
+class OpenPages:
+    """A grouped store's extend (page size ``group``): per request, the tokens of the page its cached prefix ends
+    in (``open_lens[i]`` of them, from the store's open group) then its new tokens, laid out from page
+    ``page_starts[i]`` of a transient ``[pages * group]`` buffer. ``new_dest``: each new token's place in it (device);
+    ``open_rows`` / ``open_offsets`` / ``open_dest``: each open-group token's request row, offset and place.
+    ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``last_page_len`` (host int32): the paged prefill over the buffer's
+    pages viewed as [rounded pages, full-precision pages]: one request per page of queries, its kv the request's
+    earlier pages as stored and its own at full precision."""
+
+    group: int
+    pages: int
+    open_lens: list[int]
+    page_starts: list[int]
+    new_dest: torch.Tensor
+    open_rows: torch.Tensor
+    open_offsets: torch.Tensor
+    open_dest: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+def open_pages(rows: list[int], prefix_lens: list[int], extend_lens: list[int], group: int,
+               device: torch.device) -> OpenPages:
+    """The layout of :class:`OpenPages` for requests in rows ``rows``, from host sizes only (once a forward)."""
+    new_dest, o_rows, o_offs, o_dest, idx, last, qo_counts, kv_counts = [], [], [], [], [], [], [], []
+    opens, starts = [], []
+    pages = 0
+    for row, c, n in zip(rows, prefix_lens, extend_lens, strict=True):
+        o, length = c % group, c % group + n
+        p, base = -(-length // group), pages * group
+        opens.append(o)
+        starts.append(pages)
+        o_rows.append(torch.full((o,), row, dtype=torch.int64))
+        o_offs.append(torch.arange(o))
+        o_dest.append(torch.arange(base, base + o))
+        new_dest.append(torch.arange(base + o, base + length))
+        # Page P's request reads pages [0, P) as stored, then page P at full precision (index + the page count,
+        # patched below): a [p, p + 1] table whose row P keeps its first P entries and its last.
+        page = torch.arange(p)
+        table = torch.cat([pages + page.expand(p, p), (-1 - pages - page)[:, None]], dim=1)
+        keep = torch.cat([page[None, :] < page[:, None], torch.ones(p, 1, dtype=torch.bool)], dim=1)
+        idx.append(table[keep])
+        ends = torch.clamp((page + 1) * group, max=length)
+        last.append(ends - page * group)
+        qo_counts.append(ends - torch.clamp(page * group, min=o))
+        kv_counts.append(page + 1)
+        pages += p
+    flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+    flat = torch.where(flat < 0, pages - 1 - flat, flat)  # -1 - page -> pages + page: the full-precision copy
+
+    def host(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def indptr(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(x, 0)]).to(torch.int32)
+
+    def dev(parts: list[torch.Tensor]) -> torch.Tensor:
+        return host(parts).to(device, non_blocking=True)
+
+    return OpenPages(group, pages, opens, starts, dev(new_dest), dev(o_rows), dev(o_offs), dev(o_dest),
+                     indptr(host(qo_counts)), indptr(host(kv_counts)), flat.to(torch.int32), host(last).to(torch.int32))
+
+
+def open_page_kv(store: KVStore, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                 pages: OpenPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The transient buffer of :class:`OpenPages` for one layer: (K, V full precision, K, V as stored), each
+    ``[pages * group, Hkv, D]`` (a partial last page padded with zeros, never read as stored)."""
+    n = pages.pages * pages.group
+    kf = k.new_zeros((n, *k.shape[1:]))
+    vf = v.new_zeros((n, *v.shape[1:]))
+    kf[pages.new_dest], vf[pages.new_dest] = k, v
+    if pages.open_dest.numel():
+        ko, vo = store.read_open(layer_id, pages.open_rows, pages.open_offsets)
+        kf[pages.open_dest], vf[pages.open_dest] = ko.to(k.dtype), vo.to(v.dtype)
+    kr, vr = store.round_trip(kf, vf)
+    return kf, vf, kr.to(k.dtype), vr.to(v.dtype)
+
+
+def open_pages_attention_torch(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, kr: torch.Tensor,
+                               vr: torch.Tensor, pages: OpenPages, extend_lens: list[int],
+                               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's new tokens over its :class:`OpenPages` buffer, fp32: a query reads the pages before its own
+    as stored (``kr``/``vr``) and its own page up to itself at full precision (``kf``/``vf``) -> (output, natural
+    lse)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    group, g = pages.group, q.shape[1] // kf.shape[1]
+    at = 0
+    for o, start, n in zip(pages.open_lens, pages.page_starts, extend_lens, strict=True):
+        length = o + n
+        base = start * group
+        ks = torch.cat([kr[base:base + length], kf[base:base + length]]).float().repeat_interleave(g, dim=1)
+        vs = torch.cat([vr[base:base + length], vf[base:base + length]]).float().repeat_interleave(g, dim=1)
+        t = torch.arange(o, length, device=q.device)[:, None]  # each query's place in the buffer
+        j = torch.arange(length, device=q.device)[None, :]
+        own = t // group * group
+        visible = torch.cat([j < own, (j >= own) & (j <= t)], dim=1)  # [n, 2 * length]
+        logits = torch.einsum("thd,shd->hts", q[at:at + n].float(), ks) * scale
+        logits = logits.masked_fill(~visible[None], float("-inf"))
+        lse[at:at + n] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
+        out[at:at + n] = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), vs).to(q.dtype)
+        at += n
+    return out, lse
+
+
+@dataclass
 class ExtendLists:
     """An extend step's rows: new tokens per row (``qo_indptr``, device; ``extend_lens``, host), the rows the
     store's prefix reads (``prefix``: each request's cached prefix), and each new token's row (``rows``, its
@@ -135,14 +252,16 @@ class ExtendLists:
     extend_lens: list[int]
     has_prefix: bool
     dense: DensePrefix | None = None
+    open: OpenPages | None = None
 
 
 def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False,
-                 dequantize: bool = False) -> ExtendLists:
+                 dequantize: bool = False, group: int = 1) -> ExtendLists:
     """``compact``: the prefix rows hold sentinels (an evicting method), read them compacted. ``dequantize``: the
     store reads its prefix dequantized (:attr:`KVStore.dequantize_prefix`): list its (live) slots flat when together
     they fit :data:`DEQUANTIZE_MAX_TOKENS` (requests without a prefix take no part: their rows' prefix part is empty,
-    log-sum-exp ``-inf``); otherwise the step reads through the store's kernel."""
+    log-sum-exp ``-inf``); otherwise the step reads through the store's kernel. ``group``: the store's page size; a
+    grouped store's prefix part reads whole pages only, the rest joins the new tokens (:class:`OpenPages`)."""
     device = req_to_token.device
     extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
     bs = len(extend_lens)
@@ -152,6 +271,14 @@ def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool =
     rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), seq, output_size=sum(extend_lens))
     prefix_lens = forward_batch.extend_prefix_lens.to(torch.int32)
     lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+    pages = None
+    if group > 1:
+        if compact:
+            raise ValueError("a grouped store's extend does not read compacted rows (it serves no eviction)")
+        pages = open_pages([int(r) for r in forward_batch.req_pool_indices.tolist()], lens, extend_lens, group,
+                           device)
+        prefix_lens = prefix_lens - prefix_lens % group
+        lens = [n - n % group for n in lens]
     longest = max(lens, default=0)
     prefix = (compact_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens, longest) if compact
               else raw_rows(req_to_token, forward_batch.req_pool_indices, prefix_lens))
@@ -162,7 +289,7 @@ def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool =
         live = [int(n) for n in prefix.lens.tolist()] if compact else lens
         if max(live) > 0 and sum(live) <= DEQUANTIZE_MAX_TOKENS:
             dense = dense_prefix(prefix, live, extend_lens)
-    return ExtendLists(qo_indptr, prefix, rows, extend_lens, longest > 0, dense)
+    return ExtendLists(qo_indptr, prefix, rows, extend_lens, longest > 0, dense, pages)
 
 
 def decode_rows(forward_batch: Any, req_to_token: torch.Tensor, compact: bool = False) -> StoreRows:
@@ -232,16 +359,22 @@ def check_layer(layer: Any, store: KVStore) -> None:
 
 def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
                  lists: ExtendLists, save_kv_cache: bool, new_tokens: Any, merge_fn: Any = merge,
-                 dense_prefix_fn: Any = None) -> torch.Tensor:
+                 dense_prefix_fn: Any = None, open_pages_fn: Any = None) -> torch.Tensor:
     """One layer's extend attention over ``backend``'s store pool; ``new_tokens(q3, k3, v3, layer, lists)`` is
     the base's causal attention of the new tokens (output, natural lse), ``merge_fn`` its merge of two parts,
-    ``dense_prefix_fn(q3, k, v, layer, lists)`` its attention over the prefix dequantized (``lists.dense``)."""
+    ``dense_prefix_fn(q3, k, v, layer, lists)`` its attention over the prefix dequantized (``lists.dense``),
+    ``open_pages_fn(q3, kf, vf, kr, vr, layer, lists)`` its attention over a grouped store's :class:`OpenPages`."""
     store: KVStore = backend.token_to_kv_pool.store
     check_layer(layer, store)
     hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
     q3 = q.reshape(-1, hq, d).contiguous()
     k3, v3 = k.reshape(-1, hkv, d).contiguous(), v.reshape(-1, hkv, layer.v_head_dim).contiguous()
-    o, lse = new_tokens(q3, k3, v3, layer, lists)
+    if lists.open is not None:
+        kf, vf, kr, vr = open_page_kv(store, layer.layer_id, k3, v3, lists.open)
+        o, lse = open_pages_fn(q3, kf, vf, kr, vr, layer, lists)
+    else:
+        ks, vs = store.round_trip(k3, v3)
+        o, lse = new_tokens(q3, ks.to(k3.dtype), vs.to(v3.dtype), layer, lists)
     if lists.has_prefix:
         if lists.dense is not None:
             p = lists.prefix

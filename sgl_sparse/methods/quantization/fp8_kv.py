@@ -80,6 +80,10 @@ class FP8Store(KVStore):
                                  self.v_scale[layer_id][slots], self.dtype)
         return k, v
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (quant.fp8_dequantize(*quant.fp8_quantize(k), self.dtype),
+                quant.fp8_dequantize(*quant.fp8_quantize(v), self.dtype))
+
     def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.use_triton:

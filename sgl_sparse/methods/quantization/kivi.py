@@ -178,15 +178,35 @@ class KIVIStore(KVStore):
     # -- read --------------------------------------------------------------------------------------
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V of slots in whole (quantized) pages; the open page's tokens are in the residual."""
+        pg = slots // self.group
+        return self._dequantize(quant.unpack_chunks(self.k_codes[layer_id][slots], self.bits),
+                                self.k_scale[layer_id][pg], self.k_zero[layer_id][pg],
+                                quant.unpack_chunks(self.v_codes[layer_id][slots], self.bits),
+                                self.v_scale[layer_id][slots], self.v_zero[layer_id][slots])
+
+    def _dequantize(self, kc: torch.Tensor, ks: torch.Tensor, kz: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor,
+                    vz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes ``[n, Hkv, D]``, the keys' fp16 scale and zero per token's page ``[n, Hkv, D]``, the values' per
+        token and channel group ``[n, Hkv, D / G]`` -> K, V in the model dtype (what :meth:`read` and
+        :meth:`round_trip` share, so that a round trip is the stored value bit for bit)."""
+        k = kc.float() * ks.float() + kz.float()
+        vs = vs.float().repeat_interleave(self.group, dim=-1)
+        vz = vz.float().repeat_interleave(self.group, dim=-1)
+        return k.to(self.dtype), (vc.float() * vs + vz).to(self.dtype)
+
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole pages ``[n, Hkv, D]`` (``n`` a multiple of ``group_size``) quantized as :meth:`write` stores a page
+        it fills (fp16 scales included), then read back."""
         gs = self.group
-        kc = quant.unpack_chunks(self.k_codes[layer_id][slots], self.bits).float()
-        pg = slots // gs
-        k = kc * self.k_scale[layer_id][pg].float() + self.k_zero[layer_id][pg].float()
-        vc = quant.unpack_chunks(self.v_codes[layer_id][slots], self.bits).float()
-        n, h, d = vc.shape
-        vs = self.v_scale[layer_id][slots].float().repeat_interleave(gs, dim=-1)
-        vz = self.v_zero[layer_id][slots].float().repeat_interleave(gs, dim=-1)
-        return k.to(self.dtype), (vc * vs + vz).to(self.dtype)
+        kc, ks, kz = quant.kivi_keys(k.to(self.dtype), self.bits, gs)
+        vc, vs, vz = quant.kivi_values(v.to(self.dtype), self.bits, gs)
+        return self._dequantize(kc, ks.to(torch.float16).repeat_interleave(gs, dim=0),
+                                kz.to(torch.float16).repeat_interleave(gs, dim=0), vc, vs.to(torch.float16),
+                                vz.to(torch.float16))
+
+    def read_open(self, layer_id: int, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, offsets = rows.long(), offsets.long()
+        return self.res_k[layer_id][rows, offsets], self.res_v[layer_id][rows, offsets]
 
     def _row(self, layer_id: int, req_to_token: torch.Tensor, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's first ``n`` positions: whole pages from the codes, the rest from its residual."""

@@ -128,6 +128,14 @@ class TurboQuantStore(KVStore):
         v = quant.turboquant_dequantize(vc, self.v_norm[layer_id][slots], self.rot, self.levels, self.dtype)
         return k, v
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MSE reconstruction, as :meth:`read`'s. With ``qjl`` the new tokens' scores among themselves lack the
+        residual term that the prefix's scores add (it lives in the kernels' score loop; docs/architecture.md)."""
+        kc, kn = quant.turboquant_quantize(k, self.rot, self.bounds)
+        vc, vn = quant.turboquant_quantize(v, self.rot, self.bounds)
+        return (quant.turboquant_dequantize(kc, kn, self.rot, self.levels, self.dtype),
+                quant.turboquant_dequantize(vc, vn, self.rot, self.levels, self.dtype))
+
     def _scores(self, layer_id: int, q: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[Hq, n_q, n]`` of queries ``q`` ``[n_q, Hq, D]`` against ``slots``, QJL-corrected if on."""
         k, _ = self.read(layer_id, slots)
