@@ -3,10 +3,11 @@
 
 The method owns the KV pool's layout (``SparseStorePool``: FP8's E4M3 codes + per-token, per-head scales;
 KIVI's 4-bit codes, per-page key and per-token value scales, and each request's open page in a residual):
-prefill attends the new tokens to each other at full precision and to the cached prefix through the
-quantized pool; decode reads only the pool. A lossless store (``tests/plain_store.py``) through the same
-path serves exactly dense's tokens; with FP8 the first prefill chunk's logprobs equal dense exactly and
-the rest differ by FP8's rounding only; the small trained model answers the suite as dense does.
+prefill attends the new tokens to each other as stored (``KVStore.round_trip``; KIVI: earlier pages as stored,
+a query's own page at full precision) and to the cached prefix through the quantized pool; decode reads only the
+pool. A lossless store (``tests/plain_store.py``) through the same path serves exactly dense's tokens; with FP8 and
+KIVI a prompt's logprobs differ from dense's by the rounding only, and not at all with where its chunks end; the
+small trained model answers the suite as dense does.
 SGLang's strict idle leak check is on.
 """
 
@@ -19,7 +20,13 @@ import pytest
 import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode
+from tests.test_eviction_e2e import (
+    _assert_idle_and_sound,
+    _ids,
+    _state,
+    abort_mid_prefill_and_mid_decode,
+    alone_equals_beside_traffic,
+)
 
 pytestmark = pytest.mark.server
 
@@ -84,25 +91,44 @@ def test_servers_report_the_store_and_size_the_pool_from_it(store_servers: dict)
     assert "page_size=32" in log
 
 
-# Mean and max |logprob - dense's| over the prompt's later chunks, measured on this (random-weight) model:
-# FP8 0.07 / 0.36, KIVI-4 0.20 / 1.19, KIVI-2 0.62 / 2.64 (the lossless store above: exact).
+# Mean and max |logprob - dense's| over the prompt, measured on this (random-weight) model, every key read as
+# stored (its own chunk's too): FP8 0.07 / 0.36, KIVI-4 0.20 / 1.19 (the lossless store above: exact).
 PROMPT_DRIFT = {"fp8": (0.15, 1.0), "kivi": (0.5, 3.0)}
 
 
 @pytest.mark.parametrize("name", ["fp8", "kivi"])
-def test_first_chunk_is_exact_later_chunks_read_the_quantized_prefix(store_servers: dict, name: str) -> None:
-    """Prompt logprobs, 3 prefill chunks: the first chunk never reads the pool (identical to dense); the
-    later ones read the cached prefix quantized, so they differ, but only by the rounding."""
+def test_a_prompts_logprobs_do_not_depend_on_where_its_chunks_end(store_servers: dict, name: str) -> None:
+    """Every query reads the keys as the store serves them, its own chunk's too (``KVStore.round_trip``): the prompt's
+    logprobs differ from dense's from the first chunk on, by the rounding only, and they are the same whether the
+    prompt is prefilled from scratch (chunks ending at 128 and 256) or over a cached prefix of its first 200 tokens
+    (KIVI: 192, its page; the chunks then end at 328 / 320). Before, a query read its own chunk's keys at full
+    precision and earlier chunks' quantized, and the second prefill's logprobs differed."""
+    server = store_servers[name]
     ids = _ids(random.Random(3), 3 * CHUNK)
-    requests.post(f"{store_servers[name].base_url}/flush_cache", timeout=30)
-    got, want = _input_logprobs(store_servers[name], ids), _input_logprobs(store_servers["dense"], ids)
-    first = CHUNK - 1
-    assert got[:first] == pytest.approx(want[:first], abs=1e-5)
-    later = [abs(a - b) for a, b in zip(got[first:], want[first:], strict=True)]
-    assert max(later) > 1e-4  # the prefix really is read back quantized
+    start = 250  # logprobs from here on: SGLang matches a cached prefix only up to logprob_start_len
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    fresh = _input_logprobs(server, ids)
+    dense = _input_logprobs(store_servers["dense"], ids)
+    assert max(abs(a - b) for a, b in zip(fresh[:CHUNK - 1], dense[:CHUNK - 1], strict=True)) > 1e-4
+    drift = [abs(a - b) for a, b in zip(fresh, dense, strict=True)]
     mean_bar, max_bar = PROMPT_DRIFT[name]
-    assert sum(later) / len(later) < mean_bar and max(later) < max_bar, (sum(later) / len(later), max(later))
-    _assert_idle_and_sound(store_servers[name])
+    assert sum(drift) / len(drift) < mean_bar and max(drift) < max_bar, (sum(drift) / len(drift), max(drift))
+    requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    server.generate(input_ids=ids[:200], max_new_tokens=1)
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}}
+    r = requests.post(f"{server.base_url}/generate", json=body, timeout=300)
+    r.raise_for_status()
+    meta = r.json()["meta_info"]
+    assert meta["cached_tokens"] == (200 if name == "fp8" else 192)
+    over_cache = [lp for lp, _, _ in meta["input_token_logprobs"][1:]]
+    assert over_cache == pytest.approx(fresh[start:], abs=2e-4)
+    _assert_idle_and_sound(server)
+
+
+@pytest.mark.parametrize("name", ["fp8", "kivi", "fp8-dequant", "kivi-dequant"])
+def test_an_answer_alone_equals_beside_and_after_other_traffic(store_servers: dict, name: str) -> None:
+    alone_equals_beside_traffic(store_servers[name], random.Random(43))
 
 
 @pytest.mark.parametrize("name", ["fp8", "kivi"])
