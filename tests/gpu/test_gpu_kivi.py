@@ -81,6 +81,53 @@ def test_kernels_at_a_serving_shape_match_the_torch_path(bits: int) -> None:
     torch.testing.assert_close(got_v, want_v, atol=1e-2, rtol=1e-2)
 
 
+def test_kernel_open_pages_through_flashinfers_paged_prefill_match_the_torch_path() -> None:
+    """A grouped store's new tokens over their open pages (``OpenPages``): FlashInfer's paged prefill over the page
+    tables (what the server runs) against the torch path, for a 16K chunk over a prefix ending mid-page, a chunk over
+    a page-aligned prefix and a short prompt, bf16."""
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+    from sgl_sparse.integration.store_attention import LN2, open_pages, open_pages_attention_torch
+
+    pre, new = [6001, 4096, 0], [16384, 300, 17]
+    pages = open_pages([3, 1, 2], pre, new, GS, torch.device(DEV))
+    gen = torch.Generator().manual_seed(7)
+    n = pages.pages * GS
+    kf, vf, kr, vr = (torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16) for _ in range(4))
+    q = torch.randn(sum(new), HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
+    scale = 1 / math.sqrt(D)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
+    wrapper.plan(pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.last_page_len, HKV * G, HKV, D, GS,
+                 causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    shape = (2 * pages.pages, GS, HKV, D)
+    o_, lse = wrapper.forward_return_lse(q, (torch.cat([kr, kf]).view(shape), torch.cat([vr, vf]).view(shape)),
+                                         causal=True, sm_scale=scale)
+    # Plain torch, a block of queries at a time: query t (its place in the request's buffer) reads the keys before
+    # its page as stored and its page up to itself at full precision.
+    at = 0
+    for i in range(3):
+        o, base = pre[i] % GS, pages.page_starts[i] * GS
+        for lo in range(0, new[i], 512):
+            hi = min(new[i], lo + 512)
+            t = torch.arange(o + lo, o + hi, device=DEV)[:, None]
+            j = torch.arange(o + hi, device=DEV)[None, :]
+            own = t // GS * GS
+            keys = torch.cat([kr[base:base + o + hi], kf[base:base + o + hi]]).float().repeat_interleave(G, dim=1)
+            vals = torch.cat([vr[base:base + o + hi], vf[base:base + o + hi]]).float().repeat_interleave(G, dim=1)
+            logits = torch.einsum("thd,shd->hts", q[at + lo:at + hi].float(), keys) * scale
+            logits = logits.masked_fill(~torch.cat([j < own, (j >= own) & (j <= t)], dim=1)[None], float("-inf"))
+            want = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), vals)
+            torch.testing.assert_close(o_[at + lo:at + hi].float(), want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(lse[at + lo:at + hi] * LN2, torch.logsumexp(logits, dim=-1).T, atol=2e-2,
+                                       rtol=2e-2)
+        at += new[i]
+    # The torch path the CPU server runs reads the same (the short requests: its fp32 tables stay small).
+    short = open_pages([1, 2], pre[1:], new[1:], GS, torch.device(DEV))
+    span = slice(pages.page_starts[1] * GS, n)
+    got, _ = open_pages_attention_torch(q[new[0]:], kf[span], vf[span], kr[span], vr[span], short, new[1:], scale)
+    torch.testing.assert_close(got.float(), o_[new[0]:].float(), atol=2e-2, rtol=2e-2)
+
+
 def test_serving_writes_on_cuda_read_back_kivi_of_what_was_written() -> None:
     """The write path on CUDA against KIVI's quantizers applied by hand: two requests' prefill chunks in one
     write each (several pages a write, chunks ending mid-page, as a chunked batch gives them), then decode
