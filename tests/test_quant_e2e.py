@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -25,7 +26,6 @@ from tests.test_eviction_e2e import (
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
-    alone_equals_beside_traffic,
 )
 
 pytestmark = pytest.mark.server
@@ -122,13 +122,46 @@ def test_a_prompts_logprobs_do_not_depend_on_where_its_chunks_end(store_servers:
     meta = r.json()["meta_info"]
     assert meta["cached_tokens"] == (200 if name == "fp8" else 192)
     over_cache = [lp for lp, _, _ in meta["input_token_logprobs"][1:]]
-    assert over_cache == pytest.approx(fresh[start:], abs=2e-4)
+    _assert_same_but_rounding_flips(over_cache, fresh[start:])
     _assert_idle_and_sound(server)
 
 
+# Quantization is a step function: float noise of 1e-7 (an attention split in two parts elsewhere, merged in another
+# order) flips a code that sits at a rounding tie, and that one code moves later logprobs by up to a few 1e-2 on this
+# model. Measured (2026-12-05, 500-token prompts alone and beside four requests): mean |diff| <= 5e-4, max 0.04;
+# before every query read every key as stored, mean 0.03-0.16, max 0.2-0.86.
+FLIPS_MEAN, FLIPS_MAX = 3e-3, 0.15
+
+
+def _assert_same_but_rounding_flips(got: list[float], want: list[float]) -> None:
+    diff = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    assert sum(diff) / len(diff) < FLIPS_MEAN and max(diff) < FLIPS_MAX, (sum(diff) / len(diff), max(diff))
+
+
 @pytest.mark.parametrize("name", ["fp8", "kivi", "fp8-dequant", "kivi-dequant"])
-def test_an_answer_alone_equals_beside_and_after_other_traffic(store_servers: dict, name: str) -> None:
-    alone_equals_beside_traffic(store_servers[name], random.Random(43))
+def test_a_prompt_reads_the_same_alone_and_beside_other_traffic(store_servers: dict, name: str) -> None:
+    """A 500-token prompt's logprobs alone on a flushed server and among four other requests (which move where its
+    chunks end): the same but for rounding flips (above). Greedy tokens are not compared: on this random model a
+    flip can reorder two tokens whose logprobs lie 0.008 apart."""
+    server = store_servers[name]
+    for seed in (43, 44):
+        rng = random.Random(seed)
+        prompt = _ids(rng, 500)
+        others = [_ids(rng, 60 + 37 * k) for k in range(4)]
+        requests.post(f"{server.base_url}/flush_cache", timeout=30)
+        alone = _input_logprobs(server, prompt)
+        requests.post(f"{server.base_url}/flush_cache", timeout=30)
+        with ThreadPoolExecutor(5) as pool:
+            futures = [pool.submit(server.generate, input_ids=o, max_new_tokens=30, ignore_eos=True)
+                       for o in others[:2]]
+            mine = pool.submit(_input_logprobs, server, prompt)
+            futures += [pool.submit(server.generate, input_ids=o, max_new_tokens=30, ignore_eos=True)
+                        for o in others[2:]]
+            beside = mine.result()
+            for f in futures:
+                f.result()
+        _assert_same_but_rounding_flips(beside, alone)
+    _assert_idle_and_sound(server)
 
 
 @pytest.mark.parametrize("name", ["fp8", "kivi"])
