@@ -542,7 +542,8 @@ class KVStore(ABC):
         chunk holds the key, so where other traffic cuts a prompt into chunks cannot change its answer. Per-token
         layouts: every key as stored, the query's own included (as a decode step, which writes first, reads it);
         grouped ones: the whole groups before the query's own as stored, its own group at full precision (the
-        open group a grouped layout keeps aside, :meth:`read_open`)."""
+        open group a grouped layout keeps aside, :meth:`read_open`), or as stored when the query is the group's last
+        token: in each case what a decode step at the query's position reads."""
 
     def read_open(self, layer_id: int, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A grouped layout's open group, at full precision: the tokens at ``offsets`` (``[n]``, within the group) of

@@ -4,7 +4,8 @@ chunked prefill shares one token budget among a step's requests).
 ``store_extend`` (the server's extend over a method-owned layout) runs here on each real store, over the same
 prompt cut into chunks in different places, and every query's output must be the same. The reference is plain
 torch written here: a per-token layout's query reads every key as stored (written, then read back), the query's
-own included; KIVI's reads the whole pages before its own as stored and its own page at full precision. Before
+own included; KIVI's reads the whole pages before its own as stored and its own page at full precision, or as
+stored when it is the page's last token (what a decode step at its position reads). Before
 ``KVStore.round_trip`` a chunk read its own keys at full precision and earlier chunks' as stored, which fails here.
 """
 
@@ -105,6 +106,8 @@ def _reference(name: str, cfg: dict, q: torch.Tensor, k: torch.Tensor, v: torch.
     out = torch.empty(T, HKV * GROUP_Q, D)
     for t in range(T):
         if store.page_size == 1:
+            kt, vt = ks[:t + 1], vs[:t + 1]
+        elif t % PAGE == PAGE - 1:  # the page's last token: the page as stored (decode quantizes it on writing)
             kt, vt = ks[:t + 1], vs[:t + 1]
         else:
             own = t // PAGE * PAGE

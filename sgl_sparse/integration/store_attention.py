@@ -12,7 +12,8 @@
   at full precision, is what makes a prompt's answer independent of where its prefill chunks end (other traffic
   moves them): each key is read the same way by every query after it.
 * A grouped store (page size G > 1, KIVI): a query reads the whole pages before its own as stored and its own
-  page at full precision. The prefix part reads the cached prefix's whole pages; the tokens of the page it ends
+  page at full precision (its page as stored when it is the page's last position), as a decode step at its
+  position does. The prefix part reads the cached prefix's whole pages; the tokens of the page it ends
   in (the store's open group, :meth:`~sgl_sparse.contract.KVStore.read_open`) join the new tokens in a transient
   page-aligned buffer (:class:`OpenPages`), each page at full precision and as stored, which the new tokens'
   queries read page by page: FlashInfer's paged prefill on the GPU (one request per page of queries, its pages
@@ -139,8 +140,7 @@ class OpenPages:
     ``page_starts[i]`` of a transient ``[pages * group]`` buffer. ``new_dest``: each new token's place in it (device);
     ``open_rows`` / ``open_offsets`` / ``open_dest``: each open-group token's request row, offset and place.
     ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``last_page_len`` (host int32): the paged prefill over the buffer's
-    pages viewed as [rounded pages, full-precision pages]: one request per page of queries, its kv the request's
-    earlier pages as stored and its own at full precision."""
+    pages viewed as [rounded pages, full-precision pages] (:func:`open_pages`)."""
 
     group: int
     pages: int
@@ -158,7 +158,13 @@ class OpenPages:
 
 def open_pages(rows: list[int], prefix_lens: list[int], extend_lens: list[int], group: int,
                device: torch.device) -> OpenPages:
-    """The layout of :class:`OpenPages` for requests in rows ``rows``, from host sizes only (once a forward)."""
+    """The layout of :class:`OpenPages` for requests in rows ``rows``, from host sizes only (once a forward).
+
+    Page ``P``'s queries read the pages before it as stored and page ``P`` itself at full precision up to each
+    query, except the query at the page's last position, which reads page ``P`` as stored too: what a decode step
+    at each position reads (it writes first; the token that fills a page quantizes it). So the paged prefill gets
+    one request for page ``P``'s other queries (kv: pages ``< P`` as stored, then page ``P`` at full precision, as
+    long as the last of them) and, where the page is whole, one for its last query (kv: pages ``<= P`` as stored)."""
     new_dest, o_rows, o_offs, o_dest, idx, last, qo_counts, kv_counts = [], [], [], [], [], [], [], []
     opens, starts = [], []
     pages = 0
@@ -171,31 +177,36 @@ def open_pages(rows: list[int], prefix_lens: list[int], extend_lens: list[int], 
         o_offs.append(torch.arange(o))
         o_dest.append(torch.arange(base, base + o))
         new_dest.append(torch.arange(base + o, base + length))
-        # Page P's request reads pages [0, P) as stored, then page P at full precision (index + the page count,
-        # patched below): a [p, p + 1] table whose row P keeps its first P entries and its last.
-        page = torch.arange(p)
-        table = torch.cat([pages + page.expand(p, p), (-1 - pages - page)[:, None]], dim=1)
-        keep = torch.cat([page[None, :] < page[:, None], torch.ones(p, 1, dtype=torch.bool)], dim=1)
-        idx.append(table[keep])
-        ends = torch.clamp((page + 1) * group, max=length)
-        last.append(ends - page * group)
-        qo_counts.append(ends - torch.clamp(page * group, min=o))
-        kv_counts.append(page + 1)
+        for page in range(p):
+            first, end = max(o, page * group), min(length, (page + 1) * group)
+            whole = end == (page + 1) * group
+            stored = list(range(pages, pages + page))
+            if end - whole > first:  # the page's queries but a whole page's last: its tokens at full precision
+                idx += [*stored, -1 - (pages + page)]  # marked: the full-precision copy's index, patched below
+                qo_counts.append(end - whole - first)
+                kv_counts.append(page + 1)
+                last.append(end - whole - page * group)
+            if whole:  # the last position of a whole page: the page as stored
+                idx += [*stored, pages + page]
+                qo_counts.append(1)
+                kv_counts.append(page + 1)
+                last.append(group)
         pages += p
-    flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+    flat = torch.tensor(idx, dtype=torch.int64)
     flat = torch.where(flat < 0, pages - 1 - flat, flat)  # -1 - page -> pages + page: the full-precision copy
 
     def host(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
-    def indptr(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(x, 0)]).to(torch.int32)
+    def indptr(counts: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(torch.int32)
 
     def dev(parts: list[torch.Tensor]) -> torch.Tensor:
         return host(parts).to(device, non_blocking=True)
 
     return OpenPages(group, pages, opens, starts, dev(new_dest), dev(o_rows), dev(o_offs), dev(o_dest),
-                     indptr(host(qo_counts)), indptr(host(kv_counts)), flat.to(torch.int32), host(last).to(torch.int32))
+                     indptr(qo_counts), indptr(kv_counts), flat.to(torch.int32),
+                     torch.tensor(last, dtype=torch.int32))
 
 
 def open_page_kv(store: KVStore, layer_id: int, k: torch.Tensor, v: torch.Tensor,
@@ -217,8 +228,8 @@ def open_pages_attention_torch(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tens
                                vr: torch.Tensor, pages: OpenPages, extend_lens: list[int],
                                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's new tokens over its :class:`OpenPages` buffer, fp32: a query reads the pages before its own
-    as stored (``kr``/``vr``) and its own page up to itself at full precision (``kf``/``vf``) -> (output, natural
-    lse)."""
+    as stored (``kr``/``vr``) and its own page up to itself at full precision (``kf``/``vf``), or as stored when it
+    is the page's last position -> (output, natural lse)."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     group, g = pages.group, q.shape[1] // kf.shape[1]
@@ -231,7 +242,8 @@ def open_pages_attention_torch(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tens
         t = torch.arange(o, length, device=q.device)[:, None]  # each query's place in the buffer
         j = torch.arange(length, device=q.device)[None, :]
         own = t // group * group
-        visible = torch.cat([j < own, (j >= own) & (j <= t)], dim=1)  # [n, 2 * length]
+        closes = t % group == group - 1  # the last position of its page: the page as stored, as decode reads it
+        visible = torch.cat([(j < own) | (closes & (j <= t)), ~closes & (j >= own) & (j <= t)], dim=1)
         logits = torch.einsum("thd,shd->hts", q[at:at + n].float(), ks) * scale
         logits = logits.masked_fill(~visible[None], float("-inf"))
         lse[at:at + n] = torch.logsumexp(logits, dim=-1).transpose(0, 1)

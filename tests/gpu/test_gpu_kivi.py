@@ -103,7 +103,7 @@ def test_kernel_open_pages_through_flashinfers_paged_prefill_match_the_torch_pat
     o_, lse = wrapper.forward_return_lse(q, (torch.cat([kr, kf]).view(shape), torch.cat([vr, vf]).view(shape)),
                                          causal=True, sm_scale=scale)
     # Plain torch, a block of queries at a time: query t (its place in the request's buffer) reads the keys before
-    # its page as stored and its page up to itself at full precision.
+    # its page as stored and its page up to itself at full precision (as stored at the page's last position).
     at = 0
     for i in range(3):
         o, base = pre[i] % GS, pages.page_starts[i] * GS
@@ -112,10 +112,12 @@ def test_kernel_open_pages_through_flashinfers_paged_prefill_match_the_torch_pat
             t = torch.arange(o + lo, o + hi, device=DEV)[:, None]
             j = torch.arange(o + hi, device=DEV)[None, :]
             own = t // GS * GS
+            closes = t % GS == GS - 1  # a page's last position reads its page as stored
             keys = torch.cat([kr[base:base + o + hi], kf[base:base + o + hi]]).float().repeat_interleave(G, dim=1)
             vals = torch.cat([vr[base:base + o + hi], vf[base:base + o + hi]]).float().repeat_interleave(G, dim=1)
             logits = torch.einsum("thd,shd->hts", q[at + lo:at + hi].float(), keys) * scale
-            logits = logits.masked_fill(~torch.cat([j < own, (j >= own) & (j <= t)], dim=1)[None], float("-inf"))
+            visible = torch.cat([(j < own) | (closes & (j <= t)), ~closes & (j >= own) & (j <= t)], dim=1)
+            logits = logits.masked_fill(~visible[None], float("-inf"))
             want = torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), vals)
             torch.testing.assert_close(o_[at + lo:at + hi].float(), want, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(lse[at + lo:at + hi] * LN2, torch.logsumexp(logits, dim=-1).T, atol=2e-2,
