@@ -156,3 +156,26 @@ def test_the_paged_prefill_tables_read_what_the_torch_path_reads() -> None:
             SCALE)[0][-m:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(want_lse).all()
+
+
+@pytest.mark.parametrize(("name", "cfg"), STORES, ids=lambda x: str(x))
+def test_a_decoded_token_reads_what_the_same_token_prefilled_reads(name: str, cfg: dict) -> None:
+    """The prompt's first 21 tokens prefilled, the rest decoded one at a time through ``store_decode`` (the store's
+    decode path, which writes the token first): each decoded token's output is the reference's, the one a prefill
+    gives it (so a token reads the same whether SGLang decodes it or runs it as a one-token extend)."""
+    from sgl_sparse.integration.store_attention import decode_rows, store_decode
+
+    q, k, v = _prompt(3)
+    store = _store(name, cfg)
+    head = 21
+    _serve(store, [(q[:head], k[:head], v[:head])], [[head]])
+    backend = SimpleNamespace(token_to_kv_pool=SimpleNamespace(store=store))
+    r2t = torch.zeros(1, 128, dtype=torch.int64)
+    r2t[0, :T] = torch.arange(T) + PAGE
+    want = _reference(name, cfg, q, k, v)
+    for t in range(head, T):
+        fb = SimpleNamespace(out_cache_loc=r2t[0, t:t + 1], req_pool_indices=torch.tensor([0]),
+                             seq_lens=torch.tensor([t + 1]))
+        o = store_decode(backend, q[t:t + 1].flatten(1), k[t:t + 1].flatten(1), v[t:t + 1].flatten(1), _layer(), fb,
+                         decode_rows(fb, r2t), True)
+        torch.testing.assert_close(o[0], want[t], atol=2e-5, rtol=2e-5)
