@@ -535,7 +535,9 @@ class KVStore(ABC):
 
     @abstractmethod
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k``/``v`` ``[n, Hkv, D]`` (model dtype) as :meth:`read` gives them back once stored, bit for bit: each
+        """``k``/``v`` ``[n, Hkv, D]`` (model dtype) as the layout's attention reads them once stored: as :meth:`read`
+        gives them back, bit for bit (a layout whose scores add a term linear in the query, TurboQuant's QJL, adds it
+        to the keys); each
         token alone for a per-token layout; for a grouped one (``page_size`` G > 1) ``n`` is a multiple of G and
         each run of G tokens is one whole group. An extend's new tokens read each other through it
         (``integration/store_attention.py``): a query reads every key as the layout serves it, whichever prefill

@@ -129,12 +129,17 @@ class TurboQuantStore(KVStore):
         return k, v
 
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MSE reconstruction, as :meth:`read`'s. With ``qjl`` the new tokens' scores among themselves lack the
-        residual term that the prefix's scores add (it lives in the kernels' score loop; docs/architecture.md)."""
+        """The MSE reconstruction, as :meth:`read`'s; with ``qjl`` the keys carry the residual's estimate too. QJL's
+        term is linear in the query (``q . (c ||r|| S^T sign(S r))``, ``c = sqrt(pi / 2) / M``), so a key plus that
+        vector scores every query as :meth:`_scores` and the kernels do."""
         kc, kn = quant.turboquant_quantize(k, self.rot, self.bounds)
         vc, vn = quant.turboquant_quantize(v, self.rot, self.bounds)
-        return (quant.turboquant_dequantize(kc, kn, self.rot, self.levels, self.dtype),
-                quant.turboquant_dequantize(vc, vn, self.rot, self.levels, self.dtype))
+        kq = quant.turboquant_dequantize(kc, kn, self.rot, self.levels, torch.float32)
+        if self.qjl:
+            signs, rnorm = quant.qjl_encode(k.float() - kq, self.proj)
+            m = self.proj.shape[0]
+            kq = kq + (torch.pi / 2) ** 0.5 / m * rnorm[..., None] * ((signs.float() * 2 - 1) @ self.proj)
+        return kq.to(self.dtype), quant.turboquant_dequantize(vc, vn, self.rot, self.levels, self.dtype)
 
     def _scores(self, layer_id: int, q: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[Hq, n_q, n]`` of queries ``q`` ``[n_q, Hq, D]`` against ``slots``, QJL-corrected if on."""
