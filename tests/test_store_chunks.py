@@ -143,7 +143,7 @@ def test_the_paged_prefill_tables_read_what_the_torch_path_reads() -> None:
     the bottom right), give the torch path's output."""
     gen = torch.Generator().manual_seed(5)
     pre, new = [13, 0, 24], [30, 9, 3]
-    pages = open_pages([2, 0, 1], pre, new, PAGE, torch.device("cpu"))
+    pages = open_pages(torch.tensor([2, 0, 1]), pre, new, PAGE)
     n = pages.pages * PAGE
     kf, vf, kr, vr = (torch.randn(n, HKV, D, generator=gen) for _ in range(4))
     q = torch.randn(sum(new), HKV * GROUP_Q, D, generator=gen)

@@ -156,24 +156,23 @@ class OpenPages:
     last_page_len: torch.Tensor
 
 
-def open_pages(rows: list[int], prefix_lens: list[int], extend_lens: list[int], group: int,
-               device: torch.device) -> OpenPages:
-    """The layout of :class:`OpenPages` for requests in rows ``rows``, from host sizes only (once a forward).
+def open_pages(rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int], group: int) -> OpenPages:
+    """The layout of :class:`OpenPages` for requests in rows ``rows`` (device), from host sizes only (once a forward,
+    no sync).
 
     Page ``P``'s queries read the pages before it as stored and page ``P`` itself at full precision up to each
     query, except the query at the page's last position, which reads page ``P`` as stored too: what a decode step
     at each position reads (it writes first; the token that fills a page quantizes it). So the paged prefill gets
     one request for page ``P``'s other queries (kv: pages ``< P`` as stored, then page ``P`` at full precision, as
     long as the last of them) and, where the page is whole, one for its last query (kv: pages ``<= P`` as stored)."""
-    new_dest, o_rows, o_offs, o_dest, idx, last, qo_counts, kv_counts = [], [], [], [], [], [], [], []
+    new_dest, o_offs, o_dest, idx, last, qo_counts, kv_counts = [], [], [], [], [], [], []
     opens, starts = [], []
     pages = 0
-    for row, c, n in zip(rows, prefix_lens, extend_lens, strict=True):
+    for c, n in zip(prefix_lens, extend_lens, strict=True):
         o, length = c % group, c % group + n
         p, base = -(-length // group), pages * group
         opens.append(o)
         starts.append(pages)
-        o_rows.append(torch.full((o,), row, dtype=torch.int64))
         o_offs.append(torch.arange(o))
         o_dest.append(torch.arange(base, base + o))
         new_dest.append(torch.arange(base + o, base + length))
@@ -202,9 +201,11 @@ def open_pages(rows: list[int], prefix_lens: list[int], extend_lens: list[int], 
         return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(torch.int32)
 
     def dev(parts: list[torch.Tensor]) -> torch.Tensor:
-        return host(parts).to(device, non_blocking=True)
+        return host(parts).to(rows.device, non_blocking=True)
 
-    return OpenPages(group, pages, opens, starts, dev(new_dest), dev(o_rows), dev(o_offs), dev(o_dest),
+    o_rows = torch.repeat_interleave(rows.to(torch.int64), dev([torch.tensor(opens, dtype=torch.int64)]),
+                                     output_size=sum(opens))
+    return OpenPages(group, pages, opens, starts, dev(new_dest), o_rows, dev(o_offs), dev(o_dest),
                      indptr(qo_counts), indptr(kv_counts), flat.to(torch.int32),
                      torch.tensor(last, dtype=torch.int32))
 
@@ -287,8 +288,7 @@ def extend_lists(forward_batch: Any, req_to_token: torch.Tensor, compact: bool =
     if group > 1:
         if compact:
             raise ValueError("a grouped store's extend does not read compacted rows (it serves no eviction)")
-        pages = open_pages([int(r) for r in forward_batch.req_pool_indices.tolist()], lens, extend_lens, group,
-                           device)
+        pages = open_pages(forward_batch.req_pool_indices, lens, extend_lens, group)
         prefix_lens = prefix_lens - prefix_lens % group
         lens = [n - n % group for n in lens]
     longest = max(lens, default=0)

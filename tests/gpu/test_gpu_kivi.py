@@ -90,7 +90,7 @@ def test_kernel_open_pages_through_flashinfers_paged_prefill_match_the_torch_pat
     from sgl_sparse.integration.store_attention import LN2, open_pages, open_pages_attention_torch
 
     pre, new = [6001, 4096, 0], [16384, 300, 17]
-    pages = open_pages([3, 1, 2], pre, new, GS, torch.device(DEV))
+    pages = open_pages(torch.tensor([3, 1, 2], device=DEV), pre, new, GS)
     gen = torch.Generator().manual_seed(7)
     n = pages.pages * GS
     kf, vf, kr, vr = (torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16) for _ in range(4))
@@ -124,7 +124,7 @@ def test_kernel_open_pages_through_flashinfers_paged_prefill_match_the_torch_pat
                                        rtol=2e-2)
         at += new[i]
     # The torch path the CPU server runs reads the same (the short requests: its fp32 tables stay small).
-    short = open_pages([1, 2], pre[1:], new[1:], GS, torch.device(DEV))
+    short = open_pages(torch.tensor([1, 2], device=DEV), pre[1:], new[1:], GS)
     span = slice(pages.page_starts[1] * GS, n)
     got, _ = open_pages_attention_torch(q[new[0]:], kf[span], vf[span], kr[span], vr[span], short, new[1:], scale)
     torch.testing.assert_close(got.float(), o_[new[0]:].float(), atol=2e-2, rtol=2e-2)
