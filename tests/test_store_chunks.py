@@ -81,8 +81,8 @@ def _serve(store: KVStore, prompts: list[tuple[torch.Tensor, ...]], cuts: list[l
         def dense(q3, kp, vp, layer, lists):  # type: ignore[no-untyped-def]
             return prefix_attention_torch(q3, kp, vp, lists.extend_lens, lists.dense.lens, SCALE)
 
-        def own(q3, kf, vf, kr, vr, layer, lists):  # type: ignore[no-untyped-def]
-            return open_pages_attention_torch(q3, kf, vf, kr, vr, lists.open, lists.extend_lens, SCALE)
+        def own(q3, kb, vb, layer, lists):  # type: ignore[no-untyped-def]
+            return open_pages_attention_torch(q3, kb, vb, lists.open, lists.extend_lens, SCALE)
 
         parts = [[t[p:p + n] for t in prompts[i]] for i, p, n in zip(batch, pre, new)]
         q, k, v = (torch.cat([part[j] for part in parts]) for j in range(3))
@@ -147,7 +147,7 @@ def test_the_paged_prefill_tables_read_what_the_torch_path_reads() -> None:
     n = pages.pages * PAGE
     kf, vf, kr, vr = (torch.randn(n, HKV, D, generator=gen) for _ in range(4))
     q = torch.randn(sum(new), HKV * GROUP_Q, D, generator=gen)
-    want, want_lse = open_pages_attention_torch(q, kf, vf, kr, vr, pages, new, SCALE)
+    want, want_lse = open_pages_attention_torch(q, torch.cat([kr, kf]), torch.cat([vr, vf]), pages, new, SCALE)
     k_cache = torch.cat([kr, kf]).view(2 * pages.pages, PAGE, HKV, D)
     v_cache = torch.cat([vr, vf]).view(2 * pages.pages, PAGE, HKV, D)
     qo, kvp, idx, last = (t.tolist() for t in (pages.qo_indptr, pages.kv_indptr, pages.kv_indices,

@@ -189,11 +189,12 @@ class _SparseBackendMixin:
         assert lists.dense is not None
         return prefix_attention_torch(q3, k, v, lists.extend_lens, lists.dense.lens, float(layer.scaling))
 
-    def _open_pages_attention(self, q3: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, kr: torch.Tensor,
-                              vr: torch.Tensor, layer: Any, lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
-        """A grouped store's new tokens over their open pages (``lists.open``): (output, natural lse)."""
+    def _open_pages_attention(self, q3: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, layer: Any,
+                              lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
+        """A grouped store's new tokens over their open pages (``lists.open``, buffers ``kb``/``vb`` of
+        ``store_attention.open_page_kv``): (output, natural lse)."""
         assert lists.open is not None
-        return open_pages_attention_torch(q3, kf, vf, kr, vr, lists.open, lists.extend_lens, float(layer.scaling))
+        return open_pages_attention_torch(q3, kb, vb, lists.open, lists.extend_lens, float(layer.scaling))
 
     @staticmethod
     def _merge_parts(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
@@ -403,9 +404,9 @@ def _flashinfer_backend_cls() -> type:
         _pages_wrapper: Any = None
         _pages_planned: Any = None  # the ExtendLists the paged wrapper is planned for (one plan a forward)
 
-        def _open_pages_attention(self, q3, kf, vf, kr, vr, layer, lists):  # type: ignore[no-untyped-def]
+        def _open_pages_attention(self, q3, kb, vb, layer, lists):  # type: ignore[no-untyped-def]
             if not q3.is_cuda:
-                return super()._open_pages_attention(q3, kf, vf, kr, vr, layer, lists)
+                return super()._open_pages_attention(q3, kb, vb, layer, lists)
             pages = lists.open
             if self._pages_planned is not lists:
                 from flashinfer import BatchPrefillWithPagedKVCacheWrapper
@@ -414,13 +415,12 @@ def _flashinfer_backend_cls() -> type:
                     self._pages_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace_buffer, "NHD")
                 # One request per page of queries; host indptrs and indices: the plan copies them without a sync.
                 self._pages_wrapper.plan(pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.last_page_len,
-                                         q3.shape[1], kf.shape[1], q3.shape[2], pages.group, causal=True,
-                                         q_data_type=q3.dtype, kv_data_type=kf.dtype)
+                                         q3.shape[1], kb.shape[1], q3.shape[2], pages.group, causal=True,
+                                         q_data_type=q3.dtype, kv_data_type=kb.dtype)
                 self._pages_planned = lists
             # The buffer's pages as stored, then at full precision (OpenPages.kv_indices counts them so).
-            shape = (2 * pages.pages, pages.group, *kf.shape[1:])
-            k_cache, v_cache = torch.cat([kr, kf]).view(shape), torch.cat([vr, vf]).view(shape)
-            o, lse = self._pages_wrapper.forward_return_lse(q3, (k_cache, v_cache), causal=True,
+            shape = (2 * pages.pages, pages.group, *kb.shape[1:])
+            o, lse = self._pages_wrapper.forward_return_lse(q3, (kb.view(shape), vb.view(shape)), causal=True,
                                                             sm_scale=layer.scaling)
             return o, lse * LN2  # FlashInfer's log-sum-exp is base 2
 

@@ -166,13 +166,12 @@ def open_pages(rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int
     one request for page ``P``'s other queries (kv: pages ``< P`` as stored, then page ``P`` at full precision, as
     long as the last of them) and, where the page is whole, one for its last query (kv: pages ``<= P`` as stored)."""
     new_dest, o_offs, o_dest, idx, last, qo_counts, kv_counts = [], [], [], [], [], [], []
-    opens, starts = [], []
-    pages = 0
-    for c, n in zip(prefix_lens, extend_lens, strict=True):
-        o, length = c % group, c % group + n
-        p, base = -(-length // group), pages * group
-        opens.append(o)
-        starts.append(pages)
+    opens = [c % group for c in prefix_lens]
+    counts = [-(-(o + n) // group) for o, n in zip(opens, extend_lens, strict=True)]  # pages per request
+    total = sum(counts)  # page p as stored is page p of the buffer, at full precision page total + p
+    starts = _indptr(counts)[:-1].tolist()
+    for o, n, p, pages in zip(opens, extend_lens, counts, starts, strict=True):
+        length, base = o + n, pages * group
         o_offs.append(torch.arange(o))
         o_dest.append(torch.arange(base, base + o))
         new_dest.append(torch.arange(base + o, base + length))
@@ -181,7 +180,7 @@ def open_pages(rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int
             whole = end == (page + 1) * group
             stored = list(range(pages, pages + page))
             if end - whole > first:  # the page's queries but a whole page's last: its tokens at full precision
-                idx += [*stored, -1 - (pages + page)]  # marked: the full-precision copy's index, patched below
+                idx += [*stored, total + pages + page]
                 qo_counts.append(end - whole - first)
                 kv_counts.append(page + 1)
                 last.append(end - whole - page * group)
@@ -190,47 +189,41 @@ def open_pages(rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int
                 qo_counts.append(1)
                 kv_counts.append(page + 1)
                 last.append(group)
-        pages += p
-    flat = torch.tensor(idx, dtype=torch.int64)
-    flat = torch.where(flat < 0, pages - 1 - flat, flat)  # -1 - page -> pages + page: the full-precision copy
-
-    def host(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
-    def indptr(counts: list[int]) -> torch.Tensor:
-        return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(torch.int32)
 
     def dev(parts: list[torch.Tensor]) -> torch.Tensor:
-        return host(parts).to(rows.device, non_blocking=True)
+        return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)).to(rows.device, non_blocking=True)
 
     o_rows = torch.repeat_interleave(rows.to(torch.int64), dev([torch.tensor(opens, dtype=torch.int64)]),
                                      output_size=sum(opens))
-    return OpenPages(group, pages, opens, starts, dev(new_dest), o_rows, dev(o_offs), dev(o_dest),
-                     indptr(qo_counts), indptr(kv_counts), flat.to(torch.int32),
-                     torch.tensor(last, dtype=torch.int32))
+    return OpenPages(group, total, opens, starts, dev(new_dest), o_rows, dev(o_offs), dev(o_dest),
+                     _indptr(qo_counts).to(torch.int32), _indptr(kv_counts).to(torch.int32),
+                     torch.tensor(idx, dtype=torch.int32), torch.tensor(last, dtype=torch.int32))
 
 
 def open_page_kv(store: KVStore, layer_id: int, k: torch.Tensor, v: torch.Tensor,
-                 pages: OpenPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The transient buffer of :class:`OpenPages` for one layer: (K, V full precision, K, V as stored), each
-    ``[pages * group, Hkv, D]`` (a partial last page padded with zeros, never read as stored)."""
+                 pages: OpenPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transient buffer of :class:`OpenPages` for one layer: K and V ``[2 * pages * group, Hkv, D]`` each, the
+    pages as stored, then the same pages at full precision (the layout the paged prefill reads; a partial last page
+    padded with zeros, never read as stored)."""
     n = pages.pages * pages.group
-    kf = k.new_zeros((n, *k.shape[1:]))
-    vf = v.new_zeros((n, *v.shape[1:]))
+    kb = k.new_zeros((2 * n, *k.shape[1:]))
+    vb = v.new_zeros((2 * n, *v.shape[1:]))
+    kf, vf = kb[n:], vb[n:]
     kf[pages.new_dest], vf[pages.new_dest] = k, v
     if pages.open_dest.numel():
         ko, vo = store.read_open(layer_id, pages.open_rows, pages.open_offsets)
         kf[pages.open_dest], vf[pages.open_dest] = ko.to(k.dtype), vo.to(v.dtype)
-    kr, vr = store.round_trip(kf, vf)
-    return kf, vf, kr.to(k.dtype), vr.to(v.dtype)
+    kb[:n], vb[:n] = store.round_trip(kf, vf)
+    return kb, vb
 
 
-def open_pages_attention_torch(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, kr: torch.Tensor,
-                               vr: torch.Tensor, pages: OpenPages, extend_lens: list[int],
-                               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's new tokens over its :class:`OpenPages` buffer, fp32: a query reads the pages before its own
-    as stored (``kr``/``vr``) and its own page up to itself at full precision (``kf``/``vf``), or as stored when it
-    is the page's last position -> (output, natural lse)."""
+def open_pages_attention_torch(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, pages: OpenPages,
+                               extend_lens: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's new tokens over its :class:`OpenPages` buffer (:func:`open_page_kv`), fp32: a query reads the
+    pages before its own as stored and its own page up to itself at full precision, or as stored when it is the
+    page's last position -> (output, natural lse)."""
+    n_buf = pages.pages * pages.group
+    kr, kf, vr, vf = kb[:n_buf], kb[n_buf:], vb[:n_buf], vb[n_buf:]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     group, g = pages.group, q.shape[1] // kf.shape[1]
@@ -375,15 +368,15 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """One layer's extend attention over ``backend``'s store pool; ``new_tokens(q3, k3, v3, layer, lists)`` is
     the base's causal attention of the new tokens (output, natural lse), ``merge_fn`` its merge of two parts,
     ``dense_prefix_fn(q3, k, v, layer, lists)`` its attention over the prefix dequantized (``lists.dense``),
-    ``open_pages_fn(q3, kf, vf, kr, vr, layer, lists)`` its attention over a grouped store's :class:`OpenPages`."""
+    ``open_pages_fn(q3, kb, vb, layer, lists)`` its attention over a grouped store's :class:`OpenPages`."""
     store: KVStore = backend.token_to_kv_pool.store
     check_layer(layer, store)
     hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
     q3 = q.reshape(-1, hq, d).contiguous()
     k3, v3 = k.reshape(-1, hkv, d).contiguous(), v.reshape(-1, hkv, layer.v_head_dim).contiguous()
     if lists.open is not None:
-        kf, vf, kr, vr = open_page_kv(store, layer.layer_id, k3, v3, lists.open)
-        o, lse = open_pages_fn(q3, kf, vf, kr, vr, layer, lists)
+        kb, vb = open_page_kv(store, layer.layer_id, k3, v3, lists.open)
+        o, lse = open_pages_fn(q3, kb, vb, layer, lists)
     else:
         ks, vs = store.round_trip(k3, v3)
         o, lse = new_tokens(q3, ks.to(k3.dtype), vs.to(v3.dtype), layer, lists)

@@ -126,7 +126,8 @@ def test_kernel_open_pages_through_flashinfers_paged_prefill_match_the_torch_pat
     # The torch path the CPU server runs reads the same (the short requests: its fp32 tables stay small).
     short = open_pages(torch.tensor([1, 2], device=DEV), pre[1:], new[1:], GS)
     span = slice(pages.page_starts[1] * GS, n)
-    got, _ = open_pages_attention_torch(q[new[0]:], kf[span], vf[span], kr[span], vr[span], short, new[1:], scale)
+    got, _ = open_pages_attention_torch(q[new[0]:], torch.cat([kr[span], kf[span]]), torch.cat([vr[span], vf[span]]),
+                                        short, new[1:], scale)
     torch.testing.assert_close(got.float(), o_[new[0]:].float(), atol=2e-2, rtol=2e-2)
 
 
