@@ -67,12 +67,17 @@ def test_a_lossless_store_serves_exactly_dense(store_servers: dict) -> None:
     _assert_idle_and_sound(store_servers["plain"])
 
 
-def _input_logprobs(server: ServerProcess, ids: list[int]) -> list[float]:
-    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+def _prompt_meta(server: ServerProcess, ids: list[int], start: int = 0) -> dict:
+    """One greedy token after ``ids``, with the prompt's logprobs from ``start`` on: the reply's ``meta_info``."""
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}}
     r = requests.post(f"{server.base_url}/generate", json=body, timeout=300)
     r.raise_for_status()
-    return [lp for lp, _, _ in r.json()["meta_info"]["input_token_logprobs"][1:]]
+    return r.json()["meta_info"]
+
+
+def _input_logprobs(server: ServerProcess, ids: list[int]) -> list[float]:
+    return [lp for lp, _, _ in _prompt_meta(server, ids)["input_token_logprobs"][1:]]
 
 
 def test_servers_report_the_store_and_size_the_pool_from_it(store_servers: dict) -> None:
@@ -115,11 +120,7 @@ def test_a_prompts_logprobs_do_not_depend_on_where_its_chunks_end(store_servers:
     assert sum(drift) / len(drift) < mean_bar and max(drift) < max_bar, (sum(drift) / len(drift), max(drift))
     requests.post(f"{server.base_url}/flush_cache", timeout=30)
     server.generate(input_ids=ids[:200], max_new_tokens=1)
-    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}}
-    r = requests.post(f"{server.base_url}/generate", json=body, timeout=300)
-    r.raise_for_status()
-    meta = r.json()["meta_info"]
+    meta = _prompt_meta(server, ids, start)
     assert meta["cached_tokens"] == (200 if name == "fp8" else 192)
     over_cache = [lp for lp, _, _ in meta["input_token_logprobs"][1:]]
     _assert_same_but_rounding_flips(over_cache, fresh[start:])
