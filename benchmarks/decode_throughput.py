@@ -92,6 +92,9 @@ class Result:
     window_tok_s: float | None = None  # batch x steps / window_s (None when the log has no timestamps)
     wall_output_tok_s: float | None = None  # batch x output_len / wall_s
     prefill_phase_s: float | None = None  # first request sent -> last Prefill batch line
+    # the server's --mem-fraction-static: a method whose metadata needs more memory for the same batch
+    # (Quest, RetroInfer at 6 x 130K) runs with more, and the tables say so
+    mem_fraction_static: float | None = None
 
 
 @dataclass
@@ -278,6 +281,7 @@ def run_one(name: str, module: str, args: argparse.Namespace, extra: list[str], 
         window_last_ts=w.last_ts, window_s=w.window_s, window_tok_s=w.window_tok_s,
         wall_output_tok_s=batch * args.output_len / wall if wall > 0 else None,
         prefill_phase_s=last_prefill - t0_epoch if last_prefill is not None else None,
+        mem_fraction_static=info.get("mem_fraction_static"),
     )
 
 
@@ -443,9 +447,13 @@ def detail_table(results: list[Result]) -> str:
         backend = r.attention_backend + (f" ({r.attention_base})" if r.attention_base else "")
         lines.append(
             f"| {r.server} | {backend} | {r.batch} | {r.decode_tok_s:.1f} | {window} | {span} | "
-            f"{_f(r.window_tok_s)} | {r.kv_tokens_in_use} of {r.kv_token_capacity} | {r.floor_tok_s:.0f} | "
+            f"{_f(r.window_tok_s)} | {r.kv_tokens_in_use} of {r.kv_token_capacity}{_mem(r)} | {r.floor_tok_s:.0f} | "
             f"{_pct(r)} | {_f(r.prefill_phase_s)} | {r.wall_s:.1f} | {_f(r.wall_output_tok_s)} |")
     return "\n".join(lines)
+
+
+def _mem(r: Result) -> str:
+    return "" if r.mem_fraction_static is None else f" (mem {r.mem_fraction_static:g})"
 
 
 def print_tables(results: list[Result]) -> None:

@@ -15,7 +15,9 @@
 #   bash benchmarks/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x
 #                                                SELECT_BATCH (default 5 for Quest and RetroInfer, what their pools
 #                                                fit, 6 for OmniKV), ours
-#                                                only (table130k adds them). On a fresh machine the first server of
+#                                                only (table130k adds them). quest130k6 | retroinfer130k6: at 6, with
+#                                                --mem-fraction-static SELECT_MEM (default 0.85) for ours: the memory
+#                                                their metadata adds, said beside the figure. On a fresh machine the first server of
 #                                                each compiles FlashInfer kernels for its wrappers (minutes).
 #   bash benchmarks/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6 | turboquant130k | turboquant130k6
 #                                                fp8_kv / kivi (4-bit) / turboquant (4-bit) at 130K x QUANT_BATCH
@@ -157,6 +159,15 @@ quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / Re
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
+quest130k6|retroinfer130k6)  # Quest / RetroInfer at vanilla's batch, 6 x 130K: their metadata (Quest 7,680 bytes a token
+  install                    # beside the KV's 131,072) needs --mem-fraction-static 0.834 where vanilla's 6 fit in
+  m=${1%130k6}               # 0.80, so ours gets SELECT_MEM (default 0.85; vanilla at 0.85 still fits 6, not 7)
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
+      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch 6 \
+      --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
+      --sparse-server-args "--mem-fraction-static ${SELECT_MEM:-0.85}" \
+      --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
+  ;;
 vanilla32k|quest32k|omnikv32k|retroinfer32k)  # the selection issue's second shape: 32,768 in x 16, 256 out, one server
   install                                      # a step (vanilla FlashInfer or ours at the method's default config)
   m=${1%32k}
@@ -224,7 +235,7 @@ evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip) at 130K x EVICT_BATC
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,omnikv130k,retroinfer130k,h2o130k,rkv130k,skipkv130k,kvzip130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,quest130k6,omnikv130k,retroinfer130k,retroinfer130k6,h2o130k,rkv130k,skipkv130k,kvzip130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
@@ -406,6 +417,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac

@@ -156,7 +156,7 @@ def test_json_round_trip_and_tables(tmp_path: Path) -> None:
                 config='snapkv {"budget": 2048}', batch=6, decode_tok_s=250.0, floor_tok_s=500.0, input_len=16384,
                 output_len=256, decode_log_interval=10, window_lines=4, window_first_ts="2026-12-01 10:00:15.250",
                 window_last_ts="2026-12-01 10:00:17.250", window_s=2.0, window_tok_s=120.0,
-                wall_output_tok_s=153.6, prefill_phase_s=4.5)
+                wall_output_tok_s=153.6, prefill_phase_s=4.5, mem_fraction_static=0.85)
     vanilla = _row(attention_base="flashinfer", input_len=16384, output_len=256, wall_output_tok_s=102.4)
     (tmp_path / "r.json").write_text(json.dumps([asdict(vanilla), asdict(ours)]))
     assert dt.load_results(tmp_path / "r.json") == [vanilla, ours]
@@ -169,6 +169,8 @@ def test_json_round_trip_and_tables(tmp_path: Path) -> None:
     detail = dt.detail_table([vanilla, ours])
     assert "| 4 x 10 = 40 | 2026-12-01 10:00:15.250 -> 2026-12-01 10:00:17.250 (2.00 s) | 120.0 |" in detail
     assert "| SparseFlashInferBackend (flashinfer) |" in detail and "| 4.5 | 10.0 | 153.6 |" in detail
+    # a server given more memory than vanilla's says so beside its pool
+    assert "| 65760 of 788603 (mem 0.85) |" in detail and detail.count("(mem ") == 1
 
 
 def test_each_run_is_compared_with_its_own_vanilla() -> None:
