@@ -357,15 +357,16 @@ def test_next_turn_rendering_the_generation_prompt_differently_resumes_before_it
 
 
 def test_generation_suffix_of_chat_templates(tiny_model: str) -> None:
-    """The tokens a next turn does not share with a generation prompt, found by rendering: none for
-    the tiny model's own template (it renders the assistant turn as it prompts for it), the
-    generation prompt's tokens for one that prefixes history turns with ``<s>``."""
+    """The tokens at a generation prompt's end that a later request of the conversation may not share, found by
+    rendering: the generation prompt itself for the tiny model's own template (its next turn renders the
+    assistant turn as it prompts for it, but a prune or match of the turn's messages renders them without
+    it), and for one that prefixes history turns with ``<s>``."""
     from transformers import AutoTokenizer
 
     from sgl_sparse.integration.chat_resume import generation_suffix
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    assert generation_suffix(tok) == ()
+    assert tok.convert_ids_to_tokens(list(generation_suffix(tok))) == ["<|assistant|>"]
     suffix = generation_suffix(tok, PREFIXED_TEMPLATE)
     first = tok.apply_chat_template([{"role": "user", "content": "Hi."}], add_generation_prompt=True, tokenize=True,
                                     chat_template=PREFIXED_TEMPLATE)

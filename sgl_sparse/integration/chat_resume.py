@@ -1,10 +1,11 @@
-"""The chat template's generation prompt as the next turn sees it (for Chain Cache's resume point).
+"""The chat template's generation prompt as later requests see it (for Chain Cache's resume point).
 
-An OpenAI chat request ends with the template's generation prompt (``add_generation_prompt``). The
-next turn renders the same history plus the assistant's answer; where the template writes that turn
-differently from its generation prompt (a header without the role's prefix, a ``<think>`` it strips
-from history), the next turn's tokens leave the previous prompt a few tokens before its end. This
-finds those tokens once per server by rendering two small conversations both ways; the tree lets a
+An OpenAI chat request ends with the template's generation prompt (``add_generation_prompt``). Two kinds of
+later match leave that prompt a few tokens before its end: a selector of the same messages rendered without
+the generation prompt (``POST /v1/prefix_cache/prune``, ``match``, ``inspect`` with ``messages``: an agent
+prunes the turn it just sent), and, where the template writes the assistant turn differently from its
+generation prompt (a header without the role's prefix, a ``<think>`` it strips from history), the next turn.
+This finds those tokens once per server by rendering two small conversations each way; the tree lets a
 continuation resume from before them (``SparseRadixCache.resume_suffix``).
 """
 
@@ -30,9 +31,10 @@ def _ids(out: Any) -> list[int]:
 
 
 def generation_suffix(tokenizer: Any, chat_template: str | None = None) -> tuple[int, ...]:
-    """Token ids at the end of a generation prompt that the next turn's rendering does not share;
-    ``()`` when the template renders the assistant turn as it prompts for it, when there is no
-    template, or when the samples disagree (then nothing is assumed)."""
+    """Token ids at the end of a generation prompt that a later request of the same conversation may not
+    share: the generation prompt itself (what ``add_generation_prompt`` appends to the messages), or, where
+    longer, what the next turn's rendering does not share with it; ``()`` when there is no template, or
+    when the samples disagree (then nothing is assumed)."""
     if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
         return ()
     found: set[tuple[int, ...]] = set()
@@ -42,12 +44,15 @@ def generation_suffix(tokenizer: Any, chat_template: str | None = None) -> tuple
         try:
             a = _ids(tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=True,
                                                    chat_template=chat_template))
+            plain = _ids(tokenizer.apply_chat_template(first, add_generation_prompt=False, tokenize=True,
+                                                       chat_template=chat_template))
             b = _ids(tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True,
                                                    chat_template=chat_template))
         except Exception as e:  # a template that needs other roles or arguments: assume nothing
             logger.info("sgl_sparse: chat template not rendered for Chain Cache's resume point (%s)", e)
             return ()
-        found.add(tuple(a[_common_prefix(a, b):]))
+        # Both are suffixes of the generation prompt's rendering: the longer one holds the other.
+        found.add(tuple(a[min(_common_prefix(a, plain), _common_prefix(a, b)):]))
     if len(found) != 1:
         return ()
     suffix = found.pop()

@@ -21,8 +21,9 @@ A node value holds one KV slot per logical token; a position whose KV was evicte
     and its last eviction), e.g. an agent's next turn whose re-tokenized history differs inside the
     previous answer: it sees the kept set cut at its match, exactly the state the finished request
     had at that length. When the prompt ends with the chat template's generation prompt, ``since``
-    backs off over it (``resume_suffix``): templates that render the history's assistant turn
-    differently from their generation prompt make the next turn leave there;
+    backs off over it (``resume_suffix``): a prune or match of the turn's messages renders them
+    without it, and templates that render the history's assistant turn differently from their
+    generation prompt make the next turn leave there;
   - a request that is not a continuation of any valid record never sees a hole: its match stops at
     the first one, and it recomputes the rest (then its KV fills the holes of the dense region it
     shares, so the next conversation matches further). So one conversation's eviction never changes
@@ -414,9 +415,12 @@ class SparseRadixCache(RadixCache):
     def _resume_since(self, prompt: Any, tail_start: int) -> int:
         """A record's ``since``: the finished request's whole prompt and its last eviction, less the
         chat template's generation prompt when the prompt ends with it and nothing was evicted after
-        the prompt. A template whose generation prompt differs from how it renders that assistant
-        turn in the history (e.g. ``assistant:`` then ``<s>assistant: text``, or DeepSeek-R1's
-        ``<think>``) makes the next turn leave the sequence there, just before the prompt's end; the
+        the prompt. Two requests of the same conversation leave the sequence there, just before the
+        prompt's end: a prune (or match) of the turn's messages, which renders them without the
+        generation prompt (an agent pruning the turn it just sent: without this its match stopped at the
+        conversation's previous record, and the prune failed or landed there), and, for a template whose
+        generation prompt differs from how it renders that assistant turn in the history (e.g.
+        ``assistant:`` then ``<s>assistant: text``, or DeepSeek-R1's ``<think>``), the next turn. The
         conversation's earlier messages all match, so it is still this conversation."""
         n = len(prompt)
         if tail_start > n:
