@@ -223,8 +223,10 @@ def test_an_agent_pruning_after_every_turn_keeps_each_turn_a_hit(mixed_server: S
         ids = tok.apply_chat_template(list(msgs), tokenize=True, add_generation_prompt=False)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    extra = {} if method == "dense" else {"custom_params": {
-        "sgl_sparse_method": "snapkv", "sgl_sparse_config": json.dumps({"budget": 256, "sink_tokens": 8})}}
+    # A SnapKV request's conversation lives in its config's namespace, which the prune names the same way.
+    ns = {} if method == "dense" else {"sgl_sparse_method": "snapkv",
+                                       "sgl_sparse_config": json.dumps({"budget": 256, "sink_tokens": 8})}
+    extra = {"custom_params": ns} if ns else {}
     rng = random.Random(3)
     messages: list[dict[str, str]] = [{"role": "system", "content": "you are an agent " * 40},
                                       {"role": "user", "content": "fix the failing test"}]
@@ -236,7 +238,7 @@ def test_an_agent_pruning_after_every_turn_keeps_each_turn_a_hit(mixed_server: S
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= previous, (turn, r["usage"], previous)
         if sum(m["role"] == "tool" for m in messages) > 1:
             res = _post(server, "prune", {"messages": messages, "roles": ["tool"], "lag": 1,
-                                          "evict_branches": True}).json()
+                                          "evict_branches": True, **ns}).json()
             assert res["status"] == "completed" and res["matched_tokens"] == len(render(messages)), (turn, res)
             assert res["pruned_tokens"] > 0 or method == "snapkv", (turn, res)
             hidden += res["pruned_tokens"]
