@@ -197,8 +197,9 @@ def _run_openai_session(base_url: str, model: str, session: Session, texts: _Mat
         start = time.monotonic()
         # The turn's own prune: its prompt holds more tool results than the lag spares.
         own = in_request and sum(m["role"] in roles for m in messages) > (prune_lag or 0)
+        # evict_branches: as the route's prunes below, the earlier replies as generated would keep the pruned KV.
         cp = {"sgl_sparse_prune": json.dumps({"roles": roles, "lag": prune_lag, "keep_ratio": prune_keep_ratio,
-                                              "policy": prune_policy})} if own else None
+                                              "policy": prune_policy, "evict_branches": True})} if own else None
         try:
             reply, ttft, usage = _openai_turn(base_url, model, messages, turn.output_tokens, timeout, cp)
         except Exception as e:  # noqa: BLE001 - recorded, the session stops

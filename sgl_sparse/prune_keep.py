@@ -136,11 +136,15 @@ def parse_keep(body: Mapping[str, Any], size: int, page_size: int, policies: tup
 @dataclass(frozen=True)
 class PruneSpec:
     """A request's own prune: sorted, merged prompt ranges and, when ``keep_tokens`` > 0, how many of their
-    retained positions stay and by which policy's score (the budget is over the union)."""
+    retained positions stay and by which policy's score (the budget is over the union). ``evict_branches``: at the
+    request's finish, first evict the idle cached branches hanging off its path after the first range (an agent's
+    earlier replies as generated, beside their re-rendered history), as ``POST /v1/prefix_cache/prune`` does, so
+    the pruned KV is freed rather than kept for them."""
 
     ranges: tuple[tuple[int, int], ...]
     keep_tokens: int = 0
     policy: str = DROP
+    evict_branches: bool = False
 
     @property
     def scores(self) -> bool:

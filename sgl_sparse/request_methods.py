@@ -51,7 +51,7 @@ KEYS = frozenset({METHOD_KEY, CONFIG_KEY})
 # method which positions leave (``SparseMethod.on_prune``) before the method plans, so state indexed by the
 # retained set (H2O's scores, PyramidKV's layer masks) stays aligned.
 PRUNE_KEY = "sgl_sparse_prune"
-PRUNE_FIELDS = frozenset({"ranges", "keep_tokens", "keep_ratio", "policy"})
+PRUNE_FIELDS = frozenset({"ranges", "keep_tokens", "keep_ratio", "policy", "evict_branches"})
 
 OFF, EVICTION = "off", "eviction"
 POLICIES = (OFF, EVICTION)
@@ -205,8 +205,8 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> PruneSpec:
     here), and the scored keep (``keep_tokens`` or ``keep_ratio``, ``policy``) as ``POST /v1/prefix_cache/prune``
     takes it, with ``snapkv_global`` besides ``knorm`` (the default when something is kept: the prompt's last
     queries score the ranges). Raises :class:`RequestMethodError` naming the key."""
-    shape = ("'{\"ranges\": [[start, end], ...]}', optionally with keep_tokens or keep_ratio and policy (on "
-             "/v1/chat/completions, '{\"roles\": [\"tool\"], \"lag\": n}' may replace ranges)")
+    shape = ("'{\"ranges\": [[start, end], ...]}', optionally with keep_tokens or keep_ratio and policy, and "
+             "evict_branches (on /v1/chat/completions, '{\"roles\": [\"tool\"], \"lag\": n}' may replace ranges)")
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -224,7 +224,10 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> PruneSpec:
         keep, policy = parse_keep(value, sum(hi - lo for lo, hi in merged), 1, REQUEST_POLICIES, REQUEST_SCORED)
     except KeepError as e:
         raise RequestMethodError(PRUNE_KEY, f"{e.field}: {e}") from None
-    return PruneSpec(tuple(merged), keep, policy)
+    evict = value.get("evict_branches", False)
+    if not isinstance(evict, bool):
+        raise RequestMethodError(PRUNE_KEY, f"evict_branches: expected true or false, got {evict!r}")
+    return PruneSpec(tuple(merged), keep, policy, evict)
 
 
 def prune_problem(resolver: MethodResolver, spec: PruneSpec | None = None) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from sgl_sparse.integration.prune_api import BadPruneRequest, merge, message_spans, parse_body, parse_ranges
@@ -192,6 +193,37 @@ def test_evict_branches_frees_a_range_a_stale_reply_branch_shares() -> None:
             assert len(_match(tree, p1 + [9, 9, 9, 0]).device_indices) == 20
         assert _invariant(tree, alloc) == 0
         assert _holes_in(_match(tree, seq + [0]).device_indices) == [20, 21, 22, 23]
+
+
+def test_a_requests_own_prune_with_evict_branches_frees_what_a_stale_reply_branch_shared() -> None:
+    """The same agent loop with the prune inside turn 2 (custom_params sgl_sparse_prune, its own prompt): the tool
+    result it hides (20..24) lies on the node turn 1's reply as generated shares, so at its finish copy-on-write keeps
+    that KV for the stale branch, hidden but resident, and the pool's LRU evicts only the branch's own leaf after it.
+    With ``evict_branches`` (``FinishedState.evict_branches_after``, the first range's start) the finishing request
+    evicts the idle branch first and the range's slots go back to the pool."""
+    from sgl_sparse.radix.tree import FinishedState
+
+    for evict in (False, True):
+        tree, req_pool, alloc = _make()
+        p1 = list(range(100, 120)) + [1, 2, 3, 4]
+        _finished(tree, req_pool, alloc, "t1", p1, [9, 9, 9], 1)
+        t2 = FakeReq("t2", p1 + [8, 9, 5, 6], output_ids=[7])
+        state = FinishedState(kept=torch.tensor([p for p in range(29) if not 20 <= p < 24]), tail_start=24,
+                              evict_branches_after=20 if evict else None)
+        tree._on_finish = lambda req, st=state: st if req.rid == "t2" else None
+        _admit(tree, req_pool, alloc, t2, 2)
+        assert t2.cache_protected_len == 24  # the tool result is the tree's (turn 1's prompt), not the request's
+        _evict_positions(req_pool, alloc, t2, [20, 21, 22, 23])
+        free0 = alloc.available_size()
+        tree.cache_finished_req(t2, kv_len_to_handle=29)
+        assert _invariant(tree, alloc) == 0
+        assert _holes_in(_match(tree, p1 + [8, 9, 5, 6, 7, 0]).device_indices) == [20, 21, 22, 23]
+        if evict:  # the stale branch's 3 slots and the range's 4
+            assert alloc.available_size() == free0 + 7
+            assert len(_match(tree, p1 + [9, 9, 9, 0]).device_indices) == 20  # the stale sequence meets the hole
+        else:  # nothing freed: the stale branch still reads the range whole
+            assert alloc.available_size() == free0
+            assert len(_match(tree, p1 + [9, 9, 9, 0]).device_indices) == 27
 
 
 def test_evict_branches_spares_a_conversation_branching_before_the_ranges() -> None:

@@ -251,6 +251,39 @@ def test_an_agent_pruning_after_every_turn_keeps_each_turn_a_hit(mixed_server: S
     _assert_idle_and_sound(server)
 
 
+def test_an_agents_own_prunes_with_evict_branches_free_the_pruned_kv(mixed_server: ServerProcess) -> None:
+    """bench_agent's in-request pruning (``snapkv_global``, a quarter kept): each turn prunes the tool results but the
+    last two inside its own request. Each earlier reply as generated (``ignore_eos``) is a branch beside the history
+    the template re-renders, so copy-on-write keeps the pruned KV resident for those stale branches: without
+    ``evict_branches`` the pool holds ~1,400 slots more than the conversation reads after six turns; with it, only
+    the last reply's tail (measured: 10 slots)."""
+    server = mixed_server
+    rng = random.Random(5)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    held = {}
+    for evict in (False, True):
+        _flush(server)
+        messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(300))},
+                    {"role": "user", "content": "fix the failing test"}]
+        for _ in range(7):
+            body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0,
+                                    "ignore_eos": True}
+            if sum(m["role"] == "tool" for m in messages) > 2:
+                body["custom_params"] = {"sgl_sparse_prune": json.dumps(
+                    {"roles": ["tool"], "lag": 2, "keep_ratio": 0.25, "policy": "snapkv_global",
+                     "evict_branches": evict})}
+            r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120).json()
+            if "custom_params" in body:
+                assert r["metadata"]["sgl_sparse"]["prune"]["status"] == "applied", r.get("metadata")
+            messages += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                         {"role": "tool", "content": " ".join(rng.choice(words) for _ in range(200))}]
+        m = _post(server, "match", {"messages": messages[:-2]}).json()
+        assert m["hidden_tokens"] > 1000, m
+        held[evict] = _state(server)["kv_slots_used"] - m["resident_tokens"]
+        _assert_idle_and_sound(server)
+    assert held[True] <= 16 and held[False] > 500, held
+
+
 HOSTILE: list[tuple[str, Any, str]] = [
     ("prune", {}, "token_ids"),
     ("prune", {"token_ids": [5, 6], "text": "x", "ranges": [[0, 1]]}, "token_ids"),

@@ -224,7 +224,7 @@ def test_per_request_prune_is_checked_in_the_http_process() -> None:
     check({"sgl_sparse_prune": '{"ranges": [[1, 3]]}'}, text="a b c d")
     for keep in ({"keep_tokens": 59}, {"keep_tokens": 8, "policy": "knorm"}, {"keep_ratio": 0.25},
                  {"keep_tokens": 0, "policy": "drop"}, {"keep_ratio": 0.5, "policy": "snapkv_global"},
-                 {"keep_tokens": 8, "policy": "kvzip_global"}):
+                 {"keep_tokens": 8, "policy": "kvzip_global"}, {"evict_branches": True}, {"evict_branches": False}):
         check({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10], [50, 100]], **keep})})
     for cp, resolver, text, words in (
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 101]]})}, mixed, None, "ranges[0]: [0, 101)"),
@@ -251,6 +251,8 @@ def test_per_request_prune_is_checked_in_the_http_process() -> None:
         ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "keep_ratio": 0.5, "keep_tokens": 5})}, mixed, None,
          "keep_ratio: give keep_tokens or keep_ratio, not both"),
         ({"sgl_sparse_prune": "{not json"}, mixed, None, "invalid JSON"),
+        ({"sgl_sparse_prune": json.dumps({"ranges": [[0, 10]], "evict_branches": "yes"})}, mixed, None,
+         "evict_branches: expected true or false, got 'yes'"),
         (ok, stock, None, "stock attention lists"),
     ):
         with pytest.raises(RequestValidationError) as e:

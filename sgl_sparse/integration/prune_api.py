@@ -399,7 +399,8 @@ class _Api:
         if busy:
             return {"status": "blocked", "message": f"a running request holds this prefix (at position {busy[0]}); "
                                                     "retry when it has finished", "matched_tokens": matched, **none}
-        prune = {"ranges": [list(r) for r in ranges], "keep_tokens": keep, "policy": policy}
+        prune = {"ranges": [list(r) for r in ranges], "keep_tokens": keep, "policy": policy,
+                 "evict_branches": bool(parsed.get("evict_branches", False))}
         window = {"return_logprob": True, "logprob_start_len": max(len(ids) - SNAPKV_WINDOW, 0)} \
             if policy == SNAPKV_GLOBAL else {}
         obj = GenerateReqInput(
@@ -507,11 +508,11 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
     if not isinstance(spec, Mapping) or "roles" not in spec:
         return result
     where = f"custom_params[{PRUNE_KEY!r}]"
-    keep_fields = PRUNE_FIELDS - {"ranges"}
-    unknown = sorted(set(spec) - {"roles", "lag"} - keep_fields)
+    keep_fields = PRUNE_FIELDS - {"ranges", "evict_branches"}
+    unknown = sorted(set(spec) - {"roles", "lag", "evict_branches"} - keep_fields)
     if unknown:
         raise ValueError(f"{where}: unknown field {unknown[0]!r}; the chat form is {{\"roles\": [...], \"lag\": n}}, "
-                         "optionally with keep_tokens or keep_ratio and policy")
+                         "optionally with keep_tokens or keep_ratio and policy, and evict_branches")
     if not isinstance(adapted.input_ids, list) or not adapted.input_ids or isinstance(adapted.input_ids[0], list):
         raise ValueError(f"{where}: roles need the route's rendered token ids (a text-only chat template): give "
                          "ranges")
@@ -533,7 +534,8 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
         raise ValueError(f"{where}: {e.field}: {e}") from None
     size = sum(hi - lo for lo, hi in ranges)
     if ranges and keep_tokens < size:
-        cp[PRUNE_KEY] = json.dumps({"ranges": ranges, **keep})
+        evict = {"evict_branches": spec["evict_branches"]} if "evict_branches" in spec else {}
+        cp[PRUNE_KEY] = json.dumps({"ranges": ranges, **keep, **evict})
     else:
         # Nothing older than the lag, or a keep_tokens that covers every token the roles select (the client cannot
         # know their size): nothing to prune, the request is an ordinary one.

@@ -74,6 +74,9 @@ class Tracked:
     pool_idx: int
     method: SparseMethod[Any]
     prompt_done: bool = False
+    # Its own prune asked for evict_branches and hid positions: at finish the tree evicts the idle branches off its
+    # path from this logical position (the first range's start) before freeing what it hid.
+    evict_branches_after: int | None = None
 
 
 @dataclass
@@ -229,7 +232,8 @@ class SparseRuntime:
         if t is None:
             return None
         payload = t.method.on_finish(t.state)
-        return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start)
+        return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start,
+                             evict_branches_after=t.evict_branches_after)
 
     @staticmethod
     def kv_slots_used(allocator: Any) -> int:

@@ -146,7 +146,7 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, r
     # The record goes on the node that ends the sequence (split there if a longer branch runs through it).
     last = tree._node_ending_at(view.nodes, view.starts, n)
     path = tree._path(last)
-    evicted = _evict_branches(tree, path, min(lo for lo, _ in ranges)) if evict_branches else 0
+    evicted = evict_side_branches(tree, path, min(lo for lo, _ in ranges)) if evict_branches else 0
     before = tree.token_to_kv_pool_allocator.available_size()
     tree._compact_exclusive(path, complement(kept, n), own_tail=True)
     freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
@@ -156,7 +156,7 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, r
                        freed_slots=freed, resident_tokens=int(kept.numel()), evicted_branch_slots=evicted)
 
 
-def _evict_branches(tree: SparseRadixCache, path: list[Any], first: int) -> int:
+def evict_side_branches(tree: SparseRadixCache, path: list[Any], first: int) -> int:
     """Evict the cached subtrees hanging off ``path``'s nodes that end after position ``first``, except below
     its last node (those continue the sequence). Nothing there is locked: a lock below a pruned node locks
     that node too, and the prune is then ``blocked`` before this runs. Returns the slots freed."""

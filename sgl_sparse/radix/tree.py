@@ -107,12 +107,14 @@ class MatchView:
 
 @dataclass(frozen=True)
 class FinishedState:
-    """What the runtime reports for a finishing request: its kept positions (sorted, CPU), payload, and
-    the logical length at its last eviction (``RequestState.tail_start``)."""
+    """What the runtime reports for a finishing request: its kept positions (sorted, CPU), payload, the
+    logical length at its last eviction (``RequestState.tail_start``), and, when its own prune asked for it,
+    the position after which the idle branches off its path are evicted before its hidden KV is freed."""
 
     kept: torch.Tensor
     payload: TreePayload | None = None
     tail_start: int | None = None
+    evict_branches_after: int | None = None
 
 
 def _holes(node: TreeNode) -> torch.Tensor:
@@ -403,6 +405,12 @@ class SparseRadixCache(RadixCache):
             alloc.free(live_slots(row[n:kv_len_to_handle]).long())
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
+        if finished is not None and finished.evict_branches_after is not None:
+            # Its own prune's evict_branches (radix/prune.py's rule): stale branches (an agent's replies as generated)
+            # would otherwise keep the pruned KV resident for themselves; locked ones are left alone.
+            from sgl_sparse.radix.prune import evict_side_branches
+
+            evict_side_branches(self, path, finished.evict_branches_after)
         self._compact_exclusive(path, hidden)
         if hidden.numel():
             since = None  # unknown without the runtime's state: only a match through the end resumes
