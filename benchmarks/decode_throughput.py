@@ -422,8 +422,10 @@ def comparison_table(results: list[Result]) -> str:
     for r, base in _pairs(results):
         ratio = r.decode_tok_s / base.decode_tok_s if base.decode_tok_s else float("nan")
         vbackend = base.attention_base or base.attention_backend
+        # ours given more memory than its vanilla (Quest / RetroInfer at vanilla's batch) says so beside its config
+        mem = _mem(r) if r.mem_fraction_static != base.mem_fraction_static else ""
         lines.append(
-            f"| {_config(r)} | {r.batch} / {base.batch} | {r.decode_tok_s:.1f} | {base.decode_tok_s:.1f} "
+            f"| {_config(r)}{mem} | {r.batch} / {base.batch} | {r.decode_tok_s:.1f} | {base.decode_tok_s:.1f} "
             f"({vbackend}) | {ratio:.3f} | {r.floor_tok_s:.0f} ({_pct(r)}) | {base.floor_tok_s:.0f} ({_pct(base)}) | "
             f"{r.wall_s:.1f} / {base.wall_s:.1f} | {_f(r.wall_output_tok_s)} / {_f(base.wall_output_tok_s)} |")
     return "\n".join(lines)
@@ -437,7 +439,10 @@ def detail_table(results: list[Result]) -> str:
         "| prefill phase s | wall s | wall output tok/s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    vanilla_mem = {r.mem_fraction_static for r in results if r.server == "vanilla"}
     for r in results:
+        # the memory fraction where it differs from vanilla's in these results (or there is no vanilla row)
+        mem = _mem(r) if r.mem_fraction_static not in vanilla_mem or not vanilla_mem else ""
         if r.window_lines is not None:
             window = f"{r.window_lines} x {r.decode_log_interval} = {r.decode_steps_at_full_batch}"
         else:
@@ -447,7 +452,7 @@ def detail_table(results: list[Result]) -> str:
         backend = r.attention_backend + (f" ({r.attention_base})" if r.attention_base else "")
         lines.append(
             f"| {r.server} | {backend} | {r.batch} | {r.decode_tok_s:.1f} | {window} | {span} | "
-            f"{_f(r.window_tok_s)} | {r.kv_tokens_in_use} of {r.kv_token_capacity}{_mem(r)} | {r.floor_tok_s:.0f} | "
+            f"{_f(r.window_tok_s)} | {r.kv_tokens_in_use} of {r.kv_token_capacity}{mem} | {r.floor_tok_s:.0f} | "
             f"{_pct(r)} | {_f(r.prefill_phase_s)} | {r.wall_s:.1f} | {_f(r.wall_output_tok_s)} |")
     return "\n".join(lines)
 

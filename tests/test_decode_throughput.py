@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -157,20 +157,24 @@ def test_json_round_trip_and_tables(tmp_path: Path) -> None:
                 output_len=256, decode_log_interval=10, window_lines=4, window_first_ts="2026-12-01 10:00:15.250",
                 window_last_ts="2026-12-01 10:00:17.250", window_s=2.0, window_tok_s=120.0,
                 wall_output_tok_s=153.6, prefill_phase_s=4.5, mem_fraction_static=0.85)
-    vanilla = _row(attention_base="flashinfer", input_len=16384, output_len=256, wall_output_tok_s=102.4)
+    vanilla = _row(attention_base="flashinfer", input_len=16384, output_len=256, wall_output_tok_s=102.4,
+                   mem_fraction_static=0.8)
     (tmp_path / "r.json").write_text(json.dumps([asdict(vanilla), asdict(ours)]))
     assert dt.load_results(tmp_path / "r.json") == [vanilla, ours]
     comparison = dt.comparison_table([vanilla, ours]).splitlines()
     assert len(comparison) == 3  # header, rule, one row: ours against vanilla
     row = comparison[2]
-    assert row.startswith('| snapkv {"budget": 2048}, 16384 in / 256 out | 6 / 4 | 250.0 | 100.0 (flashinfer) |')
+    assert row.startswith('| snapkv {"budget": 2048}, 16384 in / 256 out (mem 0.85) | 6 / 4 | 250.0 | 100.0 '
+                          '(flashinfer) |')
     assert "| 2.500 |" in row
     assert "| 500 (50%) | 200 (50%) | 10.0 / 10.0 | 153.6 / 102.4 |" in row
     detail = dt.detail_table([vanilla, ours])
     assert "| 4 x 10 = 40 | 2026-12-01 10:00:15.250 -> 2026-12-01 10:00:17.250 (2.00 s) | 120.0 |" in detail
     assert "| SparseFlashInferBackend (flashinfer) |" in detail and "| 4.5 | 10.0 | 153.6 |" in detail
-    # a server given more memory than vanilla's says so beside its pool
+    # a server given more memory than vanilla's says so beside its pool (vanilla's own fraction is not repeated)
     assert "| 65760 of 788603 (mem 0.85) |" in detail and detail.count("(mem ") == 1
+    same = dt.detail_table([vanilla, replace(ours, mem_fraction_static=0.8)])
+    assert "(mem " not in same and "(mem " not in dt.comparison_table([vanilla, replace(ours, mem_fraction_static=0.8)])
 
 
 def test_each_run_is_compared_with_its_own_vanilla() -> None:

@@ -226,6 +226,32 @@ def test_a_requests_own_prune_with_evict_branches_frees_what_a_stale_reply_branc
             assert len(_match(tree, p1 + [9, 9, 9, 0]).device_indices) == 27
 
 
+def test_a_prune_voids_the_turns_own_record_below_it_even_where_it_frees_nothing() -> None:
+    """The agent loop without ``evict_branches``: turn 1's stale reply branch shares turn 1's tool result (20..24), so
+    a prune of turn 2's messages frees nothing there. Turn 2's own record (it evicted position 26, in its own tool
+    result; its tail, the generation prompt and reply, hangs below the prune's record) still holds 20..24 resident,
+    and a next turn whose re-rendered reply leaves turn 2's inside its tail used to resume from it and read the
+    pruned range again (a review's repro: holes [26] only). The prune voids that record: the next turn resumes from
+    the prune's own."""
+    from sgl_sparse.radix.tree import FinishedState
+
+    tree, req_pool, alloc = _make()
+    p1 = list(range(100, 120)) + [1, 2, 3, 4]
+    _finished(tree, req_pool, alloc, "t1", p1, [9, 9, 9], 1)
+    p2 = p1 + [8, 9, 5, 6]  # turn 2's prompt: turn 1's reply re-rendered, then its tool result
+    state = FinishedState(kept=torch.tensor([p for p in range(31) if p != 26]), tail_start=len(p2))
+    tree._on_finish = lambda req: state if req.rid == "t2" else None
+    t2 = FakeReq("t2", p2, output_ids=[7, 7, 7])
+    _admit(tree, req_pool, alloc, t2, 2)
+    _evict_positions(req_pool, alloc, t2, [26])
+    tree.cache_finished_req(t2, kv_len_to_handle=31)
+    r = tree_prune.prune(tree, p2, None, [(20, 24)])
+    assert r.status == "completed" and (r.pruned_tokens, r.freed_slots) == (4, 0)  # shared with t1's branch
+    nxt = _match(tree, p2 + [7, 1, 2])  # leaves turn 2's reply at 29, inside its record's tail
+    assert _holes_in(nxt.device_indices) == [20, 21, 22, 23, 26], _holes_in(nxt.device_indices)
+    assert _invariant(tree, alloc) == 0
+
+
 def test_evict_branches_spares_a_conversation_branching_before_the_ranges() -> None:
     tree, req_pool, alloc = _make()
     shared = list(range(100, 120))

@@ -203,16 +203,19 @@ def test_chat_selector_prunes_old_tool_results(mixed_server: ServerProcess) -> N
     _assert_idle_and_sound(server)
 
 
-@pytest.mark.parametrize("method", ["dense", "snapkv"])
+@pytest.mark.parametrize("method,evict", [("dense", True), ("dense", False), ("snapkv", True)])
 def test_an_agent_pruning_after_every_turn_keeps_each_turn_a_hit(mixed_server: ServerProcess, tiny_model: str,
-                                                                 method: str) -> None:
+                                                                 method: str, evict: bool) -> None:
     """bench_agent's pruning mode in small: after every turn the agent prunes the tool results but the last one,
     selecting the turn it just sent by its messages (rendered without the generation prompt, a few tokens short
     of the cached prompt). Each prune must find the whole history (the finished turn's record resumes from
     before its generation prompt), and the next turn must resume from there. Before the record's resume point
     backed off over the generation prompt, the second prune's selector stopped at the first prune's record:
     the prune landed there (or failed, once its ranges passed it) and every later turn recomputed the history
-    after it (an agent replay on CPU: 16 of 41 prunes failed, 40 of 41 under SnapKV)."""
+    after it (an agent replay on CPU: 16 of 41 prunes failed, 40 of 41 under SnapKV). And every later turn keeps the
+    pruned ranges hidden: without ``evict_branches`` the ranges' KV stays for the stale reply branches, and the turn's
+    own record below the prune (its reply) still looked whole, so the next turn resumed from it and read them again
+    (a review's repro; the prune now voids that record)."""
     from transformers import AutoTokenizer
 
     server = mixed_server
@@ -236,12 +239,14 @@ def test_an_agent_pruning_after_every_turn_keeps_each_turn_a_hit(mixed_server: S
         r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120).json()
         if turn:  # resumes from the previous prune's record: the whole history that prune was given
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= previous, (turn, r["usage"], previous)
+        if method == "dense":  # what earlier prunes hid stays hidden in this turn's cached history
+            assert _post(server, "match", {"messages": messages}).json()["hidden_tokens"] >= hidden, (turn, hidden)
         if sum(m["role"] == "tool" for m in messages) > 1:
             res = _post(server, "prune", {"messages": messages, "roles": ["tool"], "lag": 1,
-                                          "evict_branches": True, **ns}).json()
+                                          "evict_branches": evict, **ns}).json()
             assert res["status"] == "completed" and res["matched_tokens"] == len(render(messages)), (turn, res)
             assert res["pruned_tokens"] > 0 or method == "snapkv", (turn, res)
-            hidden += res["pruned_tokens"]
+            hidden += res["pruned_tokens"] - res["kept_tokens"]
             previous = res["matched_tokens"]
         else:
             previous = len(render(messages))  # no record yet: the cached prompt, less its generation prompt

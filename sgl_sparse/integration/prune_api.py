@@ -527,6 +527,8 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
         ranges = chat_ranges(render, messages, adapted.input_ids, spec.get("roles"), spec.get("lag", 0))
     except BadPruneRequest as e:
         raise ValueError(f"{where}: {e}") from None
+    if not isinstance(spec.get("evict_branches", False), bool):  # checked here too: with nothing to prune it goes
+        raise ValueError(f"{where}: evict_branches: expected true or false, got {spec['evict_branches']!r}")
     keep = {k: v for k, v in spec.items() if k in keep_fields}
     try:  # the keep fields whatever the ranges (their size is checked below)
         keep_tokens, _ = parse_keep(keep, 0, 1, REQUEST_POLICIES, REQUEST_SCORED)

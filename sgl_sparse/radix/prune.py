@@ -150,16 +150,32 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, r
     before = tree.token_to_kv_pool_allocator.available_size()
     tree._compact_exclusive(path, complement(kept, n), own_tail=True)
     freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
+    _void_continuations(last, hide)
     # A payload describes a finished request's retained set; with positions removed it no longer does.
     last.chain = ChainRecord(n, kept.clone(), None, since=n)
     return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(cand.numel()), kept_tokens=int(keep.numel()),
                        freed_slots=freed, resident_tokens=int(kept.numel()), evicted_branch_slots=evicted)
 
 
+def _void_continuations(last: Any, hide: torch.Tensor) -> None:
+    """Drop the records below ``last`` (continuations of the pruned sequence cached before the prune, e.g. the turn's
+    own reply) whose kept set holds a pruned position. Where the prune freed that position the record is void anyway;
+    where a shared node kept its KV (another branch reads it), the record would still look whole, and a next turn
+    resuming from it (its match runs through ``last`` into that continuation) would read the pruned range again."""
+    stack = list(last.children.values())
+    while stack:
+        node = stack.pop()
+        rec = getattr(node, "chain", None)
+        if rec is not None and bool(torch.isin(rec.kept, hide).any()):
+            node.chain = None
+        stack.extend(node.children.values())
+
+
 def evict_side_branches(tree: SparseRadixCache, path: list[Any], first: int) -> int:
     """Evict the cached subtrees hanging off ``path``'s nodes that end after position ``first``, except below
-    its last node (those continue the sequence). Nothing there is locked: a lock below a pruned node locks
-    that node too, and the prune is then ``blocked`` before this runs. Returns the slots freed."""
+    its last node (those continue the sequence). A subtree a running request holds is left whole (its lock
+    reaches every node above it; on the route such a prune is ``blocked`` before this runs, at a request's
+    finish other requests may hold side branches). Returns the slots freed."""
     on_path = {id(node) for node in path}
     freed, end = 0, 0
     for node in path[:-1]:
@@ -176,7 +192,7 @@ def _evict_subtree(tree: SparseRadixCache, top: Any) -> int:
     while stack:  # pre-order: every node before its descendants
         node = stack.pop()
         if node.lock_ref > 0:
-            return 0  # unreachable when the prune is not blocked; never free what a request reads
+            return 0  # a running request reads it (a request finishing beside it): never free that
         order.append(node)
         stack.extend(node.children.values())
     freed = 0
