@@ -77,6 +77,7 @@ class Tracked:
     # Its own prune asked for evict_branches and hid positions: at finish the tree evicts the idle branches off its
     # path from this logical position (the first range's start) before freeing what it hid.
     evict_branches_after: int | None = None
+    pruned: bool = False  # its own prune hid positions (the tree then treats cached continuations as a prune does)
 
 
 @dataclass
@@ -233,7 +234,7 @@ class SparseRuntime:
             return None
         payload = t.method.on_finish(t.state)
         return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start,
-                             evict_branches_after=t.evict_branches_after)
+                             evict_branches_after=t.evict_branches_after, pruned=t.pruned)
 
     @staticmethod
     def kv_slots_used(allocator: Any) -> int:

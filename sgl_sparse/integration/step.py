@@ -155,6 +155,7 @@ def _prune(rt: SparseRuntime, batch: Any, req: Any, t: Tracked, spec: PruneSpec,
                   "pruned_tokens": pruned, "kept_tokens": in_ranges_n - pruned})
     if not pruned:
         return None
+    t.pruned = True
     if spec.evict_branches:
         t.evict_branches_after = spec.ranges[0][0]
     t.method.on_prune(t.state, kept[drop])

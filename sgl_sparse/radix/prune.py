@@ -150,14 +150,14 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, r
     before = tree.token_to_kv_pool_allocator.available_size()
     tree._compact_exclusive(path, complement(kept, n), own_tail=True)
     freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
-    _void_continuations(last, hide)
+    void_continuations(last, hide)
     # A payload describes a finished request's retained set; with positions removed it no longer does.
     last.chain = ChainRecord(n, kept.clone(), None, since=n)
     return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(cand.numel()), kept_tokens=int(keep.numel()),
                        freed_slots=freed, resident_tokens=int(kept.numel()), evicted_branch_slots=evicted)
 
 
-def _void_continuations(last: Any, hide: torch.Tensor) -> None:
+def void_continuations(last: Any, hide: torch.Tensor) -> None:
     """Drop the records below ``last`` (continuations of the pruned sequence cached before the prune, e.g. the turn's
     own reply) whose kept set holds a pruned position. Where the prune freed that position the record is void anyway;
     where a shared node kept its KV (another branch reads it), the record would still look whole, and a next turn

@@ -115,6 +115,10 @@ class FinishedState:
     payload: TreePayload | None = None
     tail_start: int | None = None
     evict_branches_after: int | None = None
+    # Its own prune hid positions: the sequence's cached continuations (below its end, e.g. the turn's reply when
+    # the route's snapkv_global prunes a cached turn through a request) are compacted and their records dropped
+    # as a route prune does, not shielded by copy-on-write.
+    pruned: bool = False
 
 
 def _holes(node: TreeNode) -> torch.Tensor:
@@ -411,7 +415,12 @@ class SparseRadixCache(RadixCache):
             from sgl_sparse.radix.prune import evict_side_branches
 
             evict_side_branches(self, path, finished.evict_branches_after)
-        self._compact_exclusive(path, hidden)
+        own = finished is not None and finished.pruned
+        self._compact_exclusive(path, hidden, own_tail=own)
+        if own and hidden.numel():
+            from sgl_sparse.radix.prune import void_continuations
+
+            void_continuations(path[-1], hidden)
         if hidden.numel():
             since = None  # unknown without the runtime's state: only a match through the end resumes
             if finished is not None and finished.tail_start is not None:
