@@ -44,13 +44,16 @@ def generation_suffix(tokenizer: Any, chat_template: str | None = None) -> tuple
         try:
             a = _ids(tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=True,
                                                    chat_template=chat_template))
-            plain = _ids(tokenizer.apply_chat_template(first, add_generation_prompt=False, tokenize=True,
-                                                       chat_template=chat_template))
             b = _ids(tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True,
                                                    chat_template=chat_template))
         except Exception as e:  # a template that needs other roles or arguments: assume nothing
             logger.info("sgl_sparse: chat template not rendered for Chain Cache's resume point (%s)", e)
             return ()
+        try:  # a template that must end with the generation prompt: the next turn's part alone
+            plain = _ids(tokenizer.apply_chat_template(first, add_generation_prompt=False, tokenize=True,
+                                                       chat_template=chat_template))
+        except Exception:
+            plain = a
         # Both are suffixes of the generation prompt's rendering: the longer one holds the other.
         found.add(tuple(a[min(_common_prefix(a, plain), _common_prefix(a, b)):]))
     if len(found) != 1:
