@@ -158,6 +158,31 @@ def test_shared_prefix_keeps_its_kv_for_other_conversations() -> None:
     assert _invariant(tree, alloc) == 0
 
 
+def test_a_turn_that_hid_only_shared_positions_resumes_from_its_record_beside_other_traffic() -> None:
+    """A conversation whose method hid only positions of a prefix another conversation shares frees none of them
+    (copy-on-write), so its path has no hole at all. Its next turn, leaving the previous answer inside it (the
+    re-rendered reply), must still resume from its record, as it does when it is alone on the server (there the
+    positions were freed, and the first hole sends the match to the record). It used to get the dense prefix
+    instead: the same turn read 3 more positions because another conversation shared its system prompt."""
+    from sgl_sparse.radix.tree import FinishedState
+
+    system, own, answer = list(range(500, 516)), [1, 2, 3, 4], [7, 8, 9, 10]
+    kept = torch.tensor([p for p in range(24) if p not in (2, 3, 4)])
+    for beside in (False, True):
+        tree, req_pool, alloc = _make()
+        tree._on_finish = lambda req: FinishedState(kept=kept, tail_start=20) if req.rid == "a" else None
+        if beside:  # another conversation holds the system prompt
+            _admit(tree, req_pool, alloc, b := FakeReq("b", system + [9, 8, 7]), 3)
+            tree.cache_finished_req(b, kv_len_to_handle=19)
+        a = FakeReq("a", system + own, output_ids=answer)
+        _admit(tree, req_pool, alloc, a, 1)
+        _evict_positions(req_pool, alloc, a, [2, 3, 4])
+        tree.cache_finished_req(a, kv_len_to_handle=24)
+        nxt = _match(tree, system + own + answer[:2] + [77, 78])  # leaves a's answer at 22
+        assert len(nxt.device_indices) == 22 and _holes_in(nxt.device_indices) == [2, 3, 4], (beside, nxt)
+        assert _invariant(tree, alloc) == 0
+
+
 def test_first_finisher_of_a_new_prefix_does_not_decide_for_the_next_conversation() -> None:
     """a finishes alone, so its nodes are exclusive and compacted in place; b, another conversation
     on the same system prompt, matches only up to the first hole and recomputes; its KV then fills

@@ -314,7 +314,10 @@ class SparseRadixCache(RadixCache):
         else:
             length = int(all_holes.min()) if all_holes.numel() else pos
             kept = torch.arange(length)
-        if length < pos:  # a hole or a record ends the view early: resume inside a record's tail?
+        # A hole or a record ends the view early, or the path has neither (a conversation whose method hid only
+        # positions another branch shares, so none was freed: without this its next turn read them again, where
+        # alone it resumed from its record): resume inside a record's tail?
+        if length < pos or (record is None and pos > 0):
             inner = self._record_below(res.last_device_node, pos, all_holes)
             if inner is not None:
                 record, payload, length = inner, None, pos
