@@ -254,32 +254,27 @@ def test_a_prune_voids_the_turns_own_record_below_it_even_where_it_frees_nothing
 
 def test_a_request_pruning_a_cached_turn_compacts_below_it_as_the_route_does() -> None:
     """The route's snapkv_global / kvzip_global prune a cached turn through an internal request whose prompt is the
-    turn's messages (28 tokens) and which prunes its own prompt; the turn's generation prompt and reply (and its
-    record: it evicted 26) hang below that prompt's end. At the request's finish those continuations used to shield
-    the range (the last node had a child: nothing compacted, 0 slots freed) and the turn's record still held the
-    range, so the next turn resumed from it and read the range again (a review's repro). With
-    ``FinishedState.pruned`` the finish compacts and drops such records as a route prune does."""
+    turn's messages (28 tokens: the route refuses a sequence that already hides positions) and which prunes its own
+    prompt; the turn's generation prompt and reply hang below that prompt's end. At the request's finish that
+    continuation used to shield the range (the last node had a child: nothing compacted, 0 slots freed, a review's
+    repro). With ``FinishedState.pruned`` the finish compacts as a route prune does, and the next turn resumes from
+    the request's record with the range hidden."""
     from sgl_sparse.radix.tree import FinishedState
 
     tree, req_pool, alloc = _make()
     p2 = list(range(100, 128))
-    turn = FinishedState(kept=torch.tensor([p for p in range(31) if p != 26]), tail_start=28)
-    own = FinishedState(kept=torch.tensor([p for p in range(28) if not 20 <= p < 24 and p != 26]), tail_start=28,
-                        pruned=True)
-    tree._on_finish = lambda req: {"turn": turn, "own": own}.get(req.rid)
-    t = FakeReq("turn", p2, output_ids=[7, 7, 7])
-    _admit(tree, req_pool, alloc, t, 1)
-    _evict_positions(req_pool, alloc, t, [26])
-    tree.cache_finished_req(t, kv_len_to_handle=31)
+    own = FinishedState(kept=torch.tensor([p for p in range(28) if not 20 <= p < 24]), tail_start=28, pruned=True)
+    tree._on_finish = lambda req: own if req.rid == "own" else None
+    _finished(tree, req_pool, alloc, "turn", p2, [7, 7, 7], 1)  # the turn, cached whole
     r = FakeReq("own", p2)  # the route's internal request (its one output token never gets a slot)
     _admit(tree, req_pool, alloc, r, 2)
-    assert len(r.prefix_indices) == 28 and _holes_in(r.prefix_indices) == [26]  # resumed from the turn's record
+    assert len(r.prefix_indices) == 28 and _holes_in(r.prefix_indices) == []
     _evict_positions(req_pool, alloc, r, [20, 21, 22, 23])  # its own prune (tree-owned positions: sentinels)
     free0 = alloc.available_size()
     tree.cache_finished_req(r, kv_len_to_handle=28)
     assert alloc.available_size() == free0 + 4 and _invariant(tree, alloc) == 0
-    nxt = _match(tree, p2 + [7, 1, 2])  # leaves the turn's reply inside its old record's tail
-    assert _holes_in(nxt.device_indices) == [20, 21, 22, 23, 26], _holes_in(nxt.device_indices)
+    nxt = _match(tree, p2 + [7, 1, 2])  # leaves the turn's reply inside it
+    assert _holes_in(nxt.device_indices) == [20, 21, 22, 23], _holes_in(nxt.device_indices)
 
 
 def test_evict_branches_spares_a_conversation_branching_before_the_ranges() -> None:

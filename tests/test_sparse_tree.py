@@ -381,6 +381,38 @@ def test_next_turn_rendering_the_generation_prompt_differently_resumes_before_it
         assert len(_match(tree, ids[:18] + [63, 61, 62]).device_indices) == 3
 
 
+def test_the_same_chat_prompt_from_another_request_does_not_resume_from_the_first_ones_record() -> None:
+    """With ``since`` backed off over the generation prompt, a second request with exactly the first one's chat prompt
+    (another user asking the same first question) matches up to one token short of it, past ``since``: it must not
+    resume from the first request's kept set (its SnapKV window would then be one token, its answer set by the
+    first request's traffic), only a request whose prompt runs past the first one's does. A probe (prune, match)
+    still resumes."""
+    from sgl_sparse.radix.tree import FinishedState
+
+    suffix = (61,)
+    prompt, answer = list(range(900, 919)) + list(suffix), [1, 2, 3, 4]
+    hidden = [3, 4, 5, 21]
+    kept = torch.tensor([p for p in range(24) if p not in hidden])
+    tree, req_pool, alloc = _make()
+    tree.resume_suffix = suffix
+    tree._on_finish = lambda req: FinishedState(kept=kept, tail_start=20) if req.rid == "a" else None
+    a = FakeReq("a", prompt, output_ids=answer)
+    _admit(tree, req_pool, alloc, a, 1)
+    _evict_positions(req_pool, alloc, a, hidden)
+    tree.cache_finished_req(a, kv_len_to_handle=24)
+    same = FakeReq("b", prompt)
+    _admit(tree, req_pool, alloc, same, 2)
+    assert len(same.prefix_indices) == 3 and same._sgl_sparse_view.record is None  # the first hole
+    tree.cache_finished_req(same, kv_len_to_handle=20)
+    m = _match(tree, prompt[:19])  # a probe of the messages: the record's view
+    assert len(m.device_indices) == 19 and _holes_in(m.device_indices) == [3, 4, 5]
+    nxt = FakeReq("c", prompt + [1, 2, 70])  # a's next turn
+    _admit(tree, req_pool, alloc, nxt, 3)
+    assert len(nxt.prefix_indices) == 22 and _holes_in(nxt.prefix_indices) == [3, 4, 5, 21]
+    tree.cache_finished_req(nxt, kv_len_to_handle=23)
+    assert _invariant(tree, alloc) == 0
+
+
 def test_generation_suffix_of_chat_templates(tiny_model: str) -> None:
     """The tokens at a generation prompt's end that a later request of the conversation may not share, found by
     rendering: the generation prompt itself for the tiny model's own template (its next turn renders the

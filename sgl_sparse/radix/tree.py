@@ -78,6 +78,9 @@ class ChainRecord:
     kept: torch.Tensor
     payload: TreePayload | None = None
     since: int | None = None
+    # The finished request's prompt length (None: a prune's record). A request resumes inside the tail only when its
+    # own prompt runs past it: the same prompt sent again (another user's first question) is not a continuation.
+    prompt_len: int | None = None
     _hide_dev: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -318,7 +321,8 @@ class SparseRadixCache(RadixCache):
         # positions another branch shares, so none was freed: without this its next turn read them again, where
         # alone it resumed from its record): resume inside a record's tail?
         if length < pos or (record is None and pos > 0):
-            inner = self._record_below(res.last_device_node, pos, all_holes)
+            past = len(req.origin_input_ids) if hasattr(req, "origin_input_ids") else None  # a probe: no prompt
+            inner = self._record_below(res.last_device_node, pos, all_holes, past)
             if inner is not None:
                 record, payload, length = inner, None, pos
                 kept = inner.kept[inner.kept < pos]
@@ -346,17 +350,20 @@ class SparseRadixCache(RadixCache):
         return res._replace(device_indices=indices, last_device_node=last, last_host_node=last,
                             best_match_node=last)
 
-    def _record_below(self, node: TreeNode, pos: int, holes: torch.Tensor, limit: int = 256) -> ChainRecord | None:
+    def _record_below(self, node: TreeNode, pos: int, holes: torch.Tensor, prompt_len: int | None = None,
+                      limit: int = 256) -> ChainRecord | None:
         """A record on a sequence that runs through ``node`` (the match ends at ``pos``) from which a
-        match of ``pos`` tokens may resume: ``since <= pos``, and its kept positions before ``pos`` all
-        resident. Deepest ``since`` first (the latest decision). Looks at ``limit`` nodes at most."""
+        match of ``pos`` tokens may resume: ``since <= pos``, its kept positions before ``pos`` all
+        resident, and, for a request of ``prompt_len`` prompt tokens, a prompt longer than the record's.
+        Deepest ``since`` first (the latest decision). Looks at ``limit`` nodes at most."""
         best: ChainRecord | None = None
         stack, seen = list(node.children.values()), 0
         while stack and seen < limit:
             child = stack.pop()
             seen += 1
             rec = getattr(child, "chain", None)
-            if rec is not None and rec.since <= pos < rec.end and (best is None or rec.since > best.since):
+            if (rec is not None and rec.since <= pos < rec.end and (best is None or rec.since > best.since)
+                    and (prompt_len is None or rec.prompt_len is None or prompt_len > rec.prompt_len)):
                 if not bool(torch.isin(rec.kept[rec.kept < pos], holes).any()):
                     best = rec
             stack.extend(child.children.values())
@@ -428,7 +435,8 @@ class SparseRadixCache(RadixCache):
             since = None  # unknown without the runtime's state: only a match through the end resumes
             if finished is not None and finished.tail_start is not None:
                 since = self._resume_since(req.origin_input_ids, finished.tail_start)
-            path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None, since=since)
+            path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None, since=since,
+                                         prompt_len=len(req.origin_input_ids))
         # A request that hid nothing leaves an existing record of the same sequence in place: positions
         # past it were computed under that record's view.
 
