@@ -133,6 +133,15 @@ def parse_keep(body: Mapping[str, Any], size: int, page_size: int, policies: tup
     return keep, policy
 
 
+def parse_evict_branches(body: Mapping[str, Any]) -> bool:
+    """A prune body's ``evict_branches`` (default false), as the route and a request's own prune take it. Raises
+    :class:`KeepError` naming the field."""
+    evict = body.get("evict_branches", False)
+    if not isinstance(evict, bool):
+        raise KeepError("evict_branches", f"expected true or false, got {evict!r}")
+    return evict
+
+
 @dataclass(frozen=True)
 class PruneSpec:
     """A request's own prune: sorted, merged prompt ranges and, when ``keep_tokens`` > 0, how many of their

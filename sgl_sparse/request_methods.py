@@ -36,6 +36,7 @@ from sgl_sparse.prune_keep import (
     KeepError,
     PruneSpec,
     RangeError,
+    parse_evict_branches,
     parse_keep,
     parse_ranges,
 )
@@ -222,11 +223,9 @@ def parse_prune_param(value: Any, prompt_len: int | None) -> PruneSpec:
     try:
         # Our servers' pools have pages of one token (a request's own prune hides single positions).
         keep, policy = parse_keep(value, sum(hi - lo for lo, hi in merged), 1, REQUEST_POLICIES, REQUEST_SCORED)
+        evict = parse_evict_branches(value)
     except KeepError as e:
         raise RequestMethodError(PRUNE_KEY, f"{e.field}: {e}") from None
-    evict = value.get("evict_branches", False)
-    if not isinstance(evict, bool):
-        raise RequestMethodError(PRUNE_KEY, f"evict_branches: expected true or false, got {evict!r}")
     return PruneSpec(tuple(merged), keep, policy, evict)
 
 

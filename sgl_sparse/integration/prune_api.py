@@ -42,6 +42,7 @@ from sgl_sparse.prune_keep import (
     SNAPKV_GLOBAL,
     KeepError,
     knorm_scores,
+    parse_evict_branches,
     parse_keep,
 )
 from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
@@ -184,10 +185,10 @@ def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, re
     except KeepError as e:
         raise BadPruneRequest(e.field, str(e)) from None
     out["keep_tokens"], out["policy"] = keep, policy
-    evict = body.get("evict_branches", False)
-    if not isinstance(evict, bool):
-        raise BadPruneRequest("evict_branches", f"expected true or false, got {evict!r}")
-    out["evict_branches"] = evict
+    try:
+        out["evict_branches"] = parse_evict_branches(body)
+    except KeepError as e:
+        raise BadPruneRequest(e.field, str(e)) from None
     return out
 
 
@@ -527,10 +528,9 @@ def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: 
         ranges = chat_ranges(render, messages, adapted.input_ids, spec.get("roles"), spec.get("lag", 0))
     except BadPruneRequest as e:
         raise ValueError(f"{where}: {e}") from None
-    if not isinstance(spec.get("evict_branches", False), bool):  # checked here too: with nothing to prune it goes
-        raise ValueError(f"{where}: evict_branches: expected true or false, got {spec['evict_branches']!r}")
     keep = {k: v for k, v in spec.items() if k in keep_fields}
-    try:  # the keep fields whatever the ranges (their size is checked below)
+    try:  # the keep fields and evict_branches whatever the ranges (their size is checked below)
+        parse_evict_branches(spec)
         keep_tokens, _ = parse_keep(keep, 0, 1, REQUEST_POLICIES, REQUEST_SCORED)
     except KeepError as e:
         raise ValueError(f"{where}: {e.field}: {e}") from None

@@ -55,6 +55,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_sparse.contract import SparseMethod, TreePayload
+from sgl_sparse.radix.prune import evict_side_branches, void_continuations
 from sgl_sparse.slots import complement, live_slots, retained_positions, to_device, write_sentinels
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -422,14 +423,10 @@ class SparseRadixCache(RadixCache):
         if finished is not None and finished.evict_branches_after is not None:
             # Its own prune's evict_branches (radix/prune.py's rule): stale branches (an agent's replies as generated)
             # would otherwise keep the pruned KV resident for themselves; locked ones are left alone.
-            from sgl_sparse.radix.prune import evict_side_branches
-
             evict_side_branches(self, path, finished.evict_branches_after)
         own = finished is not None and finished.pruned
         self._compact_exclusive(path, hidden, own_tail=own)
         if own and hidden.numel():
-            from sgl_sparse.radix.prune import void_continuations
-
             void_continuations(path[-1], hidden)
         if hidden.numel():
             since = None  # unknown without the runtime's state: only a match through the end resumes
