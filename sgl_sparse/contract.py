@@ -502,6 +502,9 @@ class KVStore(ABC):
     # Whether decode and prefix run as device kernels (CUDA-graph safe): the torch defaults below loop over
     # requests with host reads, so a store without kernels serves on CPU only.
     gpu_kernels: ClassVar[bool] = False
+    # Why a slot's data cannot be copied to another slot alone (None: :meth:`slot_tensors` is all of it). SGLang
+    # moves slots only for speculative decoding, which the launcher refuses; the pool raises this if it ever does.
+    slot_move_problem: ClassVar[str | None] = None
 
     @abstractmethod
     def bytes_per_token(self, geometry: KVGeometry) -> int:

@@ -211,6 +211,19 @@ def test_sglang_pool_lists_the_store_buffers_and_refuses_raw_writes() -> None:
         pool.set_kv_buffer(None, torch.tensor([3]), torch.zeros(1, HKV * D), torch.zeros(1, HKV * D))
 
 
+def test_a_kivi_pool_refuses_a_slot_move() -> None:
+    """KIVI's keys need their page's scales and an open page its request's residual, which no slot move carries:
+    SGLang's move (speculative decoding only, refused at launch) raises instead of moving codes alone."""
+    from sgl_sparse.integration.kv_pool import store_pool_class
+
+    store = create_method("kivi", {"group_size": 8}).store
+    pool = store_pool_class()(store, HKV * G, 4, SLOTS - 8, page_size=8, dtype=torch.float32, head_num=HKV,
+                              head_dim=D, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                              enable_alt_stream=False)
+    with pytest.raises(RuntimeError, match="cannot be moved"):
+        pool.move_kv_cache(torch.tensor([16]), torch.tensor([8]))
+
+
 def test_a_compacted_prefix_is_listed_by_its_live_slots() -> None:
     """Under eviction (``compact``) the dequantized read lists each row's live slots (sentinels skipped, position
     order) and counts them per request on the host; a row whose live prefix is empty sends the step to the kernel."""

@@ -198,6 +198,11 @@ def _define_pool_class() -> type:
         def _slot_move_pointer_buffers(self) -> list[torch.Tensor]:
             return [t for i in range(self.layer_num) for t in self.store.slot_tensors(i)]
 
+        def move_kv_cache(self, tgt_loc: Any, src_loc: Any) -> None:
+            if self.store.slot_move_problem is not None:
+                raise RuntimeError(f"sgl_sparse: {type(self.store).__name__}: {self.store.slot_move_problem}")
+            super().move_kv_cache(tgt_loc, src_loc)
+
         def get_kv_size_bytes(self) -> tuple[int, int]:
             # What sizing counted: the per-token layout (K codes, then the rest) and the fixed buffers.
             k = sum(get_tensor_size_bytes(self.store.slot_tensors(i)[0]) for i in range(self.layer_num))

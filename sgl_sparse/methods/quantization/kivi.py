@@ -107,6 +107,9 @@ class KIVIStore(KVStore):
         self.dtype = g.dtype
         self.use_triton = dev.type == "cuda"
 
+    slot_move_problem = ("a KIVI key belongs to its page's per-channel scale and zero and an open page to its "
+                         "request's residual row: a single slot cannot be moved")
+
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
         return [self.k_codes[layer_id], self.v_codes[layer_id], self.v_scale[layer_id], self.v_zero[layer_id]]
 
