@@ -191,8 +191,24 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     (["--enable-hisparse"], "hierarchical sparse attention"),
     (["--enable-pdmux"], "PD multiplexing"),
     (["--enable-two-batch-overlap"], "micro-batch overlap"),
-    *[(["--sparse-method", m, flag], "external KV stores") for m in ("snapkv", "streamingllm")
+    *[([*m, flag], "would be silently off") for m in ([], ["--sparse-method", "snapkv"], ["--sparse-method", "quest"])
       for flag in ("--enable-lmcache", "--enable-flexkv")],
+    *[([*m, *flag], "batch-invariant kernels are chosen by attention backend name")
+      for m in ([], ["--sparse-method", "snapkv"])
+      for flag in (["--enable-deterministic-inference"], ["--rl-on-policy-target", "fsdp"])],
+    *[([*m, "--enable-torch-compile"], "torch.compile would trace") for m in ([], ["--device", "cuda"])],
+    (["--grpc-mode"], "the gRPC servicer replaces SGLang's HTTP server"),
+    (["--attn-cp-size", "2"], "context parallelism writes prefill K/V"),
+    (["--enable-prefill-cp"], "context parallelism writes prefill K/V"),
+    (["--dllm-algorithm", "LowConfidence"], "diffusion LLM decoding"),
+    *[(["--kv-canary", mode], "the canary walks SGLang's own radix tree") for mode in ("log", "raise")],
+    (["--sparse-method", "streamingllm", "--kv-events-config", '{"publisher": "zmq"}'],
+     "would report evicted positions as still stored"),
+    *[(["--sparse-method", m, "--kv-cache-dtype", "fp8_e4m3"], msg)
+      for m, msg in (("quest", "page summaries and scores are kept in the KV dtype"),
+                     ("omnikv", "page summaries and scores are kept in the KV dtype"),
+                     ("retroinfer", "page summaries and scores are kept in the KV dtype"),
+                     ("kvzip", "replay scores read the raw FP8 keys"))],
     (["--sparse-method", "streamingllm", "--num-continuous-decode-steps", "4"], "once per scheduled batch"),
     (["--sparse-method", "snapkv", "--strip-thinking-cache"], "frees the output part of the row"),
     *[([*m, "--kv-cache-dtype", dtype], "FP4 KV is not supported")
@@ -603,3 +619,28 @@ def test_eviction_with_tensor_parallelism(method: str, capsys: pytest.CaptureFix
     _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", method, "--tp-size", "2",
                           "--cuda-graph-backend-decode", "disabled"])
     assert hand.method == method
+
+
+def test_an_fp8_kv_cache_from_the_checkpoint_is_refused_under_auto() -> None:
+    """SGLang resolves ``--kv-cache-dtype auto`` to FP8 for a checkpoint whose quant config says
+    ``kv_cache_quant_algo: FP8`` (mem_cache/kv_cache_dtype.py, called below as the model runner does), after the
+    launcher checked the flag: the backend factory refuses it, naming the flag to pass."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
+
+    from sgl_sparse.integration.attention import checkpoint_kv_dtype_problem
+
+    def runner(flag: str, algo: str | None) -> SimpleNamespace:
+        model = torch.nn.Module()
+        model.quant_config = SimpleNamespace(kv_cache_quant_algo=algo)
+        _, dtype = configure_kv_cache_dtype(server_args_kv_cache_dtype=flag, model=model, model_dtype=torch.bfloat16,
+                                            is_draft_worker=False, is_dflash=False,
+                                            speculative_draft_attention_backend=None)
+        return SimpleNamespace(server_args=SimpleNamespace(kv_cache_dtype=flag), kv_cache_dtype=dtype)
+
+    why = checkpoint_kv_dtype_problem(runner("auto", "FP8"))
+    assert why is not None and "--kv-cache-dtype fp8_e4m3" in why
+    assert checkpoint_kv_dtype_problem(runner("auto", None)) is None  # the model dtype
+    assert checkpoint_kv_dtype_problem(runner("fp8_e4m3", "FP8")) is None  # the flag the launcher checked

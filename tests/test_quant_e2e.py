@@ -249,7 +249,7 @@ def test_launcher_refuses_what_the_store_cannot_serve(tiny_model: str, capsys: p
 
     base = ["--model-path", tiny_model, *FLAGS, "--sparse-method", "fp8_kv"]
     for extra, needle in ((["--kv-cache-dtype", "fp8_e4m3"], "owns the KV layout"),
-                          (["--enable-lmcache"], "external KV stores")):
+                          (["--enable-lmcache"], "would be silently off")):
         with pytest.raises(SystemExit):
             parse_args([*base, *extra])
         assert needle in capsys.readouterr().err

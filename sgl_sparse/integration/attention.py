@@ -543,8 +543,23 @@ def choose_base(model_runner: Any) -> str:
     return impl
 
 
+def checkpoint_kv_dtype_problem(model_runner: Any) -> str | None:
+    """Why the KV dtype SGLang resolved is not the one the launcher checked, or None. Under ``--kv-cache-dtype
+    auto`` an FP8 checkpoint's quant config (``kv_cache_quant_algo``, mem_cache/kv_cache_dtype.py L32-40) makes
+    the pool FP8, where the launcher's checks (which methods read raw keys) took the model dtype."""
+    flag = str(getattr(model_runner.server_args, "kv_cache_dtype", None) or "auto")
+    dtype = getattr(model_runner, "kv_cache_dtype", None)
+    if flag == "auto" and isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize == 1:
+        return (f"sgl_sparse: the checkpoint's quantization config makes the KV cache {dtype} under "
+                "--kv-cache-dtype auto, which sgl_sparse's launch checks took for the model dtype: pass "
+                "--kv-cache-dtype fp8_e4m3 (each method then serves or refuses FP8 KV by name) or bf16")
+    return None
+
+
 def create_backend(model_runner: Any) -> _SparseBackendMixin:
     """Factory for ``register_attention_backend``."""
+    if (why := checkpoint_kv_dtype_problem(model_runner)) is not None:
+        raise ValueError(why)
     base = choose_base(model_runner)
     method = get_runtime().method
     if method.store is not None and method.evicts and model_runner.device != "cpu" and base != "flashinfer":

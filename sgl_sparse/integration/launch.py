@@ -404,6 +404,12 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its scores read the raw FP8 keys and "
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
+    elif kv_dtype.startswith("fp8") and (method.selector is not None
+                                         or type(method).replays is not SparseMethod.replays):
+        problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its "
+                        + ("page summaries and scores are kept in the KV dtype and read the raw FP8 keys"
+                           if method.selector is not None else "replay scores read the raw FP8 keys")
+                        + " (k_scale ignored); use the model dtype, or fp8_kv (our FP8 layout, per-token scales)")
     if method.store is not None:
         if device != "cpu" and not method.store.gpu_kernels:
             problems.append(f"--sparse-method {method.name}: its GPU kernels are not written yet (its layout runs "
@@ -416,12 +422,6 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         if kv_dtype != "auto":
             problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: the method owns the KV layout "
                             "(its codes and scales); drop the flag")
-        if args.enable_lmcache or args.enable_flexkv:
-            problems.append(f"--enable-lmcache / --enable-flexkv with {method.name}: external KV stores copy "
-                            "SGLang's K/V buffers, not a method-owned layout")
-        if args.enable_deterministic_inference:
-            problems.append(f"deterministic inference with {method.name}: its extend needs FlashInfer's ragged "
-                            "prefill, which SGLang turns off for determinism")
         prefill = requested_graph_backend(args, "prefill")
         if device != "cpu" and prefill not in (None, DISABLED):
             problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: its extend attention runs "
@@ -439,10 +439,37 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
     if args.enable_two_batch_overlap or args.enable_single_batch_overlap:
         problems.append("--enable-two-batch-overlap / --enable-single-batch-overlap: micro-batch overlap splits "
                         "a forward into parts our per-step runtime does not see; not supported with sgl_sparse")
+    if args.enable_lmcache or args.enable_flexkv:
+        problems.append("--enable-lmcache / --enable-flexkv: SGLang builds these in place of its radix tree, and "
+                        "sgl_sparse's tree (--radix-cache-backend sgl_sparse) is built instead, so the external KV "
+                        "store would be silently off; not supported with sgl_sparse")
+    if args.enable_deterministic_inference or args.rl_on_policy_target:
+        problems.append("--enable-deterministic-inference / --rl-on-policy-target: SGLang's batch-invariant "
+                        "kernels are chosen by attention backend name (fa3, flashinfer, triton), not "
+                        "sgl_sparse's; not supported with sgl_sparse")
+    if args.enable_torch_compile:
+        problems.append("--enable-torch-compile: torch.compile would trace sgl_sparse's decode-step Python "
+                        "(compaction, selection) on CUDA, which has not been tested, and on CPU SGLang's compiled "
+                        "graph runner needs backend hooks ours lack; not supported with sgl_sparse yet")
+    if getattr(args, "smg_grpc_mode", False) or getattr(args, "grpc_mode", False):
+        problems.append("--grpc-mode / --smg-grpc-mode: the gRPC servicer replaces SGLang's HTTP server and "
+                        "tokenizer manager, so sgl_sparse's routes (/v1/prefix_cache/*), request validation and "
+                        "meta_info would be missing; serve over HTTP")
+    if (args.attn_cp_size or 1) > 1 or args.enable_prefill_cp:
+        problems.append("--attn-cp-size / --enable-prefill-cp: context parallelism writes prefill K/V through "
+                        "SGLang's all-gather (set_kv_buffer), past sgl_sparse's write path (selection summaries, "
+                        "eviction capture, method-owned layouts); not supported with sgl_sparse")
+    if getattr(args, "dllm_algorithm", None):
+        problems.append(f"--dllm-algorithm {args.dllm_algorithm}: diffusion LLM decoding replaces the attention "
+                        "backend with SGLang's own and changes the page size; not supported with sgl_sparse")
+    if str(getattr(args, "kv_canary", "none") or "none") != "none":
+        problems.append(f"--kv-canary {args.kv_canary}: the canary walks SGLang's own radix tree classes and reads "
+                        "req_to_token rows, which hold sentinel slots after eviction; not supported with sgl_sparse")
     if method.evicts:
-        if args.enable_lmcache or args.enable_flexkv:
-            problems.append(f"--enable-lmcache / --enable-flexkv with {method.name}: external KV stores copy KV "
-                            "by req_to_token slots, which hold sentinel slots after eviction")
+        if getattr(args, "kv_events_config", None):
+            problems.append(f"--kv-events-config with {method.name}: the events would report evicted positions "
+                            "as still stored (a node keeps its whole key when the method frees some of its "
+                            "slots), misleading a KV-aware router; serve events with a method that does not evict")
         if getattr(args, "strip_thinking_cache", False):
             problems.append(f"--strip-thinking-cache with {method.name}: SGLang then frees the output part of "
                             "the row itself, raw (mem_cache/common.py L178-201), which holds sentinel slots after "
