@@ -339,3 +339,21 @@ def test_a_kvzip_global_keep_without_room_prunes_nothing_and_says_so() -> None:
         request_prune_leaves(torch.arange(60), spec, lambda: None, None)
     # Nothing to choose (keep covers what is left): no replay is needed, none leaves.
     assert not request_prune_leaves(torch.arange(8), spec, lambda: None, inputs).any()
+
+
+def test_replays_refuse_requests_with_multimodal_inputs() -> None:
+    """A replay runs text tokens after the context; with images or video their M-RoPE positions would need the
+    request's multimodal inputs, which a replay batch does not carry: such a request is refused at admission (for
+    KVzip, or a kvzip_global prune of its own), a text request on the same server is not."""
+    from types import SimpleNamespace
+
+    from sgl_sparse.integration.runtime import multimodal_replay_problem
+    from sgl_sparse.prune_keep import PruneSpec
+
+    image, text = SimpleNamespace(multimodal_inputs=object()), SimpleNamespace(multimodal_inputs=None)
+    kvzip, snapkv = create_method("kvzip"), create_method("snapkv")
+    replayed = PruneSpec(((0, 8),), keep_tokens=2, policy="kvzip_global")
+    assert "replay forwards" in (multimodal_replay_problem(image, kvzip, None) or "")
+    assert "kvzip_global" in (multimodal_replay_problem(image, snapkv, replayed) or "")
+    assert multimodal_replay_problem(image, snapkv, PruneSpec(((0, 8),), keep_tokens=2, policy="knorm")) is None
+    assert multimodal_replay_problem(text, kvzip, replayed) is None

@@ -149,7 +149,10 @@ def _forward_batch(batch: Any, req: Any, token_ids: list[int], prefix: int, loc:
     b.return_hidden_states, b.is_prefill_only, b.has_grammar = False, False, False
     b.sampling_info = None
     b.spec_info = None
-    b.multimodal_inputs, b.encoder_cached, b.encoder_lens, b.encoder_lens_cpu = None, None, None, None
+    # One text-only request (runtime.multimodal_replay_problem refuses replays of requests with multimodal inputs):
+    # M-RoPE models index this list per request, and None there means plain text positions.
+    b.multimodal_inputs = [None]
+    b.encoder_cached, b.encoder_lens, b.encoder_lens_cpu = None, None, None
     b.encoder_out_cache_loc = None
     b.input_embeds, b.replace_embeds, b.replace_positions = None, None, None
     b.mix_running_indices = None

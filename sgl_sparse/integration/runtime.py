@@ -31,7 +31,7 @@ from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
-from sgl_sparse.prune_keep import SNAPKV_WINDOW
+from sgl_sparse.prune_keep import KVZIP_GLOBAL, SNAPKV_WINDOW
 from sgl_sparse.registry import create_method
 from sgl_sparse.request_methods import (
     EVICTION,
@@ -47,6 +47,21 @@ from sgl_sparse.slots import retained_positions
 logger = logging.getLogger(__name__)
 SERVED_ATTR = "_sgl_sparse_served"  # set on SGLang's Req at admission: the Served method of the request
 PRUNE_ATTR = "_sgl_sparse_prune"  # set on SGLang's Req at admission: its own prune (a PruneSpec), or absent
+
+
+def multimodal_replay_problem(req: Any, method: SparseMethod[Any], prune: Any) -> str | None:
+    """Why ``req`` cannot be served here, or None: replay forwards (KVzip's reconstruction, a ``kvzip_global``
+    prune) run text tokens after the context, whose M-RoPE positions in a request with images or video depend on
+    its multimodal inputs, which a replay batch does not carry (integration/replay.py)."""
+    if getattr(req, "multimodal_inputs", None) is None:
+        return None
+    if type(method).replays is not SparseMethod.replays:
+        return (f"sgl_sparse: {method.name} scores by replay forwards, which are not served for requests with "
+                "multimodal inputs; send text, or use another method")
+    if prune is not None and getattr(prune, "policy", None) == KVZIP_GLOBAL:
+        return (f"custom_params.sgl_sparse_prune: {KVZIP_GLOBAL} scores by replay forwards, which are not served "
+                "for requests with multimodal inputs; use knorm or snapkv_global")
+    return None
 
 
 @dataclass
@@ -152,6 +167,8 @@ class SparseRuntime:
             except RequestMethodError as e:
                 # The HTTP process validates every request first; this is a request that bypassed it.
                 req.set_finish_with_abort(f"custom_params.{e.key}: {e}")
+        if (why := multimodal_replay_problem(req, served.method, getattr(req, PRUNE_ATTR, None))) is not None:
+            req.set_finish_with_abort(why)
         setattr(req, SERVED_ATTR, served)
         if served.fingerprint != self.fingerprint:
             ns = f"sgl_sparse={served.fingerprint}"
