@@ -7,6 +7,9 @@
 * ``--disable-radix-cache``: SGLang still builds our tree (a registered backend wins), disabled; a
   prompt longer than ``--chunked-prefill-size`` must continue chunk after chunk (the stock radix tree
   returns early there and the prompt would restart at its first chunk forever).
+* ``--enable-priority-scheduling``: a higher-priority request preempts a running one, which SGLang releases
+  (``release_req``: its KV freed without insert, as a retraction under memory pressure does) and re-queues; it
+  then recomputes its prompt and output so far, and SnapKV scores it again.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def flag_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
                                             "--sparse-config", json.dumps(SNAPKV)]),
         "no_radix": ServerProcess(tiny_model, [*FLAGS, "--disable-radix-cache", "--sparse-method", "streamingllm",
                                                "--sparse-config", json.dumps(STREAMING)]),
+        "priority": ServerProcess(tiny_model, [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "256",
+                                               "--enable-priority-scheduling", "--max-running-requests", "1",
+                                               "--max-total-tokens", "4000", "--sparse-method", "snapkv",
+                                               "--sparse-config", json.dumps(SNAPKV)]),
     }
     with running(*procs.values()):
         yield procs
@@ -89,3 +96,35 @@ def test_disabled_radix_cache_serves_chunked_prompts_without_leaks(flag_servers:
     assert again["meta_info"]["cached_tokens"] == 0  # nothing is cached with the tree disabled
     st = _idle(server)
     assert st["kv_slots_used"] == 0 and st["evicted_tokens_total"] > 0
+
+
+def test_a_preempted_evicting_request_is_released_recomputed_and_leaks_nothing(flag_servers: dict) -> None:
+    server = flag_servers["priority"]
+    rng = random.Random(4)
+    before = _idle(server)
+    done: dict[str, float] = {}
+    outs: dict[str, dict] = {}
+
+    def send(name: str, n: int, out: int, priority: int) -> None:
+        r = requests.post(f"{server.base_url}/generate", timeout=600, json={
+            "input_ids": _ids(rng, n), "priority": priority,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": out, "ignore_eos": True}})
+        r.raise_for_status()
+        outs[name], done[name] = r.json(), time.monotonic()
+
+    low = threading.Thread(target=send, args=("low", 500, 900, 0))
+    low.start()
+    deadline = time.monotonic() + 120
+    while _state(server)["requests_tracked"] == 0:  # low is running (one slot: --max-running-requests 1)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)
+    send("high", 1000, 20, 100)  # priority 100 - 0 > the preemption threshold (10)
+    low.join()
+    assert outs["low"]["meta_info"]["completion_tokens"] == 900 and outs["high"]["meta_info"]["completion_tokens"] == 20
+    assert done["high"] < done["low"]
+    after = _idle(server)
+    # Each prompt's excess over the budget is evicted once (300 + 800); the preempted request's recompute of its
+    # prompt and output so far is scored and evicted again.
+    assert after["eviction_steps_total"] - before["eviction_steps_total"] == 3, (before, after)
+    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] > 1100 + 300
