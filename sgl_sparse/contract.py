@@ -116,6 +116,10 @@ class RequestState:
     extra: dict[str, Any] = field(default_factory=dict)
     _base: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64), repr=False)
     _tail_start: int = field(default=0, repr=False)
+    # The logical length from which this request's K/V were computed under a sparse view: its first applied plan
+    # that dropped positions, or a restored prefix with hidden positions. None: every position it computed saw
+    # its whole prefix. The tree keeps it with the finished sequence, so a dense match never reads such K/V.
+    sparse_from: int | None = None
 
     @property
     def kept(self) -> torch.Tensor:
@@ -139,6 +143,8 @@ class RequestState:
         """Runtime: a :class:`KeepPlan` was applied (or a matched prefix restored, with its length)."""
         if logical_len is not None:
             self.logical_len = logical_len
+        if self.sparse_from is None and int(kept.numel()) < self.logical_len:
+            self.sparse_from = self.logical_len
         self._base = kept.to(dtype=torch.int64, device="cpu")
         self._tail_start = self.logical_len
         self.num_kept = int(self._base.numel())

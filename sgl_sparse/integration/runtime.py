@@ -251,7 +251,8 @@ class SparseRuntime:
             return None
         payload = t.method.on_finish(t.state)
         return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start,
-                             evict_branches_after=t.evict_branches_after, pruned=t.pruned)
+                             evict_branches_after=t.evict_branches_after, pruned=t.pruned,
+                             sparse_from=t.state.sparse_from)
 
     @staticmethod
     def kv_slots_used(allocator: Any) -> int:

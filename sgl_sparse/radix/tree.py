@@ -123,6 +123,30 @@ class FinishedState:
     # the route's snapkv_global prunes a cached turn through a request) are compacted and their records dropped
     # as a route prune does, not shielded by copy-on-write.
     pruned: bool = False
+    # RequestState.sparse_from: K/V from this logical position on were computed under a sparse view.
+    sparse_from: int | None = None
+
+
+def _mark_sparse(path: list[TreeNode], sparse_from: int) -> None:
+    """Mark the nodes of a finished sequence whose K/V (from logical position ``sparse_from`` on) its request
+    computed under a sparse view: ``node.sparse_at``, the first such position relative to the node."""
+    start = 0
+    for node in path:
+        end = start + len(node.key)
+        if end > sparse_from:
+            at = max(0, sparse_from - start)
+            old = getattr(node, "sparse_at", None)
+            node.sparse_at = at if old is None else min(old, at)
+        start = end
+
+
+def _sparse_start(path: list[TreeNode], starts: list[int], pos: int) -> int:
+    """The first logical position of ``path`` whose K/V was computed under a sparse view, else ``pos``."""
+    for node, s in zip(path, starts):
+        at = getattr(node, "sparse_at", None)
+        if at is not None:
+            return min(pos, s + at)
+    return pos
 
 
 def _holes(node: TreeNode) -> torch.Tensor:
@@ -209,6 +233,9 @@ class SparseRadixCache(RadixCache):
         _set_holes(new_node, holes[holes < split_len])
         _set_holes(child, holes[holes >= split_len] - split_len)
         new_node.chain = None  # a record stays with the node that ends its sequence (the child)
+        at = getattr(child, "sparse_at", None)
+        new_node.sparse_at = at if at is not None and at < split_len else None
+        child.sparse_at = None if at is None else max(0, at - split_len)
         return new_node
 
     def _insert_helper(self, node: TreeNode, key: RadixKey, value: torch.Tensor, priority: int = 0,
@@ -221,6 +248,7 @@ class SparseRadixCache(RadixCache):
             rel = _EMPTY if h is None else h[(h >= start) & (h < start + len(last.key))] - start
             _set_holes(last, rel)
             last.chain = None
+            last.sparse_at = None
             self.evictable_size_ -= len(last.key) - last.phys
         return prefix_len, last
 
@@ -317,6 +345,9 @@ class SparseRadixCache(RadixCache):
             length, kept = record.end, record.kept
         else:
             length = int(all_holes.min()) if all_holes.numel() else pos
+            # K/V computed under a finished request's sparse view is no dense prefix: where its hidden positions
+            # lay in a prefix another path shares, nothing was freed and no hole stops the match there.
+            length = min(length, _sparse_start(path, starts, pos))
             kept = torch.arange(length)
         # A hole or a record ends the view early, or the path has neither (a conversation whose method hid only
         # positions another branch shares, so none was freed: without this its next turn read them again, where
@@ -424,6 +455,8 @@ class SparseRadixCache(RadixCache):
             # Its own prune's evict_branches (radix/prune.py's rule): stale branches (an agent's replies as generated)
             # would otherwise keep the pruned KV resident for themselves; locked ones are left alone.
             evict_side_branches(self, path, finished.evict_branches_after)
+        if finished is not None and finished.sparse_from is not None:
+            _mark_sparse(path, finished.sparse_from)
         own = finished is not None and finished.pruned
         self._compact_exclusive(path, hidden, own_tail=own)
         if own and hidden.numel():
