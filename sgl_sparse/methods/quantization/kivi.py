@@ -60,6 +60,8 @@ class KIVIStore(KVStore):
     # Decode and extend run as Triton kernels on CUDA (kernels/kivi_attention.py); the launcher keeps them
     # behind its opt-in until they have passed the GPU tests.
     gpu_kernels = True
+    slot_move_problem = ("a KIVI key belongs to its page's per-channel scale and zero and an open page to its "
+                         "request's residual row: a single slot cannot be moved")
 
     def __init__(self, config: KIVIConfig) -> None:
         self.bits = config.bits
@@ -106,9 +108,6 @@ class KIVIStore(KVStore):
         self.res_v = [torch.zeros(res, dtype=g.dtype, device=dev) for _ in range(g.num_layers)]
         self.dtype = g.dtype
         self.use_triton = dev.type == "cuda"
-
-    slot_move_problem = ("a KIVI key belongs to its page's per-channel scale and zero and an open page to its "
-                         "request's residual row: a single slot cannot be moved")
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
         return [self.k_codes[layer_id], self.v_codes[layer_id], self.v_scale[layer_id], self.v_zero[layer_id]]
