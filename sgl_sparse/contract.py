@@ -220,9 +220,9 @@ class StepInfo:
     final_prefill: bool = False  # this step completed the prompt
     # For a method whose ``needs_token_ids()`` is true (SkipKV finds sentence boundaries in them), None
     # otherwise: ``token_ids(start, end)`` gives the ids the runtime knows at logical positions
-    # ``[start, end)``, a prefix of them (possibly empty). The newest decoded token's id may be known only a
-    # step after its K/V was written: SGLang's overlap scheduler (its default, on CPU too) appends a sampled
-    # token to the request after the next forward has run. Valid during the hook call only.
+    # ``[start, end)``, a prefix of them (possibly empty). The server's step knows every id whose K/V it wrote
+    # (a decode token's step runs after SGLang appended the sampled token, integration/step.py); a method must
+    # still take a prefix (a driver may know the newest id a step late). Valid during the hook call only.
     token_ids: Callable[[int, int], Sequence[int]] | None = None
     # Tensor parallelism: a score that is a maximum over heads (KVzip's replays) holds only this rank's heads;
     # ``max_over_ranks`` takes its element-wise maximum over the TP group (every rank then holds the same scores

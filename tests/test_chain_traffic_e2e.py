@@ -6,6 +6,11 @@ servers, tiny model; found by a review).
   Chain Cache continuation) got a "dense" match running on into the positions the conversation computed under its
   sparse view; alone, the hole stopped the match first. The tree now marks a finished sequence's K/V computed under
   a sparse view (``RequestState.sparse_from``) and a dense match stops there.
+* Overlap scheduling (SGLang's default, on CPU too) launches a decode forward before it sees that the previous
+  one finished a request, so that forward writes the finished request's last token. Its step used to run like any
+  other (an eviction due at that count changed the turn's record), and whether it ran at all depended on the next
+  iteration being a decode rather than another request's prefill. A decode token's step now waits for the
+  previous results (``integration/step.py``) and skips finished requests; the tree frees that last position.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import pytest
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
 from tests.test_eviction_e2e import _assert_idle_and_sound as _idle
-from tests.test_eviction_e2e import _flush
+from tests.test_eviction_e2e import _flush, _state
 
 pytestmark = pytest.mark.server
 FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report"]
@@ -59,3 +64,25 @@ def test_a_shared_prefix_does_not_let_a_next_turn_read_kv_computed_under_a_spars
     assert alone["cached"] <= 150 and after_b["cached"] <= 150, (alone["cached"], after_b["cached"])
     assert after_b["second"] == alone["second"]
 
+
+
+def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str) -> None:
+    """StreamingLLM (sink 4, recent 16, interval 8) compacts once more than 28 positions are retained: a 40-token
+    prompt keeps 20, and 9 new tokens take 8 decode forwards, which bring it to 28. Without overlap scheduling
+    nothing more runs. With it, a 9th forward writes the last token; its step used to evict (29 > 28) and leave a
+    record of 20 positions of 49. Now the record is the one without overlap: 28 of 48, and the next turn resumes
+    from 48 cached tokens."""
+    rng = random.Random(5)
+    prompt, q = _ids(rng, 40), _ids(rng, 6)
+    server = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm", "--sparse-config",
+                                        json.dumps({"sink_tokens": 4, "recent_tokens": 16, "evict_interval": 8})])
+    with running(server):
+        base = _flush(server)
+        out = _gen(server, prompt, 9)["output_ids"]
+        st = _idle(server)
+        assert st["eviction_steps_total"] - base["eviction_steps_total"] == 1, st  # the prompt's only
+        assert st["kv_slots_used"] - base["kv_slots_used"] == 28, st  # the base: /health's one-token request
+        nxt = _gen(server, prompt + out + q, 2)
+        _idle(server)
+        assert nxt["meta_info"]["cached_tokens"] == 48, nxt["meta_info"]
+        assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 1

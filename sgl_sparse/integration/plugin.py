@@ -85,8 +85,24 @@ def _around_forward(original, worker, batch=None, *args, **kwargs):  # type: ign
         return original(worker, batch, *args, **kwargs)
     rt.before_forward(batch, worker.model_runner)
     result = original(worker, batch, *args, **kwargs)
-    rt.after_forward(batch, worker.model_runner)
+    rt.after_forward(batch, worker.model_runner, result)
     return result
+
+
+def _around_process_batch_result(original, scheduler, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """AROUND ``Scheduler.process_batch_result``: the deferred decode step of the last forward (step.py) runs
+    before this processing if it is that forward's own result, else right after it (overlap scheduling: this
+    is the forward before, and the requests it finished must be skipped)."""
+    from sgl_sparse.integration.runtime import get_runtime
+
+    rt = get_runtime()
+    if not rt.serving:
+        return original(scheduler, *args, **kwargs)
+    result = args[1] if len(args) > 1 else kwargs.get("result")
+    rt.run_deferred(of_result=result)
+    out = original(scheduler, *args, **kwargs)
+    rt.run_deferred()
+    return out
 
 
 def _after_war_barrier(result, scheduler, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -125,6 +141,10 @@ def register() -> None:
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier", _after_war_barrier, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.process_batch_result", _around_process_batch_result,
+        HookType.AROUND
     )
     from sgl_sparse.integration.kv_pool import (
         after_profile_available_bytes,

@@ -47,6 +47,7 @@ from sgl_sparse.slots import retained_positions
 logger = logging.getLogger(__name__)
 SERVED_ATTR = "_sgl_sparse_served"  # set on SGLang's Req at admission: the Served method of the request
 PRUNE_ATTR = "_sgl_sparse_prune"  # set on SGLang's Req at admission: its own prune (a PruneSpec), or absent
+ANY_RESULT = object()  # run_deferred: whichever forward the deferred step is of
 
 
 def multimodal_replay_problem(req: Any, method: SparseMethod[Any], prune: Any) -> str | None:
@@ -119,6 +120,9 @@ class SparseRuntime:
     prune_replays: Any = None
     # This scheduler's SparseRadixCache (set where the plugin builds it): replays evict from it for their slots.
     tree: Any = None
+    # The last forward's decode-token step, waiting for the results before it to be processed (step.py).
+    deferred: step.Deferred | None = None
+    _late_warned: bool = False
 
     # Whether any request may evict (the server's method, or one a request chooses): rows may then hold
     # sentinels, so attention reads compacted lists; fixed.
@@ -252,7 +256,7 @@ class SparseRuntime:
         payload = t.method.on_finish(t.state)
         return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start,
                              evict_branches_after=t.evict_branches_after, pruned=t.pruned,
-                             sparse_from=t.state.sparse_from)
+                             sparse_from=t.state.sparse_from, logical_len=t.state.logical_len)
 
     @staticmethod
     def kv_slots_used(allocator: Any) -> int:
@@ -275,6 +279,12 @@ class SparseRuntime:
         """Before the step's forward: admission (``new_state``/``restore_state``) and
         ``on_prefill_chunk`` of each prefill chunk; inputs of a decode step: exact live lengths for
         the graph decode plan (host) and for the KV list build (device table)."""
+        if self.deferred is not None:  # no result processing ran since the last forward: a loop we do not know
+            if not self._late_warned:
+                logger.warning("sgl_sparse: a decode step ran at the next forward, not after result processing "
+                               "(scheduler loop not recognised): a request that finished meanwhile was not skipped")
+                self._late_warned = True
+            self.run_deferred()
         self.frees.flush_late()
         self.decode_live_lens = None
         with no_host_sync():
@@ -312,13 +322,13 @@ class SparseRuntime:
             total = len(req.origin_input_ids) + len(req.output_ids)
             t.method.on_prefill_chunk(t.state, PrefillChunk(t.state.logical_len, int(seq_lens[i]), total))
 
-    def after_forward(self, batch: Any, model_runner: Any) -> None:
+    def after_forward(self, batch: Any, model_runner: Any, result: Any = None) -> None:
         self.decode_live_lens = None
         with no_host_sync():
             self.tables.done()
         if self.active and batch is not None and batch.reqs:
             with no_host_sync(batch.forward_mode.is_decode()):
-                step.run(self, batch, model_runner)
+                self.deferred = step.run(self, batch, model_runner, result)
         sel = self.method.selector
         if sel is not None and sel.maintains and batch is not None and batch.reqs:
             from sgl_sparse.integration.selection import after_step
@@ -327,6 +337,24 @@ class SparseRuntime:
                 after_step(sel, batch, model_runner)
         if self.metrics is not None:
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
+
+    def run_deferred(self, *, of_result: Any = ANY_RESULT) -> None:
+        """The deferred decode step (step.py), from around SGLang's result processing: before processing a
+        result only if the step is that forward's own (``of_result``: no overlap, or a batch SGLang does not
+        overlap), else after it (that result is the previous forward's, whose processing marked the requests
+        it finished). Its frees are handed to the allocator here, on the schedule stream, after the step's
+        writes on the forward's stream."""
+        d = self.deferred
+        if d is None or (of_result is not ANY_RESULT and d.result is not of_result):
+            return
+        self.deferred = None
+        with no_host_sync(d.decode):
+            step.run_deferred(self, d)
+        if d.stream is not None:
+            self.frees.flush_on_current_stream()
+        if self.metrics is not None:
+            self.metrics.update(self, d.model_runner.token_to_kv_pool_allocator)
+
 
 _runtime: SparseRuntime | None = None
 

@@ -7,13 +7,21 @@ Per request, not per batch: a mixed step (``--enable-mixed-chunk``) carries pref
 tokens of requests whose prompt is long done. The apply is one gather of the slots to free and one
 sentinel scatter over ``req_to_token`` for the whole step, from host-side index lists (sizes known on
 the host), no device sync; the frees are ordered against the schedule stream by :mod:`.frees`.
+
+A decode token's step runs once SGLang has processed the previous forward's results (:func:`run` defers it,
+the runtime runs it from around ``Scheduler.process_batch_result``), before the next forward: SGLang's overlap
+scheduler (its default) launches a decode forward before it knows which requests the previous one finished, so
+the step must not see a finished request. Without overlap the deferred step runs just before its own results
+are processed, where it always ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,24 +46,71 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def run(rt: SparseRuntime, batch: Any, model_runner: Any) -> None:
-    """The eviction step after ``batch``'s forward: every request's observation and plan, then all
-    plans applied at once."""
-    from sgl_sparse.integration.runtime import PRUNE_ATTR  # runtime imports this module
+@dataclass
+class Deferred:
+    """The decode tokens of a forward whose step waits until SGLang has processed the previous forward's
+    results (module doc): the requests and their sequence lengths as the forward saw them, the forward's result
+    object (to tell which result processing is its own) and its CUDA stream (None on CPU)."""
 
+    batch: Any  # SGLang goes on changing it (the running batch): read only what a final prefill reads, never here
+    entries: list[tuple[Any, int]]
+    model_runner: Any
+    result: Any
+    stream: Any
+    decode: bool  # a decode batch (not a mixed one): run under the host-sync check
+
+
+def run(rt: SparseRuntime, batch: Any, model_runner: Any, result: Any = None) -> Deferred | None:
+    """The step after ``batch``'s forward: prefill chunks at once; decode tokens (requests whose prompt is
+    complete) returned as a :class:`Deferred` for :func:`run_deferred`, which the runtime calls once SGLang has
+    processed the previous forward's results. Under overlap scheduling a decode forward is launched before the
+    previous one's tokens are checked, so a request that finished there is still in its batch: the forward
+    wrote K/V for its last token, but no step of a finished request may observe or evict (its record is what the
+    next turn resumes from, and it would depend on whether another request's prefill took that iteration)."""
     mode = batch.forward_mode
     if not (mode.is_extend() or mode.is_decode()):
+        return None
+    now: list[tuple[Any, int]] = []
+    later: list[tuple[Any, int]] = []
+    for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True):
+        if req.is_retracted or req.req_pool_idx is None:
+            continue
+        t = rt.tracked.get(req.rid)
+        (later if t is not None and t.prompt_done else now).append((req, int(seq_len)))
+    if now:
+        _run(rt, batch, now, model_runner)
+    if not later:
+        return None
+    stream = torch.cuda.current_stream() if _on_cuda(model_runner) else None
+    return Deferred(batch, later, model_runner, result, stream, bool(mode.is_decode()))
+
+
+def run_deferred(rt: SparseRuntime, d: Deferred) -> None:
+    """The deferred decode tokens' step, after SGLang processed the results before them: a request finished
+    (or retracted, or released) meanwhile is skipped, as without overlap scheduling, where that forward never
+    runs. Its GPU work goes on the forward's stream, after that forward and before the next."""
+    entries = [(req, n) for req, n in d.entries
+               if not (req.finished() or req.is_retracted or req.req_pool_idx is None) and req.rid in rt.tracked]
+    if not entries:
         return
-    seq_lens = batch.seq_lens_cpu.tolist()
+    with torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext():
+        _run(rt, d.batch, entries, d.model_runner)
+
+
+def _on_cuda(model_runner: Any) -> bool:
+    return str(getattr(model_runner, "device", "cpu")).startswith("cuda") and torch.cuda.is_available()
+
+
+def _run(rt: SparseRuntime, batch: Any, entries: list[tuple[Any, int]], model_runner: Any) -> None:
+    """Every request's observation and plan, then all plans applied at once."""
+    from sgl_sparse.integration.runtime import PRUNE_ATTR  # runtime imports this module
+
     plans: list[tuple[Any, Tracked, torch.Tensor]] = []
     pruned: list[torch.Tensor] = []  # the retained sets its own prunes left, for the TP check
     max_over_ranks = scores_max_over_ranks()
-    for i, req in enumerate(batch.reqs):
-        if req.is_retracted or req.req_pool_idx is None:
-            continue
+    for req, seq_len in entries:
         t = rt.track(req)
         st = t.state
-        seq_len = int(seq_lens[i])
         new_tokens = seq_len - st.logical_len
         if new_tokens <= 0:
             continue

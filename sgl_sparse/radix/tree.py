@@ -125,6 +125,10 @@ class FinishedState:
     pruned: bool = False
     # RequestState.sparse_from: K/V from this logical position on were computed under a sparse view.
     sparse_from: int | None = None
+    # RequestState.logical_len: the positions its steps saw. SGLang may hand one more: under overlap scheduling
+    # the forward launched before a request's finish was seen wrote its last token's K/V, a forward whose step
+    # the runtime skips (integration/step.py); that position is freed, not cached, as without overlap.
+    logical_len: int | None = None
 
 
 def _mark_sparse(path: list[TreeNode], sparse_from: int) -> None:
@@ -417,6 +421,8 @@ class SparseRadixCache(RadixCache):
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         finished = self._on_finish(req) if self._on_finish is not None else None
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+        if finished is not None and finished.logical_len is not None:
+            token_ids = token_ids[:finished.logical_len]
         if not self._chain_cached(req, token_ids):
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]

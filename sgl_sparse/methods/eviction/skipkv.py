@@ -253,7 +253,7 @@ class SkipKV(SparseMethod[SkipKVConfig]):
                 sentences.cursor = state.logical_len - step.new_tokens
             if step.token_ids is None:
                 raise RuntimeError("skipkv: the step carries no token ids although needs_token_ids() is true")
-            # Every id known from the cursor on (one step late under overlap scheduling: that token is still in
+            # Every id known from the cursor on (an id that comes a step late, as the contract allows, is still in
             # the recent window, which no compaction touches). Without boundary ids, fixed segments.
             ids = step.token_ids(sentences.cursor, state.logical_len)
             bounded = bool(self.boundaries)
