@@ -76,6 +76,13 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(8, 2048) for _ in range(n)]
 
 
+def written(prompt_len: int, output: Sequence[int]) -> int:
+    """The positions a finished turn computed K/V for and leaves in the tree: its prompt and every output token
+    but the last, whose K/V SGLang computes only in the forward its overlap scheduler launches after the finish,
+    a forward no step of ours runs for (integration/step.py), so the tree frees it, as without overlap."""
+    return prompt_len + len(output) - 1
+
+
 def _flush(server: ServerProcess) -> dict:
     """Empty the server's prefix cache; its state once idle and leak-free."""
     assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
@@ -120,7 +127,7 @@ def test_streamingllm_long_prompt_keeps_about_the_budget(sparse_servers: dict) -
     budget = STREAMING["sink_tokens"] + STREAMING["recent_tokens"]
     used = after["kv_slots_used"] - before
     assert budget <= used <= budget + STREAMING["evict_interval"], used
-    assert after["evicted_tokens_total"] >= 2300 - used
+    assert after["evicted_tokens_total"] >= 2299 - used  # written(2000, 300 tokens)
 
 
 @pytest.mark.parametrize(("method", "limit"), [
@@ -140,10 +147,10 @@ def test_chain_cache_three_turns(sparse_servers: dict, method: str, limit: int) 
         if prev_len is not None:
             # The whole previous logical sequence matches; only the new suffix is prefilled.
             assert meta["cached_tokens"] == prev_len, (turn, meta["cached_tokens"], prev_len)
-            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 41  # the last answer token and 40 new
         st = _assert_idle_and_sound(server)
         assert st["kv_slots_used"] - base["kv_slots_used"] <= limit, (turn, st)
-        prev_len = len(history) + len(out["output_ids"])
+        prev_len = written(len(history), out["output_ids"])
         history = history + out["output_ids"] + _ids(rng, 40)
     assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 2
 
@@ -159,7 +166,7 @@ def test_chain_branches_two_continuations_of_one_prefix(sparse_servers: dict) ->
         outs = list(pool.map(lambda ids: server.generate(input_ids=ids, max_new_tokens=12, ignore_eos=True),
                              branches))
     for o in outs:
-        assert o["meta_info"]["cached_tokens"] == len(shared)
+        assert o["meta_info"]["cached_tokens"] == written(len(prefix), first["output_ids"])
         assert o["meta_info"]["completion_tokens"] == 12
     _assert_idle_and_sound(server)
 
@@ -373,6 +380,6 @@ def test_one_conversations_eviction_never_changes_anothers_answer(sparse_servers
     assert b["meta_info"]["cached_tokens"] < len(system)
     # A's next turn is still a Chain Cache hit over its whole previous sequence.
     a2 = server.generate(input_ids=a_turn + a["output_ids"] + _ids(rng, 20), max_new_tokens=5, ignore_eos=True)
-    assert a2["meta_info"]["cached_tokens"] == len(a_turn) + 30
+    assert a2["meta_info"]["cached_tokens"] == written(len(a_turn), a["output_ids"])
     st = _assert_idle_and_sound(server)
     assert st["chain_hits_total"] - after_a["chain_hits_total"] == 1

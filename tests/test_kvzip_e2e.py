@@ -27,6 +27,7 @@ from tests.test_eviction_e2e import (
     abort_mid_prefill_and_mid_decode,
     alone_equals_beside_traffic,
     covering_budget_equals_dense,
+    written,
 )
 from tests.test_kvzip import dense_chunk_scores
 
@@ -154,7 +155,7 @@ def test_over_budget_answer_equals_the_plain_torch_reference(kvzip_servers: dict
     reps = kvzip.build_replays(prompt, torch.arange(n), n, kvzip.KVzipConfig(**cfg), max_tokens=1 << 20)
     assert stats["scored_requests"] == 1 and stats["replay_forwards"] == len(reps) == -(-(n - 4) // 128)
     assert stats["replay_tokens"] == sum(len(r.token_ids) for r in reps)
-    # The prompt compacted to the budget after its final chunk; decode appends (one more forward under overlap).
+    # The prompt compacted to the budget after its final chunk; decode appends.
     assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == n - SMALL["budget"]
 
 
@@ -213,11 +214,11 @@ def test_chain_cache_three_turns(kvzip_servers: dict) -> None:
         meta = out["meta_info"]
         if prev_len is not None:  # the whole previous sequence matches; only the new suffix is prefilled
             assert meta["cached_tokens"] == prev_len, (turn, meta, prev_len)
-            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 41  # the last answer token and 40 new
         st = _assert_idle_and_sound(server)
         # Each turn: the kept set + 40 new tokens replayed and compacted to 64 at the prompt's end, then 20 decoded.
         assert st["kv_slots_used"] - base["kv_slots_used"] == SMALL["budget"] + 20, (turn, st)
-        prev_len = len(history) + len(out["output_ids"])
+        prev_len = written(len(history), out["output_ids"])
         history = history + out["output_ids"] + _ids(rng, 40)
     st = _state(server)
     assert st["chain_hits_total"] - base["chain_hits_total"] == 2

@@ -29,6 +29,7 @@ from tests.test_eviction_e2e import (
     abort_mid_prefill_and_mid_decode,
     alone_equals_beside_traffic,
     covering_budget_equals_dense,
+    written,
 )
 
 pytestmark = pytest.mark.server
@@ -156,12 +157,12 @@ def test_chain_cache_three_turns(pyramid_servers: dict) -> None:
         meta = out["meta_info"]
         if prev_len is not None:  # the whole previous sequence matches; only the new suffix is prefilled
             assert meta["cached_tokens"] == prev_len, (turn, meta, prev_len)
-            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 41  # the last answer token and 40 new
         st = _assert_idle_and_sound(server)
         # Bounded by the layer budgets' sum at this length plus what was decoded since the last selection.
         bound = sum(layer_budgets(len(history) + 20, LAYERS, SMALL["budget"], 24, 20, 16)) + 20
         assert st["kv_slots_used"] - base["kv_slots_used"] <= bound, (turn, st)
-        prev_len = len(history) + len(out["output_ids"])
+        prev_len = written(len(history), out["output_ids"])
         history = history + out["output_ids"] + _ids(rng, 40)
     st = _state(server)
     assert st["chain_hits_total"] - base["chain_hits_total"] == 2

@@ -19,7 +19,7 @@ import requests
 import sglang_router  # noqa: F401  (a missing router is a failure, not a skip)
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, RouterProcess, ServerProcess, running
-from tests.test_eviction_e2e import PREFIXED_TEMPLATE, _assert_idle_and_sound, _ids, _state
+from tests.test_eviction_e2e import PREFIXED_TEMPLATE, _assert_idle_and_sound, _ids, _state, written
 
 pytestmark = pytest.mark.server
 
@@ -78,7 +78,7 @@ def test_router_keeps_each_conversation_on_one_worker_with_chain_cache_hits(rout
             if prev_len[c] is not None:
                 # The worker's Chain Cache: the whole previous logical sequence matches.
                 assert meta["cached_tokens"] == prev_len[c], (t, c, meta["cached_tokens"], prev_len[c])
-            prev_len[c] = len(histories[c]) + len(out["output_ids"])
+            prev_len[c] = written(len(histories[c]), out["output_ids"])
             histories[c] = histories[c] + out["output_ids"] + news[t][c]
     served = [_requests_served(w) - served_before[i] for i, w in enumerate(workers)]
     assert sum(served) == 3 * n_conv and min(served) > 0, served  # both workers hold conversations

@@ -23,6 +23,7 @@ from tests.test_eviction_e2e import (
     abort_mid_prefill_and_mid_decode,
     alone_equals_beside_traffic,
     covering_budget_equals_dense,
+    written,
 )
 
 pytestmark = pytest.mark.server
@@ -77,13 +78,13 @@ def test_small_budget_bounds_kv_slots_and_sentences_follow_the_ids(skipkv_server
     assert out["meta_info"]["completion_tokens"] == 200
     after = _assert_idle_and_sound(server)
     used = after["kv_slots_used"] - before["kv_slots_used"]
-    # The prompt stays whole; decode compresses to the budget every 16 decoded tokens: 200 = 12 x 16 + 8.
-    assert used == SMALL["budget"] + 200 % SMALL["evict_interval"], used
-    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == 1700 - used
-    assert after["eviction_steps_total"] - before["eviction_steps_total"] == 200 // SMALL["evict_interval"]
-    # The method segmented the output by its real ids: every decoded token's K/V was written (1,700 slots; overlap
-    # scheduling runs one more decode forward), and each id is known a step after its K/V (the same overlap), so
-    # all but the last output token were segmented.
+    # The prompt stays whole; decode compresses to the budget every 16 decoded positions: the 200 tokens wrote
+    # 199 (written()), 12 x 16 + 7.
+    assert used == SMALL["budget"] + 199 % SMALL["evict_interval"], used
+    assert after["evicted_tokens_total"] - before["evicted_tokens_total"] == 1699 - used
+    assert after["eviction_steps_total"] - before["eviction_steps_total"] == 199 // SMALL["evict_interval"]
+    # The method segmented the output by its real ids: every output token but the last had its K/V written, and
+    # each id is known when its step runs, so exactly those were segmented.
     stats = {k: after["method_stats"][k] - before.get("method_stats", {}).get(k, 0) for k in after["method_stats"]}
     boundaries = set(after["config"]["boundary_token_ids"])
     assert stats["sentences_closed_total"] == _closed_sentences(out["output_ids"][:-1], boundaries) > 0, stats
@@ -100,11 +101,11 @@ def test_chain_cache_three_turns(skipkv_servers: dict) -> None:
         meta = out["meta_info"]
         if prev_len is not None:  # the whole previous sequence matches; only the new suffix is prefilled
             assert meta["cached_tokens"] == prev_len, (turn, meta, prev_len)
-            assert meta["prompt_tokens"] - meta["cached_tokens"] == 40
+            assert meta["prompt_tokens"] - meta["cached_tokens"] == 41  # the last answer token and 40 new
         st = _assert_idle_and_sound(server)
-        # Each turn: the kept set + 40 new tokens, compressed to 512 at decoded 16, then 4 more.
-        assert st["kv_slots_used"] - base["kv_slots_used"] == SMALL["budget"] + 4, (turn, st)
-        prev_len = len(history) + len(out["output_ids"])
+        # Each turn: the kept set + 41 new tokens, compressed to 512 at decoded 16, then 3 more (19 written).
+        assert st["kv_slots_used"] - base["kv_slots_used"] == SMALL["budget"] + 3, (turn, st)
+        prev_len = written(len(history), out["output_ids"])
         history = history + out["output_ids"] + _ids(rng, 40)
     assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 2
 
