@@ -165,7 +165,7 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
             raise SparseConfigError(f"{where}: {m.name} is a dynamic selection method; a composition is one "
                                     "eviction method over one quantization method (selection over a quantized "
                                     "pool is not served yet)")
-        if type(m).replays is not SparseMethod.replays:
+        if m.runs_replays:
             raise SparseConfigError(f"{where}: {m.name} runs replay forwards (its context reconstruction), which a "
                                     "quantized pool does not serve yet")
         if m.store is not None and m.evicts:

@@ -763,6 +763,12 @@ class SparseMethod(ABC, Generic[C]):
         the rest."""
 
     # -- replays (KVzip) ---------------------------------------------------------------------------
+    @property
+    def runs_replays(self) -> bool:
+        """Whether the method overrides :meth:`replays` (KVzip): what the launcher, admission, the step and a
+        composition check before replay forwards may run."""
+        return type(self).replays is not SparseMethod.replays
+
     def replays(self, state: RequestState, step: StepInfo, max_tokens: int) -> list[Replay]:
         """After the forward of a prompt's final chunk (``step.final_prefill``), before :meth:`on_step_end`:
         extra forwards to run now, in order, each at most ``max_tokens`` tokens long (a replay starts at

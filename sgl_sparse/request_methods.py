@@ -178,7 +178,7 @@ class MethodResolver:
         fp = method.config.fingerprint()
         if fp == self.default.fingerprint:
             return Served(self.default.method, fp, "request")
-        if type(method).replays is not SparseMethod.replays:
+        if method.runs_replays:
             raise RequestMethodError(METHOD_KEY, f"{name} runs replay forwards whose prompts the launcher derives "
                                                  "from the served tokenizer and which are served on --device cpu "
                                                  f"only: it cannot be chosen per request; start a server with "

@@ -347,7 +347,7 @@ def replay_prune_problem(args: argparse.Namespace, method: Any, device: str, pol
 def unsupported_combinations(args: argparse.Namespace, method: Any, device: str) -> list[str]:
     """What sgl_sparse cannot serve yet, as messages for argparse errors (file:line refer to sglang/srt/ of
     SGLang 0.5.17)."""
-    from sgl_sparse.contract import SparseMethod, served_hooks_problem
+    from sgl_sparse.contract import served_hooks_problem
 
     problems = []
     if (why := served_hooks_problem(method)) is not None:
@@ -361,7 +361,7 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
         problems.append(f"--sparse-method {method.name}: its GPU decode path (page selection read through "
                         "FlashInfer) has not passed the GPU tests yet; it serves on --device cpu for now "
                         f"({GPU_SELECTION_ENV}=1 starts it anyway, for those tests)")
-    if type(method).replays is not SparseMethod.replays:
+    if method.runs_replays:
         problems += [f"--sparse-method {method.name}: {why}" for why in replay_problems(args, method, device)]
     if args.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
@@ -405,7 +405,7 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
                         "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
                         "without an observation window")
     elif kv_dtype.startswith("fp8") and (method.selector is not None
-                                         or type(method).replays is not SparseMethod.replays):
+                                         or method.runs_replays):
         problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its "
                         + ("page summaries and scores are kept in the KV dtype and read the raw FP8 keys"
                            if method.selector is not None else "replay scores read the raw FP8 keys")

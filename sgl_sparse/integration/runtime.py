@@ -56,7 +56,7 @@ def multimodal_replay_problem(req: Any, method: SparseMethod[Any], prune: Any) -
     its multimodal inputs, which a replay batch does not carry (integration/replay.py)."""
     if getattr(req, "multimodal_inputs", None) is None:
         return None
-    if type(method).replays is not SparseMethod.replays:
+    if method.runs_replays:
         return (f"sgl_sparse: {method.name} scores by replay forwards, which are not served for requests with "
                 "multimodal inputs; send text, or use another method")
     if prune is not None and getattr(prune, "policy", None) == KVZIP_GLOBAL:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, SparseMethod, StepInfo, check_keep_plan, in_ranges
+from sgl_sparse.contract import ObservationWindow, StepInfo, check_keep_plan, in_ranges
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.per_request import PRUNE_REPORT
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce, scores_max_over_ranks
@@ -124,7 +124,7 @@ def _run(rt: SparseRuntime, batch: Any, entries: list[tuple[Any, int]], model_ru
         if final and (spec := getattr(req, PRUNE_ATTR, None)):
             if (left := _prune(rt, batch, req, t, spec, model_runner)) is not None:
                 pruned.append(left)
-        if final and type(method).replays is not SparseMethod.replays:
+        if final and method.runs_replays:
             room = replay.room(model_runner, st.logical_len, rt.tree)
             replays = method.replays(st, info, room.context)
             if replays and max(len(r.token_ids) for r in replays) > room.memory:
