@@ -2,13 +2,16 @@
 
 With overlap scheduling (the default on CUDA) the forward of batch N runs on the forward stream while
 the scheduler prepares batch N+1 on its schedule stream, whose allocator calls read
-``allocator.free_pages``. Our eviction step runs right after the forward is launched (on the forward
-stream): its sentinel writes and slot gathers are ordered after the forward there. Handing the slots
-to the allocator from the forward stream would race the schedule stream's next ``alloc`` (and its
-tree reads of the rows), so the slots wait here with an event recorded after our writes; SGLang's
-``Scheduler._apply_war_barrier`` runs right after each launch on the schedule stream, and our AFTER
-hook on it makes the schedule stream wait for that event (a GPU-side wait, no host sync) and frees
-the slots there. The event is recorded for every step that wrote sentinels, also when it freed
+``allocator.free_pages``. Our eviction step is enqueued on the forward stream (a prefill chunk's right
+after its forward is launched; a decode token's once the previous results are processed, before the next
+launch: integration/step.py): its sentinel writes and slot gathers are ordered after the forward there.
+Handing the slots to the allocator from the forward stream would race the schedule stream's next
+``alloc`` (and its tree reads of the rows), so the slots wait here with an event recorded after our
+writes, and the schedule stream waits for that event (a GPU-side wait, no host sync) and frees them:
+for a prefill step at ``Scheduler._apply_war_barrier``, which runs right after each launch on the
+schedule stream (our AFTER hook there); for a deferred decode step right after it runs, from around
+``Scheduler.process_batch_result`` on the schedule stream (or at the barrier after the next launch
+where it runs before that forward). The event is recorded for every step that wrote sentinels, also when it freed
 nothing (all dropped positions tree-owned): SGLang's barrier may wait only for the decode graph's
 reads, and a row released after this step can be handed to the next request, whose prefix the
 schedule stream writes into it. Without overlap (or on CPU) there is one stream and slots are freed
@@ -45,7 +48,8 @@ class PendingFrees:
         self.pending.append((slots, event))
 
     def flush_on_current_stream(self) -> None:
-        """On the schedule stream (from the war-barrier hook): wait for the eviction writes, free."""
+        """On the schedule stream (the war-barrier hook, or after a deferred decode step): wait for the eviction
+        writes, free."""
         if not self.pending:
             return
         stream = torch.cuda.current_stream()

@@ -75,9 +75,9 @@ def _attention_factory(runner):
 
 def _around_forward(original, worker, batch=None, *args, **kwargs):  # type: ignore[no-untyped-def]
     """AROUND ``TpModelWorker.forward_batch_generation``: host-side inputs of the step before it (the
-    graph decode plan's live lengths), the physical eviction step after it. The latter runs after the
-    forward of ``batch`` is launched and before its results are processed or the next batch is
-    prepared."""
+    graph decode plan's live lengths), the physical eviction step after it: a prefill chunk's right
+    after the forward of ``batch`` is launched, before its results are processed or the next batch is
+    prepared; a decode token's deferred to around the result processing (integration/step.py)."""
     from sgl_sparse.integration.runtime import get_runtime
 
     rt = get_runtime()

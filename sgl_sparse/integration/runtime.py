@@ -122,7 +122,6 @@ class SparseRuntime:
     tree: Any = None
     # The last forward's decode-token step, waiting for the results before it to be processed (step.py).
     deferred: step.Deferred | None = None
-    _late_warned: bool = False
 
     # Whether any request may evict (the server's method, or one a request chooses): rows may then hold
     # sentinels, so attention reads compacted lists; fixed.
@@ -279,13 +278,12 @@ class SparseRuntime:
         """Before the step's forward: admission (``new_state``/``restore_state``) and
         ``on_prefill_chunk`` of each prefill chunk; inputs of a decode step: exact live lengths for
         the graph decode plan (host) and for the KV list build (device table)."""
-        if self.deferred is not None:  # no result processing ran since the last forward: a loop we do not know
-            if not self._late_warned:
-                logger.warning("sgl_sparse: a decode step ran at the next forward, not after result processing "
-                               "(scheduler loop not recognised): a request that finished meanwhile was not skipped")
-                self._late_warned = True
-            self.run_deferred()
         self.frees.flush_late()
+        # The last forward's decode step is still deferred when no result was processed after its launch: SGLang
+        # processed the one before first (a batch it does not overlap, e.g. a mixed chunk after a prefill with
+        # SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP), so the step runs now, before this forward, still after
+        # the results before it. Its frees wait for the barrier after this launch.
+        self.run_deferred(hand_frees=False)
         self.decode_live_lens = None
         with no_host_sync():
             self.tables.done()
@@ -338,19 +336,19 @@ class SparseRuntime:
         if self.metrics is not None:
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
 
-    def run_deferred(self, *, of_result: Any = ANY_RESULT) -> None:
+    def run_deferred(self, *, of_result: Any = ANY_RESULT, hand_frees: bool = True) -> None:
         """The deferred decode step (step.py), from around SGLang's result processing: before processing a
         result only if the step is that forward's own (``of_result``: no overlap, or a batch SGLang does not
         overlap), else after it (that result is the previous forward's, whose processing marked the requests
         it finished). Its frees are handed to the allocator here, on the schedule stream, after the step's
-        writes on the forward's stream."""
+        writes on the forward's stream (``hand_frees``; else at the next barrier, integration/frees.py)."""
         d = self.deferred
         if d is None or (of_result is not ANY_RESULT and d.result is not of_result):
             return
         self.deferred = None
         with no_host_sync(d.decode):
             step.run_deferred(self, d)
-        if d.stream is not None:
+        if d.stream is not None and hand_frees:
             self.frees.flush_on_current_stream()
         if self.metrics is not None:
             self.metrics.update(self, d.model_runner.token_to_kv_pool_allocator)
