@@ -66,16 +66,18 @@ def test_a_shared_prefix_does_not_let_a_next_turn_read_kv_computed_under_a_spars
 
 
 
-def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str, overlap: bool) -> None:
     """StreamingLLM (sink 4, recent 16, interval 8) compacts once more than 28 positions are retained: a 40-token
     prompt keeps 20, and 9 new tokens take 8 decode forwards, which bring it to 28. Without overlap scheduling
     nothing more runs. With it, a 9th forward writes the last token; its step used to evict (29 > 28) and leave a
     record of 20 positions of 49. Now the record is the one without overlap: 28 of 48, and the next turn resumes
-    from 48 cached tokens."""
+    from 48 cached tokens, with and without ``--disable-overlap-schedule``."""
     rng = random.Random(5)
     prompt, q = _ids(rng, 40), _ids(rng, 6)
-    server = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm", "--sparse-config",
-                                        json.dumps({"sink_tokens": 4, "recent_tokens": 16, "evict_interval": 8})])
+    config = json.dumps({"sink_tokens": 4, "recent_tokens": 16, "evict_interval": 8})
+    server = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm", "--sparse-config", config,
+                                        *([] if overlap else ["--disable-overlap-schedule"])])
     with running(server):
         base = _flush(server)
         out = _gen(server, prompt, 9)["output_ids"]
