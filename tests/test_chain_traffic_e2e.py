@@ -65,7 +65,6 @@ def test_a_shared_prefix_does_not_let_a_next_turn_read_kv_computed_under_a_spars
     assert after_b["second"] == alone["second"]
 
 
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str, overlap: bool) -> None:
     """StreamingLLM (sink 4, recent 16, interval 8) compacts once more than 28 positions are retained: a 40-token
