@@ -185,13 +185,18 @@ class ServerProcess:
                                      start_new_session=True)
         _LIVE.add(self)
         deadline = time.monotonic() + self.startup_timeout
+        health_wait = float(self.env.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)) + 10.0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 if self._bind_failed():
                     raise _PortTaken
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            # SGLang's /health generates one token and answers once a forward has returned (up to its
+            # SGLANG_HEALTH_CHECK_TIMEOUT, 20 s): a client that gives up sooner never sees a slow server
+            # (a loaded CI machine, TRITON_INTERPRET=1) healthy, and each retry queues one more request.
+            wait = max(1.0, min(health_wait, deadline - time.monotonic()))
             try:
-                if requests.get(f"{self.base_url}{self.health_path}", timeout=2).status_code == 200:
+                if requests.get(f"{self.base_url}{self.health_path}", timeout=wait).status_code == 200:
                     if self._bind_failed():  # answered by whoever holds the port, not by this server
                         raise _PortTaken
                     return self

@@ -84,6 +84,25 @@ def test_a_port_taken_while_starting_moves_the_server(tmp_path, monkeypatch) -> 
     assert fixed.proc is not None and fixed.proc.poll() is not None  # stopped, not left running
 
 
+# A server whose /health answers after 4 s, as SGLang's does when a forward is slow (it waits for the
+# one-token request it sends; a loaded CI machine under TRITON_INTERPRET=1 took over 2 s).
+SLOW_HEALTH_SERVER = """
+import http.server, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        time.sleep(4); self.send_response(200); self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_a_slow_health_answer_is_waited_for(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "slow_server.py").write_text(SLOW_HEALTH_SERVER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with ServerProcess("m", module="slow_server", env=env, startup_timeout=20, log_path=str(tmp_path / "log")) as srv:
+        assert _listening(srv.port)
+
 
 def test_router_process_command() -> None:
     """Each router gets its own port and Prometheus port (two routers on one host would both take 29000)."""
