@@ -333,7 +333,7 @@ class SparseRuntime:
 
             with no_host_sync():
                 after_step(sel, batch, model_runner)
-        if self.metrics is not None:
+        if self.metrics is not None and self.deferred is None:  # else run_deferred updates them after its step
             self.metrics.update(self, model_runner.token_to_kv_pool_allocator)
 
     def run_deferred(self, *, of_result: Any = ANY_RESULT, hand_frees: bool = True) -> None:

@@ -52,7 +52,6 @@ class Deferred:
     results (module doc): the requests and their sequence lengths as the forward saw them, the forward's result
     object (to tell which result processing is its own) and its CUDA stream (None on CPU)."""
 
-    batch: Any  # SGLang goes on changing it (the running batch): read only what a final prefill reads, never here
     entries: list[tuple[Any, int]]
     model_runner: Any
     result: Any
@@ -82,7 +81,8 @@ def run(rt: SparseRuntime, batch: Any, model_runner: Any, result: Any = None) ->
     if not later:
         return None
     stream = torch.cuda.current_stream() if _on_cuda(model_runner) else None
-    return Deferred(batch, later, model_runner, result, stream, bool(mode.is_decode()))
+    # Not the batch: SGLang goes on changing it (the running batch), and only a final prefill reads it.
+    return Deferred(later, model_runner, result, stream, bool(mode.is_decode()))
 
 
 def run_deferred(rt: SparseRuntime, d: Deferred) -> None:
@@ -94,7 +94,7 @@ def run_deferred(rt: SparseRuntime, d: Deferred) -> None:
     if not entries:
         return
     with torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext():
-        _run(rt, d.batch, entries, d.model_runner)
+        _run(rt, None, entries, d.model_runner)  # decode tokens only: no final prefill reads the batch
 
 
 def _on_cuda(model_runner: Any) -> bool:
