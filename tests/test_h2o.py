@@ -88,7 +88,8 @@ def reference_h2o(model: ToyAttentionStack, tokens: list[int], prompt_len: int, 
 ])
 def test_h2o_equals_plain_reference(budget: int, ratio: float, window: int, interval: int) -> None:
     model, tokens, prompt_len, chunk = ToyAttentionStack(), _tokens(84, seed=3), 60, 16
-    cfg = {"budget": budget, "recent_ratio": ratio, "window_size": window, "evict_interval": interval}
+    cfg = {"budget": budget, "recent_ratio": ratio, "window_size": window, "evict_interval": interval,
+           "carry_scores": True}  # on_finish hands over the table only then
     method = create_method("h2o", cfg)
     trace = run_request(method, model, tokens, prompt_len=prompt_len, chunk_size=chunk)
     recent = int(budget * ratio)
@@ -121,7 +122,7 @@ def test_h2o_with_a_prune_equals_plain_reference(budget: int, interval: int, pru
     left, the score table stays aligned with the kept set through every later compaction, and each one keeps what
     the reference keeps."""
     model, tokens, prompt_len, chunk = ToyAttentionStack(), _tokens(84, seed=3), 60, 16
-    cfg = {"budget": budget, "recent_ratio": 0.25, "window_size": 8, "evict_interval": interval}
+    cfg = {"budget": budget, "recent_ratio": 0.25, "window_size": 8, "evict_interval": interval, "carry_scores": True}
     method = create_method("h2o", cfg)
     trace = run_request(method, model, tokens, prompt_len=prompt_len, chunk_size=chunk, prune=prune)
     ref_out, ref_kept_after, ref_kept, received = reference_h2o(model, tokens, prompt_len, chunk, budget,
@@ -137,17 +138,20 @@ def test_h2o_with_a_prune_equals_plain_reference(budget: int, interval: int, pru
     assert torch.allclose(table, torch.tensor(expected, dtype=torch.float32), rtol=1e-4, atol=1e-4)
 
 
-def test_a_continuation_that_prunes_drops_the_restored_scores_of_what_it_prunes() -> None:
-    """Turn 2 resumes turn 1's heavy hitters with their scores (the payload) and prunes some of them and some of
-    its new tokens: on_prune drops exactly their entries (the table stays the retained set's length, in retained
-    order), and the prompt-end compaction keeps what a plain reference picks from the restored scores plus the
-    window's softmax over the keys left."""
+@pytest.mark.parametrize("carry", [True, False])
+def test_a_continuation_that_prunes_drops_the_restored_scores_of_what_it_prunes(carry: bool) -> None:
+    """Turn 2 resumes turn 1's heavy hitters, with their scores (the payload) under ``carry_scores`` and at zero
+    by default, and prunes some of them and some of its new tokens: on_prune drops exactly their entries (the
+    table stays the retained set's length, in retained order), and the prompt-end compaction keeps what a plain
+    reference picks from the restored scores plus the window's softmax over the keys left."""
     model = ToyAttentionStack()
-    cfg = {"budget": 24, "recent_ratio": 0.25, "window_size": 4, "evict_interval": 4}
+    cfg = {"budget": 24, "recent_ratio": 0.25, "window_size": 4, "evict_interval": 4, "carry_scores": carry}
     method = create_method("h2o", cfg)
     first = run_request(method, model, _tokens(72), prompt_len=60, chunk_size=16)
     payload = method.on_finish(first.state)
-    restored = dict(zip(first.state.kept.tolist(), payload.data["h2o_scores"].tolist()))
+    assert (payload is not None) == carry  # the default leaves no table in the tree
+    table = payload.data["h2o_scores"].tolist() if payload is not None else [0.0] * first.state.num_kept
+    restored = dict(zip(first.state.kept.tolist(), table))
 
     st = method.new_state("turn2")
     st.set_kept(first.state.kept, logical_len=72)  # the tree's match view
@@ -158,7 +162,10 @@ def test_a_continuation_that_prunes_drops_the_restored_scores_of_what_it_prunes(
     method.on_prune(st, gone)  # what the runtime does at the end of the final prefill step
     st.set_kept(st.kept[~torch.isin(st.kept, gone)])
     left = st.kept.tolist()
-    assert st.extra["h2o_scores"].tolist() == [restored[p] for p in left if p in restored]
+    if carry:
+        assert st.extra["h2o_scores"].tolist() == [restored[p] for p in left if p in restored]
+    else:
+        assert "h2o_scores" not in st.extra
 
     g = torch.Generator().manual_seed(4)
     n_layers, w, scale = 2, 4, 8**-0.5
@@ -198,7 +205,8 @@ def test_budget_covering_the_sequence_reproduces_dense() -> None:
 
 
 def test_scores_survive_chain_cache_through_the_payload() -> None:
-    method = create_method("h2o", {"budget": 24, "recent_ratio": 0.25, "window_size": 4, "evict_interval": 4})
+    method = create_method("h2o", {"budget": 24, "recent_ratio": 0.25, "window_size": 4, "evict_interval": 4,
+                                   "carry_scores": True})
     trace = run_request(method, ToyAttentionStack(), _tokens(72), prompt_len=60, chunk_size=16)
     payload = method.on_finish(trace.state)
     assert payload is not None
@@ -216,7 +224,8 @@ def test_scores_survive_chain_cache_through_the_payload() -> None:
 
 def test_config_defaults_and_errors() -> None:
     m = create_method("h2o")
-    assert m.config.to_dict() == {"budget": 8192, "recent_ratio": 0.5, "window_size": 128, "evict_interval": 1024}
+    assert m.config.to_dict() == {"budget": 8192, "recent_ratio": 0.5, "window_size": 128, "evict_interval": 1024,
+                                  "carry_scores": False}
     assert m.config.recent_tokens == 4096 and m.observation_window() == 128 and m.observes_decode()
     assert not create_method("h2o", {"evict_interval": 0}).observes_decode()
     st = RequestState(rid="r")
@@ -236,7 +245,7 @@ def test_scores_survive_the_prefix_tree() -> None:
     from tests.test_sparse_tree import FakeReq, _admit, _evict_positions, _invariant, _make
 
     tree, req_pool, alloc = _make(method="h2o")
-    method = tree.method
+    method = create_method("h2o", {"carry_scores": True})  # the default leaves no table (test above)
     prompt, answer, hidden = list(range(900, 920)), [1, 2, 3, 4, 5, 6], [3, 4, 5, 9, 10]
     st = method.new_state("a")
     st.set_kept(torch.tensor([p for p in range(26) if p not in hidden]), logical_len=26)

@@ -17,10 +17,15 @@ retained.
 
 The score table is indexed by retained order (aligned with ``RequestState.kept``, reordered with each
 :class:`KeepPlan`) and lives on the keys' device: decode accumulation adds a device tensor (no host
-sync); an eviction copies it to the host once, as SnapKV's selection does. A finished request leaves it
-in the prefix tree (:class:`TreePayload`), so the next turn of a conversation resumes with its heavy
-hitters' scores (Chain Cache); a match that does not reach the record's end (or one through a turn that
-evicted nothing, which leaves no record) gets no payload and starts its prefix at zero. A request that prunes
+sync); an eviction copies it to the host once, as SnapKV's selection does. Each request accumulates its
+own table, as in H2O (one request, one table): the next turn of a conversation resumes the kept set a
+turn left (Chain Cache) with every score at zero, and its prompt's window scores the resumed tokens and
+its own alike. Why not resume the scores: a turn's table is dominated by the attention its window (the
+prompt's last queries) paid to its neighbours, so the turn after keeps the previous turn's end as its heavy
+hitters and evicts its own facts (quality-small's 5-turn agent_recall session: 0.04 carried, 0.96 from
+zero, QUALITY.md). ``carry_scores`` keeps the old behaviour: a finished request leaves its table in the
+prefix tree (:class:`TreePayload`) and a match through the record's end resumes it (a match that stops
+short, or one through a turn that evicted nothing, which leaves no record, starts at zero). A request that prunes
 its own prompt drops the pruned tokens' entries (:meth:`H2O.on_prune`) before its prompt's window is scored:
 the window scores only the tokens left, and the budget counts only them.
 
@@ -28,7 +33,8 @@ Defaults: ``budget`` 8,192 (SparseEngine's H2O decode budget, Table 11; SnapKV's
 ``recent_ratio`` 0.5 (H2O's ``heavy_ratio`` = ``recent_ratio`` = 0.1 of the prompt: an even split of the
 cache, FMInference/H2O ``h2o_hf``), ``window_size`` 128 (SparseEngine's bounded prefill scoring window),
 ``evict_interval`` 1,024 (SparseEngine's ``decode_eviction_interval``; 0 turns decode scoring and
-eviction off, SparseEngine's score-free default decode, which keeps decode CUDA graphs usable on GPU).
+eviction off, SparseEngine's score-free default decode, which keeps decode CUDA graphs usable on GPU),
+``carry_scores`` off (above).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class H2OConfig(MethodConfig):
     recent_ratio: float = 0.5  # share of the budget kept as the most recent tokens
     window_size: int = 128  # queries captured per request (prompt end; decode: scored every window_size)
     evict_interval: int = 1024  # decode: compact every N decoded tokens once over budget; 0: prompt only
+    carry_scores: bool = False  # Chain Cache: the next turn resumes the table (else it scores from zero)
 
     @property
     def recent_tokens(self) -> int:
@@ -96,7 +103,7 @@ class H2O(SparseMethod[H2OConfig]):
 
     def restore_state(self, state: RequestState, payload: TreePayload | None) -> None:
         state.extra[SCORED] = state.logical_len  # the prefix's queries were scored by the turn that ran them
-        scores = payload.data.get(SCORES) if payload is not None else None
+        scores = payload.data.get(SCORES) if payload is not None and self.config.carry_scores else None
         if scores is not None and scores.numel() == state.num_kept:
             state.extra[SCORES] = scores
 
@@ -160,7 +167,7 @@ class H2O(SparseMethod[H2OConfig]):
 
     def on_finish(self, state: RequestState) -> TreePayload | None:
         scores = state.extra.get(SCORES)
-        if scores is None:
+        if scores is None or not self.config.carry_scores:
             return None
         return TreePayload({SCORES: _aligned(scores, state.num_kept, scores.device)})
 
