@@ -107,7 +107,7 @@ def test_hooks_are_the_eviction_members() -> None:
     st.advance(10)
     assert snap.wants_observation(st, StepInfo(True, 10, 0, final_prefill=True))
     # A request's own prune reaches the eviction member (H2O's restored scores lose the pruned entries).
-    h2o = create_method("h2o+fp8_kv")
+    h2o = create_method("h2o+fp8_kv", {"h2o": {"carry_scores": True}})  # by default no scores are restored
     st = h2o.new_state("r")
     st.set_kept(torch.tensor([0, 2, 3, 5]), logical_len=6)
     h2o.restore_state(st, TreePayload({"h2o_scores": torch.tensor([1.0, 2.0, 3.0, 4.0])}))
