@@ -48,7 +48,7 @@ def h2o_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
 def test_server_info_reports_h2o(h2o_servers: dict) -> None:
     st = _state(h2o_servers["small"])
     assert st["method"] == "h2o" and st["family"] == "eviction"
-    assert st["config"] == {**SMALL, "window_size": 128}
+    assert st["config"] == {**SMALL, "window_size": 128, "carry_scores": False}
 
 
 def test_budget_covering_context_equals_dense(h2o_servers: dict) -> None:
