@@ -61,10 +61,15 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def test_a_port_taken_while_starting_moves_the_server(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+def _stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str) -> dict[str, str]:
+    """Write a stand-in server module into ``tmp_path``; the env that lets ``python -m module`` find it."""
+    (tmp_path / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_a_port_taken_while_starting_moves_the_server(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    env = _stand_in(tmp_path, monkeypatch, "fake_server", FAKE_SERVER)
     srv = ServerProcess("m", module="fake_server", env=env, startup_timeout=30, log_path=str(tmp_path / "log"))
     first = srv.port
     t0 = time.monotonic()
@@ -97,9 +102,7 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def test_a_slow_health_answer_is_waited_for(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / "slow_server.py").write_text(SLOW_HEALTH_SERVER)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = _stand_in(tmp_path, monkeypatch, "slow_server", SLOW_HEALTH_SERVER)
     with ServerProcess("m", module="slow_server", env=env, startup_timeout=20, log_path=str(tmp_path / "log")) as srv:
         assert _listening(srv.port)
 
