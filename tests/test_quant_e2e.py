@@ -129,9 +129,10 @@ def test_a_prompts_logprobs_do_not_depend_on_where_its_chunks_end(store_servers:
 
 # Quantization is a step function: float noise of 1e-7 (an attention split in two parts elsewhere, merged in another
 # order) flips a code that sits at a rounding tie, and that one code moves later logprobs by up to a few 1e-2 on this
-# model. Measured (2026-12-05, 500-token prompts alone and beside four requests): mean |diff| <= 5e-4, max 0.04;
-# before every query read every key as stored, mean 0.03-0.16, max 0.2-0.86.
-FLIPS_MEAN, FLIPS_MAX = 3e-3, 0.15
+# model. Measured (2026-12-05, 500-token prompts alone and beside four requests): mean |diff| <= 5e-4, max 0.04
+# here; on CI a flip early in the prompt moved every later position a little: mean 3.0e-3, max 0.043. Before every
+# query read every key as stored, mean 0.03-0.16, max 0.2-0.86: the mean bar sits 3x from both.
+FLIPS_MEAN, FLIPS_MAX = 1e-2, 0.15
 
 
 def _assert_same_but_rounding_flips(got: list[float], want: list[float]) -> None:
