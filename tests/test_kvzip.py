@@ -210,7 +210,7 @@ def test_replays_follow_self_task_and_fit_the_room() -> None:
     assert reps[1].token_ids == NEXT + ids[35:37] + POSTFIX + ids[37:50]
 
 
-def test_no_room_leaves_the_prompt_whole() -> None:
+def test_no_room_leaves_the_prompt_whole(caplog: pytest.LogCaptureFixture) -> None:
     method = create_method("kvzip", {"budget": 8, "chunk_size": 16, **IDS})
     st = method.new_state("r")
     st.advance(40)
@@ -219,6 +219,8 @@ def test_no_room_leaves_the_prompt_whole() -> None:
     assert method.replays(st, step, max_tokens=10) == []
     assert method.on_step_end(st, step) is None
     assert method.stats()["unscored_requests"] == 1
+    # said in the log, so an uncompressed answer does not pass for KVzip's
+    assert "kvzip: a 40-token prompt left no room for a replay (10 tokens" in caplog.text
 
 
 def test_config_defaults_and_errors() -> None:

@@ -45,6 +45,7 @@ prompt: its queries come after compression).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,8 @@ from sgl_sparse.contract import (
 )
 from sgl_sparse.methods.eviction.base import topk_keep
 from sgl_sparse.registry import register_method
+
+logger = logging.getLogger(__name__)
 
 SCORES = "kvzip_scores"  # state.extra: [num_kept] float32, aligned with the kept set at the final prefill
 PLAN = "kvzip_plan"  # state.extra: (forwards, tokens) of the replays planned, counted once they ran
@@ -241,6 +244,13 @@ class KVzip(SparseMethod[KVzipConfig]):
             state.extra.pop(SCORES, None)
             state.extra.pop(PLAN, None)
             self._stats["unscored_requests"] += 1
+            n = self._stats["unscored_requests"]
+            if n == 1 or n % 100 == 0:
+                # Not silent: such a request is served uncompressed, e.g. every prompt that fills the model's context
+                # (a 16K prompt on a 16K model leaves no positions for the replay), and would pass for KVzip's result.
+                logger.warning("kvzip: a %d-token prompt left no room for a replay (%d tokens of context or KV memory "
+                               "after it), so it keeps every token uncompressed; %d such requests so far "
+                               "(unscored_requests in /server_info)", state.logical_len, max_tokens, n)
             return []
         state.extra[SCORES] = torch.zeros(state.num_kept, dtype=torch.float32)
         state.extra[PLAN] = (len(out), sum(len(r.token_ids) for r in out))
