@@ -72,7 +72,7 @@
 #   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
 #   bash benchmarks/device_session.sh quality16ksel | quality16kquant | quality16kevict   quality-large at 16K for the
 #                                                selection methods (quest, omnikv, retroinfer) / the quantized pools
-#                                                (fp8_kv, kivi 4 and 2 bits, turboquant) / h2o, rkv, skipkv, kvzip (decode
+#                                                (fp8_kv, kivi 4 and 2 bits, turboquant) / h2o, rkv, skipkv (not kvzip: no replay room at 16K; decode
 #                                                graphs off), default configs, each ~1 min a method. QUALITY_SERVER_ARGS:
 #                                                more server flags for `quality`.
 #   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
@@ -327,9 +327,11 @@ quality16ksel)  # quality-large at 16K: quest, omnikv, retroinfer at their defau
   QUALITY_METHODS="${QUALITY_METHODS:-quest omnikv retroinfer}" QUALITY_TAG="${QUALITY_TAG:-selection}" \
       QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
-quality16kevict)  # quality-large at 16K: h2o, rkv, skipkv, kvzip at their defaults (decode CUDA graphs off: h2o, rkv
-  # and skipkv observe decode queries, and one server flag serves all four)
-  QUALITY_METHODS="${QUALITY_METHODS:-h2o rkv skipkv kvzip}" QUALITY_TAG="${QUALITY_TAG:-evict}" \
+quality16kevict)  # quality-large at 16K: h2o, rkv, skipkv at their defaults (decode CUDA graphs off: h2o, rkv
+  # and skipkv observe decode queries, and one server flag serves all three). Not kvzip: a 16K prompt fills the
+  # model's 16,384-token context and leaves no room for its replay, so it would be served uncompressed (QUALITY.md);
+  # `quality sgl_sparse/assets/quality-large 14300` with QUALITY_METHODS=kvzip leaves a 2,048-token chunk room.
+  QUALITY_METHODS="${QUALITY_METHODS:-h2o rkv skipkv}" QUALITY_TAG="${QUALITY_TAG:-evict}" \
       QUALITY_SERVER_ARGS="--cuda-graph-backend-decode disabled" \
       QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
