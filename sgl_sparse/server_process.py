@@ -6,6 +6,7 @@ Only subprocess + HTTP: no SGLang imports, so it works from any client environme
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -40,6 +41,10 @@ VANILLA_CPU_FLAGS = ["--attention-backend", "torch_native", "--disable-cuda-grap
 GPU_SERVER_FLAGS = ["--sampling-backend", "pytorch", "--disable-piecewise-cuda-graph",
                     "--chunked-prefill-size", "16384"]
 
+
+log = logging.getLogger(__name__)
+HEALTH_POLL_S = 0.25  # between /health tries while a server starts (a start takes 20-60 s on CPU)
+GRACEFUL_STOP_S = 30.0  # SGLang's own exit (children joined, ports released) takes 7-9 s on CPU
 
 _HANDED_OUT: set[int] = set()
 _PORT_LOCK = threading.Lock()
@@ -98,12 +103,11 @@ _LIVE: set[ServerProcess] = set()  # started, not yet stopped
 
 
 def _stop_live_servers_and_exit(signum: int, frame: object) -> None:
-    for srv in list(_LIVE):
-        srv.stop()
+    stop_all(list(_LIVE))
     raise SystemExit(128 + signum)
 
 
-def _stop_servers_on_sigterm() -> None:
+def stop_servers_on_sigterm() -> None:
     """Servers run in their own session (so that stop() can end their whole process group), hence a
     SIGTERM to this process alone would leave them running, holding ports and GPU memory, since its
     default action skips every ``with``/``finally``. Stop them first, then exit. Installed only from
@@ -147,11 +151,17 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="sglang-server-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
+        self.start_s: float | None = None  # seconds from launch to healthy (the last try's)
+        self.stop_s: float | None = None  # seconds from the first signal to exit
 
     def start(self) -> ServerProcess:
         for attempt in range(3):
             try:
-                return self._start_once()
+                t0 = time.monotonic()
+                self._start_once()
+                self.start_s = time.monotonic() - t0
+                log.info("server on port %d healthy after %.1f s: %s", self.port, self.start_s, self.label())
+                return self
             except _PortTaken:
                 self.stop()
                 if not self._port_chosen_here or attempt == 2:
@@ -180,7 +190,7 @@ class ServerProcess:
             raise RuntimeError(f"port {self.port} is already in use; pick another (or none: a free one is chosen)")
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self._log = log
-        _stop_servers_on_sigterm()
+        stop_servers_on_sigterm()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         _LIVE.add(self)
@@ -205,7 +215,7 @@ class ServerProcess:
                 # check the wait would last the whole startup timeout.
                 if self._bind_failed():
                     raise _PortTaken from None
-            time.sleep(1.0)
+            time.sleep(HEALTH_POLL_S)
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
 
@@ -215,18 +225,48 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def label(self) -> str:
+        """The command without the interpreter, model directory and port: what tells servers apart in a log."""
+        args = self.cmd[2:]
+        for flag in ("--model-path", "--host", "--port"):
+            if flag in args:
+                i = args.index(flag)
+                args = [*args[:i], *args[i + 2:]]
+        return " ".join([self.cmd[2], *args[1:]])
+
+    def signal_stop(self) -> None:
+        """Send SIGTERM to the server's process group (its scheduler and detokenizer are children) and return."""
         _LIVE.discard(self)
         if self.proc is not None and self.proc.poll() is None:
-            # The whole process group: SGLang's scheduler and detokenizer are children.
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self._stop_t0 = time.monotonic()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def wait_stopped(self, grace: float = GRACEFUL_STOP_S) -> None:
+        """Wait up to ``grace`` seconds for the exit :meth:`signal_stop` asked for, then kill the group."""
+        if self.proc is not None:
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=max(0.0, grace))
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
+            # Children left behind by a leader that exited first (a killed launcher's scheduler).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            t0 = getattr(self, "_stop_t0", None)
+            if t0 is not None:
+                self.stop_s = time.monotonic() - t0
+                self._stop_t0 = None
+                log.info("server on port %d stopped in %.1f s: %s", self.port, self.stop_s, self.label())
         if getattr(self, "_log", None) is not None:
             self._log.close()
+
+    def stop(self, grace: float = GRACEFUL_STOP_S) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds. The default lets SGLang exit on its own (the demo,
+        benchmarks and the CLI); test servers use a short grace (:func:`stop_all`)."""
+        self.signal_stop()
+        self.wait_stopped(grace)
 
     def __enter__(self) -> ServerProcess:
         return self.start()
@@ -296,15 +336,23 @@ class RouterProcess(ServerProcess):
         raise NotImplementedError("ask each worker: the router has no /server_info of its own")
 
 
+def stop_all(servers: Sequence[ServerProcess], grace: float = GRACEFUL_STOP_S) -> None:
+    """Stop ``servers`` together: every one is signalled first, then each gets what is left of one ``grace``."""
+    for s in servers:
+        s.signal_stop()
+    deadline = time.monotonic() + grace
+    with ThreadPoolExecutor(max(1, len(servers))) as pool:
+        list(pool.map(lambda s: s.wait_stopped(deadline - time.monotonic()), servers))
+
+
 @contextlib.contextmanager
-def running(*servers: ServerProcess) -> Iterator[tuple[ServerProcess, ...]]:
-    """Start ``servers`` in parallel (startup is mostly waiting), stop them all on exit or failure."""
-    _stop_servers_on_sigterm()  # here, in the caller's thread: start() runs in pool threads
+def running(*servers: ServerProcess, grace: float = GRACEFUL_STOP_S) -> Iterator[tuple[ServerProcess, ...]]:
+    """Start ``servers`` in parallel (startup is mostly waiting), stop them all together on exit or failure."""
+    stop_servers_on_sigterm()  # here, in the caller's thread: start() runs in pool threads
     try:
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
             for f in [pool.submit(s.start) for s in servers]:
                 f.result()
         yield servers
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers, grace)

@@ -84,7 +84,17 @@ def test_compare_driver_on_cpu(tiny_model: str, tmp_path: Path) -> None:
     assert "| metric | vanilla | sgl_sparse:dense | ratio sgl_sparse:dense/vanilla |" in r.stdout
     summaries = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [s["label"] for s in summaries] == ["vanilla", "sgl_sparse:dense"]
-    assert summaries[0]["output_tokens"] == summaries[1]["output_tokens"] > 0
+    assert all(s["errors"] == 0 and s["turns"] > 0 for s in summaries), summaries
+    # Each run's server is the one its label names: only ours logs the sgl_sparse method it serves.
+    assert "sgl_sparse: method=dense" in (tmp_path / "out" / "sgl_sparse-dense.server.log").read_text()
+    assert "sgl_sparse: method=" not in (tmp_path / "out" / "vanilla.server.log").read_text()
+    # A turn's prompt holds the replies the server gave before it, so both runs send the same prompts turn after
+    # turn only if dense through our launcher generated vanilla's greedy text; both reuse the prefix cache.
+    runs = json.loads((tmp_path / "out" / "runs.json").read_text())
+    prompts = [{(t["session"], t["turn"]): t["prompt_tokens"] for t in r["turns"]} for r in runs]
+    assert prompts[0] == prompts[1], prompts
+    for r in runs:
+        assert all(t["cached_tokens"] > 0 for t in r["turns"] if t["turn"] > 0), r["label"]
     assert (tmp_path / "out" / "plots.png").stat().st_size > 0
 
 

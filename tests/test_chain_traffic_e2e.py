@@ -20,9 +20,10 @@ import random
 
 import pytest
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, spec
 from tests.test_eviction_e2e import _assert_idle_and_sound as _idle
-from tests.test_eviction_e2e import _flush, _state
+from tests.test_eviction_e2e import _flush, _state, streaming_spec
 
 pytestmark = pytest.mark.server
 FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report"]
@@ -36,16 +37,15 @@ def _gen(server: ServerProcess, ids: list[int], n: int) -> dict:
     return server.generate(input_ids=ids, max_new_tokens=n, ignore_eos=True)
 
 
-def test_a_shared_prefix_does_not_let_a_next_turn_read_kv_computed_under_a_sparse_view(tiny_model: str) -> None:
+def test_a_shared_prefix_does_not_let_a_next_turn_read_kv_computed_under_a_sparse_view(
+        tiny_model: str, server_pool: ServerPool) -> None:
     """StreamingLLM (sink 16, recent 128): A's first turn (a 140-token system prompt + 10) evicts only positions of
     the system prompt, which B shares after B ran first. A's next turn leaves the answer 10 tokens before its end
     (before the last eviction: not a continuation). With or without B it must read only K/V computed with a dense
     view (the prompt, up to A's first eviction) and answer the same."""
     rng = random.Random(11)
     system, a, b, q = _ids(rng, 140), _ids(rng, 10), _ids(rng, 4), _ids(rng, 5)
-    server = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm", "--sparse-config",
-                                        json.dumps({"sink_tokens": 16, "recent_tokens": 128, "evict_interval": 16})])
-    with running(server):
+    with server_pool.use(streaming_spec(tiny_model)) as (server,):
         def conversation_a() -> dict:
             first = _gen(server, system + a, 40)["output_ids"]
             _idle(server)
@@ -66,7 +66,8 @@ def test_a_shared_prefix_does_not_let_a_next_turn_read_kv_computed_under_a_spars
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str, overlap: bool) -> None:
+def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str, server_pool: ServerPool,
+                                                         overlap: bool) -> None:
     """StreamingLLM (sink 4, recent 16, interval 8) compacts once more than 28 positions are retained: a 40-token
     prompt keeps 20, and 9 new tokens take 8 decode forwards, which bring it to 28. Without overlap scheduling
     nothing more runs. With it, a 9th forward writes the last token; its step used to evict (29 > 28) and leave a
@@ -75,9 +76,9 @@ def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str, overla
     rng = random.Random(5)
     prompt, q = _ids(rng, 40), _ids(rng, 6)
     config = json.dumps({"sink_tokens": 4, "recent_tokens": 16, "evict_interval": 8})
-    server = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm", "--sparse-config", config,
-                                        *([] if overlap else ["--disable-overlap-schedule"])])
-    with running(server):
+    flags = [*FLAGS, "--sparse-method", "streamingllm", "--sparse-config", config,
+             *([] if overlap else ["--disable-overlap-schedule"])]
+    with server_pool.use(spec(tiny_model, flags), once=True) as (server,):
         base = _flush(server)
         out = _gen(server, prompt, 9)["output_ids"]
         st = _idle(server)

@@ -19,34 +19,43 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
-from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, abort_mid_prefill_and_mid_decode, written
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, Spec, spec
+from tests.test_eviction_e2e import (
+    SNAPKV,
+    _assert_idle_and_sound,
+    _ids,
+    _state,
+    abort_mid_prefill_and_mid_decode,
+    snapkv_spec,
+    written,
+)
 
 pytestmark = pytest.mark.server
 
 FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report"]
-SNAPKV = {"budget": 256, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, "decode_interval": 16}
 STREAMING = {"sink_tokens": 16, "recent_tokens": 128, "evict_interval": 16}
 
 
-def _server(model: str, method: str, config: dict | None = None, env: dict | None = None) -> ServerProcess:
+def _server(model: str, method: str, config: dict | None = None, env: dict | None = None) -> Spec:
     extra = ["--sparse-config", json.dumps(config)] if config else []
-    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], env=env)
+    return spec(model, [*FLAGS, "--sparse-method", method, *extra], env=env)
 
 
 @pytest.fixture(scope="module")
-def compose_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+def compose_servers(tiny_model: str, server_pool: ServerPool,
+                    prefixed_template: str) -> Iterator[dict[str, ServerProcess]]:
     plain = {"SGLSPARSE_METHOD_MODULES": "tests.plain_store"}
-    procs = {
+    specs = {
         "snapkv+fp8_kv": _server(tiny_model, "snapkv+fp8_kv", {"snapkv": SNAPKV}),
-        "fp8_kv": _server(tiny_model, "fp8_kv"),
+        "fp8_kv": _server(tiny_model, "fp8_kv"),  # the quantization file's fp8_kv at its default prefix read
         "streamingllm+turboquant": _server(tiny_model, "streamingllm+turboquant",
                                            {"streamingllm": STREAMING, "turboquant": {"bits": 4}}),
         "snapkv+plain_store": _server(tiny_model, "snapkv+plain_store", {"snapkv": SNAPKV}, env=plain),
-        "snapkv": _server(tiny_model, "snapkv", SNAPKV),
+        "snapkv": snapkv_spec(tiny_model, prefixed_template),  # the eviction file's (its chat template unused here)
     }
-    with running(*procs.values()):
-        yield procs
+    with server_pool.use(*specs.values()) as started:
+        yield dict(zip(specs, started))
 
 
 def _flush(*servers: ServerProcess) -> None:
@@ -190,22 +199,18 @@ def test_aborts_do_not_leak(compose_servers: dict, name: str) -> None:
     abort_mid_prefill_and_mid_decode(compose_servers[name], random.Random(6), name)
 
 
-def test_small_model_answers_the_suite_evicting_into_4_bits() -> None:
+def test_small_model_answers_the_suite_evicting_into_4_bits(server_pool: ServerPool,
+                                                            small_suite: tuple[str, list]) -> None:
     """The small trained model on the suite's short slice (every task, 4 examples, 1,024 tokens; the agent task
     as a multi-turn Chain Cache session) under SnapKV 512 over 4-bit TurboQuant: half of each prompt's KV is
     evicted, the rest is held in 4 bits, and it still answers (SnapKV 512 alone 1.00 and TurboQuant-4 alone 0.98
     at 50 examples, QUALITY.md)."""
-    from transformers import AutoTokenizer
+    from sgl_sparse.quality.eval import evaluate
 
-    from sgl_sparse.quality.eval import build_items, evaluate
-    from sgl_sparse.quality.models import small_model_path
-    from sgl_sparse.quality.tasks import TASKS
-
-    model = str(small_model_path())
-    items = build_items(AutoTokenizer.from_pretrained(model), list(TASKS), 4, 1024, seed=10_000, chain=True)
+    model, items = small_suite
     config = {"snapkv": {"budget": 512}, "turboquant": {"bits": 4}}
-    with ServerProcess(model, [*CPU_SERVER_FLAGS, "--sparse-method", "snapkv+turboquant",
-                               "--sparse-config", json.dumps(config)]) as srv:
+    with server_pool.use(spec(model, [*CPU_SERVER_FLAGS, "--sparse-method", "snapkv+turboquant",
+                                      "--sparse-config", json.dumps(config)]), once=True) as (srv,):
         table = evaluate(srv.base_url, items)
         st = _assert_idle_and_sound(srv)
     assert st["evicted_tokens_total"] > 0 and st["kv_store"]["bits"] == 4

@@ -7,6 +7,7 @@ is healthy, idle, and that our own numbers agree with that invariant.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -16,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import PREFIXED_TEMPLATE, ServerPool, Spec, assert_idle_and_sound, fresh, spec, state
 
 pytestmark = pytest.mark.server
 
@@ -25,51 +27,27 @@ SNAPKV = {"budget": 256, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, 
 FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128"]
 
 
-# History turns start with "<s>role: ", the generation prompt is a bare "assistant:" (as the benchmark
-# model's template): a next turn leaves the previous prompt two tokens before its end.
-PREFIXED_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+def streaming_spec(model: str) -> Spec:
+    """StreamingLLM (sink 16, recent 128): this file's, the Chain Cache traffic tests'."""
+    return spec(model, [*FLAGS, "--sparse-method", "streamingllm", "--sparse-config", json.dumps(STREAMING),
+                        "--enable-metrics", "--enable-cache-report"])
+
+
+def snapkv_spec(model: str, template: str) -> Spec:
+    """SnapKV 256 with the prefixed chat template: this file's, the compositions' plain SnapKV."""
+    return spec(model, [*FLAGS, "--sparse-method", "snapkv", "--sparse-config", json.dumps(SNAPKV),
+                        "--chat-template", template, "--enable-cache-report"])
 
 
 @pytest.fixture(scope="module")
-def sparse_servers(tiny_model: str, servers: dict[str, ServerProcess],
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
-    import json
-
-    template = tmp_path_factory.mktemp("template") / "prefixed.jinja"
-    template.write_text(PREFIXED_TEMPLATE)
-    procs = {
-        "streamingllm": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "streamingllm",
-                                                   "--sparse-config", json.dumps(STREAMING), "--enable-metrics"]),
-        "snapkv": ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv",
-                                             "--sparse-config", json.dumps(SNAPKV), "--chat-template", str(template),
-                                             "--enable-cache-report"]),
-    }
-    with running(*procs.values()):
-        yield {**procs, "vanilla": servers["vanilla"], "dense": servers["ours"]}
+def sparse_servers(tiny_model: str, servers: dict[str, ServerProcess], server_pool: ServerPool,
+                   prefixed_template: str) -> Iterator[dict[str, ServerProcess]]:
+    with server_pool.use(streaming_spec(tiny_model), snapkv_spec(tiny_model, prefixed_template)) as (st, sn):
+        yield {"streamingllm": st, "snapkv": sn, "vanilla": servers["vanilla"], "dense": servers["ours"]}
 
 
-def _state(server: ServerProcess) -> dict:
-    return server.server_info()["internal_states"][0]["sgl_sparse"]
-
-
-def _assert_idle_and_sound(server: ServerProcess, timeout: float = 60.0) -> dict:
-    """Wait until no request runs, then check the accounting SGLang's leak check relies on."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = _state(server)
-        if st["requests_tracked"] == 0 and st["tree_protected_slots"] == 0:
-            break
-        assert time.monotonic() < deadline, f"server did not go idle: {st}"
-        time.sleep(0.2)
-    time.sleep(0.5)  # let the scheduler run its idle check
-    assert requests.get(f"{server.base_url}/health", timeout=30).status_code == 200, server.log_tail()
-    st = _state(server)
-    assert st["kv_slots_used"] == st["tree_evictable_slots"] + st["tree_protected_slots"], st
-    assert "pool memory leak" not in server.log_tail(400)
-    return st
+_state = state
+_assert_idle_and_sound = assert_idle_and_sound
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -83,10 +61,7 @@ def written(prompt_len: int, output: Sequence[int]) -> int:
     return prompt_len + len(output) - 1
 
 
-def _flush(server: ServerProcess) -> dict:
-    """Empty the server's prefix cache; its state once idle and leak-free."""
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
-    return _assert_idle_and_sound(server)
+_flush = fresh
 
 
 def covering_budget_equals_dense(servers: dict, cases: Sequence[tuple[int, int]]) -> tuple[dict, dict]:
@@ -95,6 +70,7 @@ def covering_budget_equals_dense(servers: dict, cases: Sequence[tuple[int, int]]
     after a flush and after the prompts (for checks of its own)."""
     server = servers["small"]
     before = _flush(server)
+    fresh(servers["dense"])  # the session's: other files sent these prompts; both compute them from scratch
     rng = random.Random(7)
     for n, out in cases:
         ids = _ids(rng, n)
@@ -119,15 +95,16 @@ def test_budget_covering_context_equals_dense_and_vanilla(sparse_servers: dict, 
 
 def test_streamingllm_long_prompt_keeps_about_the_budget(sparse_servers: dict) -> None:
     server = sparse_servers["streamingllm"]
-    requests.post(f"{server.base_url}/flush_cache", timeout=30)
-    before = _assert_idle_and_sound(server)["kv_slots_used"]
+    base = fresh(server)
+    before = base["kv_slots_used"]
     out = server.generate(input_ids=_ids(random.Random(1), 2000), max_new_tokens=300, ignore_eos=True)
     assert out["meta_info"]["completion_tokens"] == 300  # generation continues past the budget
     after = _assert_idle_and_sound(server)
     budget = STREAMING["sink_tokens"] + STREAMING["recent_tokens"]
     used = after["kv_slots_used"] - before
     assert budget <= used <= budget + STREAMING["evict_interval"], used
-    assert after["evicted_tokens_total"] >= 2299 - used  # written(2000, 300 tokens)
+    # written(2000, 300 tokens); a shared server: counted from this test's start
+    assert after["evicted_tokens_total"] - base["evicted_tokens_total"] >= 2299 - used
 
 
 @pytest.mark.parametrize(("method", "limit"), [

@@ -1,7 +1,7 @@
 """FP8 KV decode and prefix attention (sgl_sparse/kernels/fp8_attention.py) against plain torch written here.
 
 The Triton kernel's checks run when ``TRITON_INTERPRET=1`` was set before Triton was imported:
-:func:`test_triton_kernel_under_the_interpreter` re-runs this file so, in a subprocess.
+:func:`test_triton_kernel_under_the_interpreter` checks them in the session's interpreted run (tests/interpreted.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from interpreted import INTERPRETED, rerun_interpreted
+from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.kernels import fp8_attention as fa
 from sgl_sparse.kernels import quant
@@ -69,7 +69,7 @@ def test_reference_is_dense_attention_within_fp8_error_and_the_kernel_equals_it(
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)  # bf16 output rounding
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted re-run")
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
 def test_every_finite_e4m3_code_decodes_as_torch_does() -> None:
     # one token per code: keys carry a one-hot query's code, so the kernel's logit is the decoded value
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
@@ -140,7 +140,7 @@ def test_prefix_attention_is_dense_over_the_prefix_and_the_kernel_equals_its_ref
         torch.testing.assert_close(got_lse, ref_lse, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted re-run")
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
 def test_the_decode_kernel_reads_compacted_lists_as_rows() -> None:
     """A composition on CUDA: the decode kernel over FlashInfer-style compacted lists (each request's live slots,
     flat; ``store_attention.flat_rows``), a row width under a list's end, a padding row of one slot: each request's
@@ -169,4 +169,4 @@ def test_the_decode_kernel_reads_compacted_lists_as_rows() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_triton_kernel_under_the_interpreter() -> None:
-    rerun_interpreted(__file__)
+    assert_interpreted_passed(__file__)

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, Spec, spec
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
     _flush,
@@ -33,16 +34,16 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-rep
 SMALL = {"budget": 512, "recent_ratio": 0.5, "evict_interval": 16}
 
 
-def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+def _server(model: str, method: str, config: dict | None = None) -> Spec:
     extra = ["--sparse-config", json.dumps(config)] if config is not None else []
-    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
+    return spec(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
 
 
 @pytest.fixture(scope="module")
-def h2o_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "h2o", SMALL)}
-    with running(*procs.values()):
-        yield procs
+def h2o_servers(server_pool: ServerPool, servers: dict[str, ServerProcess],
+                tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    with server_pool.use(_server(tiny_model, "h2o", SMALL), once=True) as (small,):
+        yield {"dense": servers["ours"], "small": small}
 
 
 def test_server_info_reports_h2o(h2o_servers: dict) -> None:
@@ -112,9 +113,8 @@ def test_aborts_mid_prefill_and_mid_decode_do_not_leak(h2o_servers: dict) -> Non
 
 
 @pytest.fixture(scope="module")
-def h2o_fp8(tiny_model: str) -> Iterator[ServerProcess]:
-    proc = _server(tiny_model, "h2o+fp8_kv", {"h2o": SMALL})
-    with running(proc):
+def h2o_fp8(server_pool: ServerPool, tiny_model: str) -> Iterator[ServerProcess]:
+    with server_pool.use(_server(tiny_model, "h2o+fp8_kv", {"h2o": SMALL}), once=True) as (proc,):
         yield proc
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from sgl_sparse.server_process import CPU_SERVER_FLAGS
+from tests.server_pool import ServerPool, spec
 from tests.test_eviction_e2e import _abort_after, _assert_idle_and_sound, _ids
 
 pytestmark = pytest.mark.server
@@ -95,7 +96,8 @@ def _check_request(rid: str, evs: list[tuple[int, dict]], forwards: list[tuple[i
 
 
 @pytest.mark.parametrize("attends", [False, True], ids=["select", "attend"])
-def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: Path, attends: bool) -> None:
+def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: Path, attends: bool,
+                                                    server_pool: ServerPool) -> None:
     """``attends``: the probe's selector attends itself and maintains (RetroInfer's kind): ``attend``
     instead of ``select`` in each decode forward, and ``after_step`` once after every forward."""
     decode_forward = _decode_forward("attend" if attends else "select")
@@ -105,7 +107,7 @@ def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: P
     args = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--sparse-method", "hook_probe",
             "--sparse-config", json.dumps({"log_path": str(log), "attends": attends})]
     rng = random.Random(21)
-    with ServerProcess(tiny_model, args, env=env) as srv:
+    with server_pool.use(spec(tiny_model, args, env=env), once=True) as (srv,):
         prompt = _ids(rng, 300)  # 3 chunks
         first = srv.generate(input_ids=prompt, max_new_tokens=6, ignore_eos=True)
         assert first["meta_info"]["cached_tokens"] == 0
@@ -129,6 +131,7 @@ def test_the_server_drives_the_contracts_hook_order(tiny_model: str, tmp_path: P
         assert r.status_code == 200, r.text[:300]
         _assert_idle_and_sound(srv)
         reference = srv.generate(input_ids=prompt, max_new_tokens=6, ignore_eos=True)
+        _assert_idle_and_sound(srv)  # the log is read below with the server up: its last hooks written first
     # The probe selects every token: its outputs are dense, whatever it logs.
     assert reference["output_ids"] == first["output_ids"]
 

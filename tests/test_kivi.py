@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from interpreted import INTERPRETED, rerun_interpreted
+from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import KVGeometry, attend
 from sgl_sparse.errors import SparseConfigError
@@ -156,7 +156,7 @@ def test_decode_write_kernel_equals_the_torch_write(bits: int) -> None:
     leaves every buffer as the torch decode write does, codes, scales and zero points bit for bit, over steps that
     fill pages of some rows and not others, and rows that start mid-page (run interpreted on CPU)."""
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import kivi_write
 
     a, b = _store(bits), _store(bits)
@@ -201,7 +201,7 @@ def test_decode_kernel_equals_the_store_reference(bits: int) -> None:
     """The Triton decode (kernels/kivi_attention.py) over rows with whole pages and a residual, an empty row
     and a row inside its first page, against the store's torch path (run interpreted on CPU)."""
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import kivi_attention
 
     store = _store(bits)
@@ -227,7 +227,7 @@ def test_prefix_kernel_equals_the_store_reference(bits: int) -> None:
     """The Triton extend over the cached prefix (whole pages + residual; an empty prefix; a prefix inside its
     first page) against the store's torch path (run interpreted on CPU)."""
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import fp8_attention, kivi_attention
     from sgl_sparse.kernels.splits import prefix_passes
 
@@ -296,4 +296,4 @@ def test_read_prefix_is_whole_pages_and_the_residual_flat(bits: int) -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_triton_kernel_under_the_interpreter() -> None:
-    rerun_interpreted(__file__)
+    assert_interpreted_passed(__file__)

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from interpreted import INTERPRETED, rerun_interpreted
+from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import KVGeometry
 from sgl_sparse.kernels.splits import MAX_SPLITS, MIN_SPLITS, decode_splits, merge_splits
@@ -53,7 +53,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 @pytest.mark.parametrize(("gs", "d"), [(8, 16), (16, 32), (32, 64), (16, 64), (8, 32), (8, 64)])
 def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int) -> None:
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import kivi_attention
 
     lens = [3 * gs + 5, 2 * gs, gs - 3, 0, 1, 5 * gs - 1, gs]  # mid-page, on a page, < a page, empty, ...
@@ -118,4 +118,4 @@ def test_merge_weighs_empty_splits_zero() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_decode_kernel_under_the_interpreter() -> None:
-    rerun_interpreted(__file__)
+    assert_interpreted_passed(__file__)

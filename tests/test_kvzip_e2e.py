@@ -18,7 +18,8 @@ import requests
 import torch
 
 from sgl_sparse.methods.eviction import kvzip
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, Spec, spec
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
     _flush,
@@ -40,17 +41,18 @@ SMALL = {"budget": 64, "chunk_size": 128}  # sink 4, recent 0, prev_postfix 8: t
 TIGHT_POOL = 2048  # the "tight" server's KV pool: a few dozen cached sequences fill it
 
 
-def _server(model: str, method: str, config: dict | None = None, flags: tuple[str, ...] = ()) -> ServerProcess:
+def _server(model: str, method: str, config: dict | None = None, flags: tuple[str, ...] = ()) -> Spec:
     extra = ["--sparse-config", json.dumps(config)] if config is not None else []
-    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra, *flags], startup_timeout=900)
+    return spec(model, [*FLAGS, "--sparse-method", method, *extra, *flags], startup_timeout=900)
 
 
 @pytest.fixture(scope="module")
-def kvzip_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "kvzip", SMALL),
-             "tight": _server(tiny_model, "kvzip", SMALL, ("--max-total-tokens", str(TIGHT_POOL)))}
-    with running(*procs.values()):
-        yield procs
+def kvzip_servers(server_pool: ServerPool, servers: dict[str, ServerProcess],
+                  tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    tight_pool = ("--max-total-tokens", str(TIGHT_POOL))
+    with server_pool.use(_server(tiny_model, "kvzip", SMALL),
+                         _server(tiny_model, "kvzip", SMALL, tight_pool)) as (small, tight):
+        yield {"dense": servers["ours"], "small": small, "tight": tight}
 
 
 def _stats(before: dict, after: dict) -> dict[str, int]:

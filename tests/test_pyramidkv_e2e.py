@@ -20,7 +20,8 @@ import pytest
 import requests
 
 from sgl_sparse.methods.eviction.pyramidkv import layer_budgets
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, Spec, spec
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
     _flush,
@@ -40,19 +41,19 @@ SMALL = {"budget": 512, "window_size": 16, "sink_tokens": 8, "kernel_size": 5, "
 LAYERS = 4  # the tiny model's
 
 
-def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+def _server(model: str, method: str, config: dict | None = None) -> Spec:
     extra = ["--sparse-config", json.dumps(config)] if config is not None else []
     env = {"SGLSPARSE_METHOD_MODULES": "tests.pyramidkv_union",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], env=env, startup_timeout=900)
+    return spec(model, [*FLAGS, "--sparse-method", method, *extra], env=env, startup_timeout=900)
 
 
 @pytest.fixture(scope="module")
-def pyramid_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "pyramidkv", SMALL),
-             "union": _server(tiny_model, "pyramidkv_union", SMALL)}
-    with running(*procs.values()):
-        yield procs
+def pyramid_servers(server_pool: ServerPool, servers: dict[str, ServerProcess],
+                    tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    with server_pool.use(_server(tiny_model, "pyramidkv", SMALL),
+                         _server(tiny_model, "pyramidkv_union", SMALL), once=True) as (small, union):
+        yield {"dense": servers["ours"], "small": small, "union": union}
 
 
 def _generate_with_logprobs(server: ServerProcess, ids: list[int], n_out: int) -> dict:

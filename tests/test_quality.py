@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sgl_sparse.quality.tasks import TASKS, make_example, score
+from tests.server_pool import ServerPool, spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,8 +171,8 @@ def test_eval_cli_against_a_real_server(server, tiny_model: str, tmp_path: Path)
 
 @pytest.mark.server
 def test_quality_suite_script(tmp_path: Path) -> None:
-    """benchmarks/quality_suite.py: bad method specs and sizes are argparse errors; one server per method;
-    SnapKV with a budget above the prompt answers exactly what dense answers."""
+    """benchmarks/quality_suite.py: bad method specs and sizes are argparse errors; one server per method, serving
+    that method with its config; SnapKV with a budget above the prompt answers exactly what dense answers."""
     from sgl_sparse.quality.models import small_model_path
 
     script = [sys.executable, str(ROOT / "benchmarks" / "quality_suite.py"), "--model-dir", str(small_model_path())]
@@ -189,7 +190,11 @@ def test_quality_suite_script(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     logs = sorted(f.name for f in (tmp_path / "new" / "logs").iterdir())
     assert logs == ["server-0-dense.log", "server-1-snapkv.log"]
-    assert all("max_running_requests=7" in (tmp_path / "new" / "logs" / f).read_text() for f in logs)
+    texts = {f: (tmp_path / "new" / "logs" / f).read_text() for f in logs}
+    assert all("max_running_requests=7" in t for t in texts.values())
+    # Each column's server served that column's method and config (an equal table alone would not show it).
+    assert "sgl_sparse: method=dense config={}" in texts["server-0-dense.log"]
+    assert "sgl_sparse: method=snapkv config={'budget': 1024" in texts["server-1-snapkv.log"]
     assert '| task | `dense @ 512` | `snapkv {"budget": 1024} @ 512` |' in r.stdout
     assert "| all tasks (single prompts) |" in r.stdout
     dense, snap = json.loads(out.read_text()).values()
@@ -204,35 +209,49 @@ def test_quality_suite_script(tmp_path: Path) -> None:
 SLICE_TOKENS, SLICE_N, PASS_ACCURACY = 1024, 4, 0.85
 
 
-def _slice_accuracy(model_dir: str | Path) -> tuple[float, dict[str, float]]:
+def _slice_items(model_dir: str | Path) -> list:
     from transformers import AutoTokenizer
 
-    from sgl_sparse.quality.eval import build_items, evaluate
-    from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+    from sgl_sparse.quality.eval import build_items
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    items = build_items(tok, list(TASKS), SLICE_N, SLICE_TOKENS, seed=10_000, chain=True)
+    items = build_items(AutoTokenizer.from_pretrained(model_dir), list(TASKS), SLICE_N, SLICE_TOKENS, seed=10_000,
+                        chain=True)
     assert [len(it.turns) > 1 for it in items] == [t == "agent_recall" for t in TASKS for _ in range(SLICE_N)]
-    with ServerProcess(str(model_dir), [*CPU_SERVER_FLAGS, "--sparse-method", "dense"]) as srv:
-        table = evaluate(srv.base_url, items)
-    total = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
-    return total, {t: r["accuracy"] for t, r in table.items()}
+    return items
+
+
+def _slice_accuracy(pool: ServerPool, items: list, *model_dirs: str | Path) -> list[tuple[float, dict[str, float]]]:
+    """Each model's accuracy on ``items`` through a dense server of our launcher (the servers start together)."""
+    from sgl_sparse.quality.eval import evaluate
+    from sgl_sparse.server_process import CPU_SERVER_FLAGS
+
+    out = []
+    specs = [spec(str(d), [*CPU_SERVER_FLAGS, "--sparse-method", "dense"]) for d in model_dirs]
+    with pool.use(*specs, once=True) as started:
+        for srv in started:
+            table = evaluate(srv.base_url, items)
+            total = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
+            out.append((total, {t: r["accuracy"] for t, r in table.items()}))
+    return out
 
 
 @pytest.mark.server
-def test_trained_small_model_passes_and_a_random_twin_fails(tmp_path: Path) -> None:
+def test_trained_small_model_passes_and_a_random_twin_fails(tmp_path: Path, server_pool: ServerPool,
+                                                             small_suite: tuple[str, list]) -> None:
     """The shipped model answers the suite through our launcher on CPU; the same check on a model of the
     same architecture and tokenizer with random weights fails, so the threshold means something."""
-    from sgl_sparse.quality.models import small_model_path, write_random_twin
+    from sgl_sparse.quality.models import write_random_twin
 
-    trained, per_task = _slice_accuracy(small_model_path())
+    model, items = small_suite  # the slice (SLICE_N, SLICE_TOKENS) this file's bar is for
+    assert [len(it.turns) > 1 for it in items] == [t == "agent_recall" for t in TASKS for _ in range(SLICE_N)]
+    twin = write_random_twin(model, tmp_path / "random")
+    (trained, per_task), (random_acc, random_per_task) = _slice_accuracy(server_pool, items, model, twin)
     assert trained >= PASS_ACCURACY, per_task
-    random_acc, random_per_task = _slice_accuracy(write_random_twin(small_model_path(), tmp_path / "random"))
     assert random_acc < PASS_ACCURACY and random_acc <= 0.1, random_per_task
 
 
 @pytest.mark.server
-def test_shipped_large_model_loads_and_passes_a_short_slice() -> None:
+def test_shipped_large_model_loads_and_passes_a_short_slice(server_pool: ServerPool) -> None:
     """The large model (trained up to 16K; its 16K numbers in QUALITY.md) loads through our launcher on
     CPU and answers the same short slice: its config, sharded weights and tokenizer serve as shipped."""
     from sgl_sparse.quality.models import large_model_path, small_model_path
@@ -242,7 +261,7 @@ def test_shipped_large_model_loads_and_passes_a_short_slice() -> None:
     assert cfg["max_position_embeddings"] >= 16384 and cfg["num_hidden_layers"] == 6 and cfg["hidden_size"] == 384
     weights = {d.name: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (path, small_model_path())}
     assert max(weights.values()) <= 25e6 and sum(weights.values()) <= 35e6, weights  # the issue's size limits
-    accuracy, per_task = _slice_accuracy(path)
+    [(accuracy, per_task)] = _slice_accuracy(server_pool, _slice_items(path), path)
     assert accuracy >= PASS_ACCURACY, per_task
 
 

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, spec
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
     _ids,
@@ -35,17 +36,19 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", str(CHUNK), "--enable-cach
 
 
 @pytest.fixture(scope="module")
-def store_servers(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+def store_servers(tiny_model: str, server_pool: ServerPool,
+                  servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
     # "fp8" and "kivi" read the prefix through the store's kernel path, the "-dequant" servers at the default
     # ("auto": dequantized through the base's dense prefill).
     kernel = '{"prefix_attention": "kernel"}'
-    fp8 = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv", "--sparse-config", kernel])
-    plain = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "plain_store"],
-                          env={"SGLSPARSE_METHOD_MODULES": "tests.plain_store"})
-    kivi = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi", "--sparse-config", kernel])
-    fp8_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv"])
-    kivi_dequant = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "kivi"])
-    with running(fp8, plain, kivi, fp8_dequant, kivi_dequant):
+    with server_pool.use(
+        spec(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv", "--sparse-config", kernel]),
+        spec(tiny_model, [*FLAGS, "--sparse-method", "plain_store"],
+             env={"SGLSPARSE_METHOD_MODULES": "tests.plain_store"}),
+        spec(tiny_model, [*FLAGS, "--sparse-method", "kivi", "--sparse-config", kernel]),
+        spec(tiny_model, [*FLAGS, "--sparse-method", "fp8_kv"]),
+        spec(tiny_model, [*FLAGS, "--sparse-method", "kivi"]),
+    ) as (fp8, plain, kivi, fp8_dequant, kivi_dequant):
         yield {"fp8": fp8, "plain": plain, "kivi": kivi, "fp8-dequant": fp8_dequant, "kivi-dequant": kivi_dequant,
                "dense": servers["ours"], "vanilla": servers["vanilla"]}
 
@@ -188,12 +191,13 @@ def test_a_dequantized_prefix_reads_what_the_kernel_reads(store_servers: dict, n
     rng = random.Random(6)
     prompts = [_ids(rng, n) for n in (2 * CHUNK + 7, 5 * CHUNK)]
     prompts.append(prompts[0] + _ids(rng, CHUNK + 3))  # a prefix hit, then two chunks over it
+    steps = {s.port: _state(s)["prefix_dequantized_steps_total"] for s in (server, kernel)}  # shared servers
     for ids in prompts:
         outs = [s.generate(input_ids=ids, max_new_tokens=16, ignore_eos=True)["output_ids"] for s in (server, kernel)]
         assert outs[0] == outs[1], len(ids)
     st = _state(server)
-    assert st["prefix_dequantized_steps_total"] > 0, st
-    assert _state(kernel)["prefix_dequantized_steps_total"] == 0
+    assert st["prefix_dequantized_steps_total"] > steps[server.port], st
+    assert _state(kernel)["prefix_dequantized_steps_total"] == steps[kernel.port]
     _assert_idle_and_sound(server)
 
 
@@ -202,18 +206,14 @@ SUITE_BAR = {"fp8_kv": 0.95, "kivi": 0.9, "turboquant": 0.9}
 
 
 @pytest.mark.parametrize("method", ["fp8_kv", "kivi", "turboquant"])
-def test_small_model_answers_the_suite_as_dense_does(method: str) -> None:
+def test_small_model_answers_the_suite_as_dense_does(method: str, server_pool: ServerPool,
+                                                     small_suite: tuple[str, list]) -> None:
     """The small trained model on the suite's short slice (every task, 4 examples, 1,024 tokens; the agent
     task as a multi-turn session), every decode step reading the quantized pool."""
-    from transformers import AutoTokenizer
+    from sgl_sparse.quality.eval import evaluate
 
-    from sgl_sparse.quality.eval import build_items, evaluate
-    from sgl_sparse.quality.models import small_model_path
-    from sgl_sparse.quality.tasks import TASKS
-
-    model = str(small_model_path())
-    items = build_items(AutoTokenizer.from_pretrained(model), list(TASKS), 4, 1024, seed=10_000, chain=True)
-    with ServerProcess(model, [*CPU_SERVER_FLAGS, "--sparse-method", method]) as srv:
+    model, items = small_suite
+    with server_pool.use(spec(model, [*CPU_SERVER_FLAGS, "--sparse-method", method]), once=True) as (srv,):
         table = evaluate(srv.base_url, items)
         _assert_idle_and_sound(srv)
     acc = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())

@@ -1,21 +1,21 @@
 """Quest's kernels (sgl_sparse/kernels/quest.py) against plain-torch references written here.
 
-The Triton kernels run under TRITON_INTERPRET=1 in a subprocess (the interpreter must be set before
-triton is imported); the torch paths (the CPU server's) run in-process.
+The Triton kernels' tests run when TRITON_INTERPRET=1 was set before triton was imported:
+:func:`test_triton_kernels_under_the_interpreter` checks them in the session's interpreted run
+(tests/interpreted.py); the torch paths (the CPU server's) run in every run.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
+import pytest
 import torch
+from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.kernels import pages, quest
+from sgl_sparse.methods.selection.quest import QuestConfig, QuestSelector
 
 PS, HKV, G, D = 4, 2, 2, 16
+only_interpreted = pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
 
 
 def _setup(seed: int = 0, lens: tuple[int, ...] = (37, 64, 5, 1)):
@@ -104,43 +104,31 @@ def test_budget_covering_the_context_selects_every_page() -> None:
     assert torch.equal(mask, (pos[None, None, :] < seq[:, None, None]).expand_as(mask))
 
 
-def test_triton_kernels_match_torch_paths() -> None:
-    code = textwrap.dedent("""
-        import torch
-        from sgl_sparse.kernels import pages, quest
-        import tests.test_quest_kernels as t
-        quest.BLOCK_PAGES = 2; quest.PROGRAMS_PER_ROW = quest.MIN_PROGRAMS_PER_ROW = 3   # several blocks a program
-        k_buf, r2t, kmin, kmax, rpi, seq, q = t._setup(seed=3)
-        for num_sel, sink, recent in ((4, 1, 1), (3, 0, 2), (16, 1, 1)):
-            ref = torch.empty(len(seq) * t.HKV, 20)
-            quest.score_pages_torch(q, kmin, kmax, r2t, rpi, seq, ref, t.PS, sink, recent)
-            got = torch.full_like(ref, 7.0)
-            quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, t.PS, sink, recent, mma=False)
-            assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
-            # the tensor-core form: q+ . max + q- . min, the same bounds
-            mma = torch.full_like(ref, 7.0)
-            quest.score_pages(q, kmin, kmax, r2t, rpi, seq, mma, t.PS, sink, recent, mma=True)
-            assert torch.allclose(mma, ref, atol=1e-5), (mma - ref).abs().max()
-            sel = pages.select_pages(got, num_sel)
-            lens = pages.selected_lens(seq.long(), t.PS, num_sel).repeat_interleave(t.HKV)
-            indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)
-            indptr[1:] = torch.cumsum(lens, 0)
-            out = torch.full((int(indptr[-1]) + 3,), -1, dtype=torch.int32)
-            pages.expand_pages(sel, r2t, rpi, seq, indptr, out, t.PS)
-            _, ref_lists = t._reference(k_buf, r2t, rpi, seq, q, num_sel, sink, recent)
-            assert out[: int(indptr[-1])].tolist() == [s for x in ref_lists for s in x]
-            assert out[int(indptr[-1]):].tolist() == [-1] * 3   # nothing written past the lists
-        print("ok")
-    """)
-    _run_interpreted(code)
-
-
-def _run_interpreted(code: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-4000:]
+@only_interpreted
+def test_triton_kernels_match_torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    # several blocks a program at small shapes
+    for name, value in (("BLOCK_PAGES", 2), ("PROGRAMS_PER_ROW", 3), ("MIN_PROGRAMS_PER_ROW", 3)):
+        monkeypatch.setattr(quest, name, value)
+    k_buf, r2t, kmin, kmax, rpi, seq, q = _setup(seed=3)
+    for num_sel, sink, recent in ((4, 1, 1), (3, 0, 2), (16, 1, 1)):
+        ref = torch.empty(len(seq) * HKV, 20)
+        quest.score_pages_torch(q, kmin, kmax, r2t, rpi, seq, ref, PS, sink, recent)
+        got = torch.full_like(ref, 7.0)
+        quest.score_pages(q, kmin, kmax, r2t, rpi, seq, got, PS, sink, recent, mma=False)
+        assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+        # the tensor-core form: q+ . max + q- . min, the same bounds
+        mma = torch.full_like(ref, 7.0)
+        quest.score_pages(q, kmin, kmax, r2t, rpi, seq, mma, PS, sink, recent, mma=True)
+        assert torch.allclose(mma, ref, atol=1e-5), (mma - ref).abs().max()
+        sel = pages.select_pages(got, num_sel)
+        lens = pages.selected_lens(seq.long(), PS, num_sel).repeat_interleave(HKV)
+        indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(lens, 0)
+        out = torch.full((int(indptr[-1]) + 3,), -1, dtype=torch.int32)
+        pages.expand_pages(sel, r2t, rpi, seq, indptr, out, PS)
+        _, ref_lists = _reference(k_buf, r2t, rpi, seq, q, num_sel, sink, recent)
+        assert out[: int(indptr[-1])].tolist() == [s for x in ref_lists for s in x]
+        assert out[int(indptr[-1]):].tolist() == [-1] * 3   # nothing written past the lists
 
 
 def _stable_topk(scores: torch.Tensor, k: int, counts: torch.Tensor) -> torch.Tensor:
@@ -184,92 +172,81 @@ def test_stable_topk_reference_matches_select_pages() -> None:
         assert torch.equal(pages.select_pages(padded, k), _stable_topk(scores, k, counts))
 
 
-def test_triton_select_matches_torch_and_takes_earliest_ties() -> None:
-    code = textwrap.dedent("""
-        import torch
-        from sgl_sparse.kernels import pages
-        import tests.test_quest_kernels as t
-        g = torch.Generator().manual_seed(5)
-        # Rows held in registers (one block, width not a power of two), then re-read in 8-entry chunks.
-        for max_block, chunk in ((pages.SELECT_MAX_BLOCK, pages.SELECT_CHUNK), (8, 8)):
-            pages.SELECT_MAX_BLOCK, pages.SELECT_CHUNK = max_block, chunk
-            for scores, k, counts in t._select_cases(seed=4):
-                got = pages.select_pages_triton(scores, k, counts)
-                assert torch.equal(got, t._stable_topk(scores, k, counts)), (scores, k, counts, got)
-                # Ties (few distinct values, -0.0 == 0.0 among them): the earliest positions win.
-                ties = torch.tensor([0.0, -0.0, 1.0, -2.0, float("inf"), float("-inf")])[
-                    torch.randint(0, 6, scores.shape, generator=g)]
-                got = pages.select_pages_triton(ties, k, counts)
-                assert torch.equal(got, t._stable_topk(ties, k, counts)), (ties, k, counts, got)
-        # Counts as sequence lengths shared by rows_per_count rows, in pages of 4 positions.
-        pages.SELECT_MAX_BLOCK, pages.SELECT_CHUNK = 16384, 4096
-        for scores, k, counts in t._select_cases(seed=6):
-            if scores.shape[0] % 2:
-                continue
-            pair = counts.view(-1, 2).min(dim=1).values  # both rows of a pair: the smaller count (no garbage read)
-            lens = (pair * 4 - 3).clamp(min=0)  # ceil(lens / 4) == pair
-            want = pair.repeat_interleave(2)
-            got = pages.select_pages_triton(scores, k, lens, rows_per_count=2, page_size=4)
-            assert torch.equal(got, t._stable_topk(scores, k, want)), (scores, k, lens, got)
-        print("ok")
-    """)
-    _run_interpreted(code)
+@only_interpreted
+def test_triton_select_matches_torch_and_takes_earliest_ties(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    # Rows held in registers (one block, width not a power of two), then re-read in 8-entry chunks.
+    for max_block, chunk in ((pages.SELECT_MAX_BLOCK, pages.SELECT_CHUNK), (8, 8)):
+        monkeypatch.setattr(pages, "SELECT_MAX_BLOCK", max_block)
+        monkeypatch.setattr(pages, "SELECT_CHUNK", chunk)
+        for scores, k, counts in _select_cases(seed=4):
+            got = pages.select_pages_triton(scores, k, counts)
+            assert torch.equal(got, _stable_topk(scores, k, counts)), (scores, k, counts, got)
+            # Ties (few distinct values, -0.0 == 0.0 among them): the earliest positions win.
+            ties = torch.tensor([0.0, -0.0, 1.0, -2.0, float("inf"), float("-inf")])[
+                torch.randint(0, 6, scores.shape, generator=g)]
+            got = pages.select_pages_triton(ties, k, counts)
+            assert torch.equal(got, _stable_topk(ties, k, counts)), (ties, k, counts, got)
+    # Counts as sequence lengths shared by rows_per_count rows, in pages of 4 positions.
+    monkeypatch.setattr(pages, "SELECT_MAX_BLOCK", 16384)
+    monkeypatch.setattr(pages, "SELECT_CHUNK", 4096)
+    for scores, k, counts in _select_cases(seed=6):
+        if scores.shape[0] % 2:
+            continue
+        pair = counts.view(-1, 2).min(dim=1).values  # both rows of a pair: the smaller count (no garbage read)
+        lens = (pair * 4 - 3).clamp(min=0)  # ceil(lens / 4) == pair
+        want = pair.repeat_interleave(2)
+        got = pages.select_pages_triton(scores, k, lens, rows_per_count=2, page_size=4)
+        assert torch.equal(got, _stable_topk(scores, k, want)), (scores, k, lens, got)
 
 
+@only_interpreted
 def test_quest_selector_triton_path_matches_torch_path() -> None:
-    code = textwrap.dedent("""
-        import torch
-        from sgl_sparse.methods.selection.quest import QuestConfig, QuestSelector
-        import tests.test_quest_kernels as t
-        _, r2t, kmin, kmax, rpi, seq, q = t._setup(seed=6)
-        for scoring in ("bounds", "random"):
-            cfg = QuestConfig(page_size=t.PS, token_budget=6 * t.PS, sink_tokens=t.PS, recent_tokens=2 * t.PS,
-                              dense_layers=0, scoring=scoring)
-            sel = QuestSelector(cfg)
-            sel.kmin[0], sel.kmax[0] = kmin, kmax
-            got = []
-            for use_triton in (False, True):
-                sel.use_triton = sel.triton_select = use_triton
-                torch.manual_seed(0)  # the same random scores on both paths
-                got.append(sel.select(0, q, r2t, rpi, seq))
-            assert torch.equal(got[0], got[1]), (scoring, got)
-        print("ok")
-    """)
-    _run_interpreted(code)
+    _, r2t, kmin, kmax, rpi, seq, q = _setup(seed=6)
+    for scoring in ("bounds", "random"):
+        cfg = QuestConfig(page_size=PS, token_budget=6 * PS, sink_tokens=PS, recent_tokens=2 * PS,
+                          dense_layers=0, scoring=scoring)
+        sel = QuestSelector(cfg)
+        sel.kmin[0], sel.kmax[0] = kmin, kmax
+        got = []
+        for use_triton in (False, True):
+            sel.use_triton = sel.triton_select = use_triton
+            torch.manual_seed(0)  # the same random scores on both paths
+            got.append(sel.select(0, q, r2t, rpi, seq))
+        assert torch.equal(got[0], got[1]), (scoring, got)
 
 
+@only_interpreted
 def test_decode_summary_kernel_equals_page_min_max() -> None:
     """Decode-step writes (one token per request a step, plus two CUDA-graph padding rows at slot 0) through
     the in-place Triton kernel give every real page its keys' exact min and max, over stale garbage, and
     equal the general path's summaries."""
-    code = textwrap.dedent("""
-        import torch
-        from sgl_sparse.kernels import quest
-        import tests.test_quest_kernels as t
-        g = torch.Generator().manual_seed(7)
-        lens = [13, 9, 1, 16]
-        num_pages = 24
-        k_buf = torch.randn(num_pages * t.PS, t.HKV, t.D, generator=g).to(torch.bfloat16)
-        free = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
-        slots = []
-        for n in lens:
-            pg = torch.tensor([free.pop() for _ in range(-(-n // t.PS))])
-            pos = torch.arange(n)
-            slots.append(pg[pos // t.PS] * t.PS + pos % t.PS)
-        stale = torch.randn(num_pages, t.HKV, t.D, generator=g).to(torch.bfloat16)
-        kmin, kmax = stale.clone(), stale.clone()
-        rmin, rmax = stale.clone(), stale.clone()
-        for step in range(max(lens)):
-            loc = torch.tensor([int(s[step]) for s in slots if step < len(s)] + [0, 0])
-            quest.update_decode_summaries(kmin, kmax, loc, k_buf[loc], t.PS)
-            quest.update_page_summaries(rmin, rmax, loc, k_buf[loc], t.PS)
-        for s in slots:
-            for p in range(0, len(s), t.PS):
-                page = s[p:p + t.PS]
-                phys = int(page[0]) // t.PS
-                assert torch.equal(kmin[phys], k_buf[page].min(0).values), phys
-                assert torch.equal(kmax[phys], k_buf[page].max(0).values), phys
-                assert torch.equal(kmin[phys], rmin[phys]) and torch.equal(kmax[phys], rmax[phys])
-        print("ok")
-    """)
-    _run_interpreted(code)
+    g = torch.Generator().manual_seed(7)
+    lens = [13, 9, 1, 16]
+    num_pages = 24
+    k_buf = torch.randn(num_pages * PS, HKV, D, generator=g).to(torch.bfloat16)
+    free = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    slots = []
+    for n in lens:
+        pg = torch.tensor([free.pop() for _ in range(-(-n // PS))])
+        pos = torch.arange(n)
+        slots.append(pg[pos // PS] * PS + pos % PS)
+    stale = torch.randn(num_pages, HKV, D, generator=g).to(torch.bfloat16)
+    kmin, kmax = stale.clone(), stale.clone()
+    rmin, rmax = stale.clone(), stale.clone()
+    for step in range(max(lens)):
+        loc = torch.tensor([int(s[step]) for s in slots if step < len(s)] + [0, 0])
+        quest.update_decode_summaries(kmin, kmax, loc, k_buf[loc], PS)
+        quest.update_page_summaries(rmin, rmax, loc, k_buf[loc], PS)
+    for s in slots:
+        for p in range(0, len(s), PS):
+            page = s[p:p + PS]
+            phys = int(page[0]) // PS
+            assert torch.equal(kmin[phys], k_buf[page].min(0).values), phys
+            assert torch.equal(kmax[phys], k_buf[page].max(0).values), phys
+            assert torch.equal(kmin[phys], rmin[phys]) and torch.equal(kmax[phys], rmax[phys])
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
+def test_triton_kernels_under_the_interpreter() -> None:
+    assert_interpreted_passed(__file__)

@@ -19,7 +19,8 @@ import openai
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, spec
 from tests.test_eviction_e2e import _assert_idle_and_sound, _flush, _ids, _state, written
 
 pytestmark = pytest.mark.server
@@ -32,11 +33,10 @@ DENSE = {"sgl_sparse_method": "dense"}
 
 
 @pytest.fixture(scope="module")
-def rm_servers(tiny_model: str, servers: dict[str, ServerProcess],
-               mixed_server: ServerProcess) -> Iterator[dict[str, ServerProcess]]:
-    snapkv = ServerProcess(tiny_model, [*FLAGS, "--sparse-method", "snapkv", "--sparse-config",
-                                        json.dumps(SNAPKV_CONFIG)], startup_timeout=900)
-    with running(snapkv):
+def rm_servers(tiny_model: str, servers: dict[str, ServerProcess], mixed_server: ServerProcess,
+               server_pool: ServerPool) -> Iterator[dict[str, ServerProcess]]:
+    with server_pool.use(spec(tiny_model, [*FLAGS, "--sparse-method", "snapkv", "--sparse-config",
+                                           json.dumps(SNAPKV_CONFIG)]), once=True) as (snapkv,):
         yield {"mixed": mixed_server, "snapkv": snapkv, "dense": servers["ours"]}
 
 

@@ -26,7 +26,8 @@ import pytest
 import requests
 import torch
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, spec
 from tests.test_eviction_e2e import _assert_idle_and_sound, _flush, _state
 
 pytestmark = pytest.mark.server
@@ -36,7 +37,7 @@ QUESTION = "\nQuestion: What is the special magic number for {key}?\nAnswer:"
 
 
 @pytest.fixture(scope="module")
-def small() -> Iterator[dict[str, Any]]:
+def small(server_pool: ServerPool) -> Iterator[dict[str, Any]]:
     """The server, the model directory, its tokenizer and one niah_multikey example (~1K tokens) with the token
     span of each needle."""
     from transformers import AutoTokenizer
@@ -54,9 +55,8 @@ def small() -> Iterator[dict[str, Any]]:
         toks = [i for i, (s, e) in enumerate(offsets) if s < m.end() and e > m.start()]
         needles[m.group(1)] = (m.group(2), toks[0], toks[-1] + 1)
     asked = next(k for k, (v, _, _) in needles.items() if v == example.answer)
-    proc = ServerProcess(model, [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "256", "--enable-cache-report",
-                                 "--sparse-request-methods", "eviction"], startup_timeout=900)
-    with running(proc):
+    with server_pool.use(spec(model, [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "256", "--enable-cache-report",
+                                      "--sparse-request-methods", "eviction"]), once=True) as (proc,):
         yield {"server": proc, "model": model, "tok": tok, "example": example, "ids": ids, "needles": needles,
                "asked": asked}
 

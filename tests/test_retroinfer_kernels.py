@@ -2,7 +2,7 @@
 
 Small shapes: 2 KV heads x 2 query heads, head dim 32, page 16, 64-token segments (4 clusters each).
 The Triton kernel's checks run when ``TRITON_INTERPRET=1`` was set before Triton was imported:
-:func:`test_triton_kernel_under_the_interpreter` re-runs this file so, in a subprocess.
+:func:`test_triton_kernel_under_the_interpreter` checks them in the session's interpreted run (tests/interpreted.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import math
 
 import pytest
 import torch
-from interpreted import INTERPRETED, rerun_interpreted
+from interpreted import INTERPRETED, assert_interpreted_passed
 
+from sgl_sparse.kernels import pages
 from sgl_sparse.kernels import retroinfer as ri
 
 HKV, G, D, PAGE = 2, 2, 32, 16
@@ -263,10 +264,21 @@ def test_group_probs_kernel_equals_torch() -> None:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="Triton kernel: run by test_triton_kernel_under_the_interpreter")
-@pytest.mark.parametrize("width", [300, 16384 + 700])  # rows in registers / re-read in chunks
-def test_tiers_kernel_reads_the_same_clusters_as_a_sorted_top_k(width: int) -> None:
+@pytest.mark.parametrize("width", [300, 512 + 188])  # rows in registers / re-read in chunks
+def test_tiers_kernel_reads_the_same_clusters_as_a_sorted_top_k(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Random scores (no ties) with unusable clusters; per request budgets covering every case: nothing, a
     row with fewer usable clusters than ``r``, than ``r + e``, no estimated tier, and plenty of both."""
+    # Rows wider than SELECT_MAX_BLOCK are re-read in SELECT_CHUNK pieces: lowered, 700 clusters take two chunks
+    # and a partial one (16,384 + 700 took four and a partial one at the defaults).
+    monkeypatch.setattr(pages, "SELECT_MAX_BLOCK", 512)
+    monkeypatch.setattr(pages, "SELECT_CHUNK", 256)
+    launches: list[dict[str, int | bool]] = []
+
+    def row_blocks(n: int) -> dict[str, int | bool]:
+        launches.append(pages.row_blocks(n))
+        return launches[-1]
+
+    monkeypatch.setattr(ri, "row_blocks", row_blocks)
     g = torch.Generator().manual_seed(6)
     hkv = 2
     budgets = [(0, 0), (40, 10), (10, 400), (7, 0), (12, 200)]
@@ -282,6 +294,7 @@ def test_tiers_kernel_reads_the_same_clusters_as_a_sorted_top_k(width: int) -> N
     tiers = ri.rank_clusters_triton(scores, k, r, e, hkv)
     _assert_same_tiers(tiers, ranked, r, e, hkv)
     assert (tiers[2:4, :10] >= 0).sum() < 40 and (tiers[4:6, 10:410] >= 0).sum() < 800  # the short cases ran
+    assert [b["ONE_BLOCK"] for b in launches] == [width == 300]  # the path the parameter names
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="Triton kernel: run by test_triton_kernel_under_the_interpreter")
@@ -295,4 +308,4 @@ def test_tiers_kernel_breaks_ties_by_position() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_triton_kernel_under_the_interpreter() -> None:
-    rerun_interpreted(__file__)
+    assert_interpreted_passed(__file__)

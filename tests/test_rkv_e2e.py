@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, Spec, spec
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
     _flush,
@@ -31,16 +32,16 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-rep
 SMALL = {"budget": 512, "evict_interval": 16}  # the default 8 observation tokens, pool 7, mix 0.1
 
 
-def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+def _server(model: str, method: str, config: dict | None = None) -> Spec:
     extra = ["--sparse-config", json.dumps(config)] if config is not None else []
-    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
+    return spec(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
 
 
 @pytest.fixture(scope="module")
-def rkv_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "rkv", SMALL)}
-    with running(*procs.values()):
-        yield procs
+def rkv_servers(server_pool: ServerPool, servers: dict[str, ServerProcess],
+                tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    with server_pool.use(_server(tiny_model, "rkv", SMALL), once=True) as (small,):
+        yield {"dense": servers["ours"], "small": small}
 
 
 def test_server_info_reports_rkv(rkv_servers: dict) -> None:
@@ -124,9 +125,8 @@ def test_aborts_mid_prefill_and_mid_decode_do_not_leak(rkv_servers: dict) -> Non
 
 
 @pytest.fixture(scope="module")
-def rkv_fp8(tiny_model: str) -> Iterator[ServerProcess]:
-    proc = _server(tiny_model, "rkv+fp8_kv", {"rkv": SMALL})
-    with running(proc):
+def rkv_fp8(server_pool: ServerPool, tiny_model: str) -> Iterator[ServerProcess]:
+    with server_pool.use(_server(tiny_model, "rkv+fp8_kv", {"rkv": SMALL}), once=True) as (proc,):
         yield proc
 
 

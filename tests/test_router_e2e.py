@@ -18,8 +18,9 @@ import pytest
 import requests
 import sglang_router  # noqa: F401  (a missing router is a failure, not a skip)
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, RouterProcess, ServerProcess, running
-from tests.test_eviction_e2e import PREFIXED_TEMPLATE, _assert_idle_and_sound, _ids, _state, written
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, RouterProcess, ServerProcess
+from tests.server_pool import ServerPool, spec
+from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state, written
 
 pytestmark = pytest.mark.server
 
@@ -32,14 +33,13 @@ ROUTER_FLAGS = ["--health-check-interval-secs", "600", "--log-level", "warn"]
 
 
 @pytest.fixture(scope="module")
-def routed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, list]]:
-    template = tmp_path_factory.mktemp("router-template") / "prefixed.jinja"
-    template.write_text(PREFIXED_TEMPLATE)
-    workers = [ServerProcess(tiny_model, [*WORKER_FLAGS, "--chat-template", str(template)]) for _ in range(2)]
-    with running(*workers):
+def routed(tiny_model: str, server_pool: ServerPool,
+           prefixed_template: str) -> Iterator[tuple[RouterProcess, list]]:
+    specs = [spec(tiny_model, [*WORKER_FLAGS, "--chat-template", prefixed_template], replica=i) for i in range(2)]
+    with server_pool.use(*specs, once=True) as workers:
         router = RouterProcess([w.base_url for w in workers], policy="cache_aware", args=ROUTER_FLAGS)
         with router:
-            yield router, workers
+            yield router, list(workers)
 
 
 def _requests_served(worker: ServerProcess) -> float:

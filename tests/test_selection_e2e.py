@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, spec
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
     _ids,
@@ -42,13 +43,15 @@ PAGE = {"quest": 16, "omnikv": 1, "retroinfer": 16}
 
 
 @pytest.fixture(scope="module", params=["quest", "omnikv", "retroinfer"])
-def selection_servers(request: pytest.FixtureRequest, tiny_model: str,
+def selection_servers(request: pytest.FixtureRequest, tiny_model: str, server_pool: ServerPool,
                       servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
     method = request.param
-    procs = {name: ServerProcess(tiny_model, [*FLAGS, "--sparse-method", method, "--sparse-config", json.dumps(cfg)])
-             for name, cfg in CONFIGS[method].items()}
-    with running(*procs.values()):
-        yield {**procs, "vanilla": servers["vanilla"], "dense": servers["ours"], "method": method}  # type: ignore[dict-item]
+    names = list(CONFIGS[method])
+    specs = [spec(tiny_model, [*FLAGS, "--sparse-method", method, "--sparse-config", json.dumps(CONFIGS[method][n])])
+             for n in names]
+    with server_pool.use(*specs, once=True) as started:
+        yield {**dict(zip(names, started)), "vanilla": servers["vanilla"], "dense": servers["ours"],
+               "method": method}  # type: ignore[dict-item]
 
 
 def _gen(server: ServerProcess, ids: list[int], n: int = 24) -> dict:
@@ -125,26 +128,23 @@ SUITE = {"quest": ({**BUDGETS["small"], "dense_layers": 1}, ("bounds", "random")
 
 
 @pytest.mark.parametrize("method", ["quest", "omnikv", "retroinfer"])
-def test_small_budget_answers_the_suite_and_random_selection_does_not(method: str) -> None:
+def test_small_budget_answers_the_suite_and_random_selection_does_not(method: str, server_pool: ServerPool,
+                                                                      small_suite: tuple[str, list]) -> None:
     """The small trained model on the suite's short slice (every task, 4 examples, 1,024 tokens; the agent
     task as a multi-turn session): the method's selection answers well above a random selection under the
     same budget (measured: Quest 1.00 vs 0.21, OmniKV 0.83 vs 0.29, RetroInfer 0.79 vs 0.21)."""
-    from transformers import AutoTokenizer
+    from sgl_sparse.quality.eval import evaluate
 
-    from sgl_sparse.quality.eval import build_items, evaluate
-    from sgl_sparse.quality.models import small_model_path
-    from sgl_sparse.quality.tasks import TASKS
-
-    model = str(small_model_path())
-    items = build_items(AutoTokenizer.from_pretrained(model), list(TASKS), 4, 1024, seed=10_000, chain=True)
+    model, items = small_suite
     base, scorings, bar = SUITE[method]
+    specs = [spec(model, [*CPU_SERVER_FLAGS, "--sparse-method", method, "--sparse-config",
+                          json.dumps({**base, "scoring": scoring})]) for scoring in scorings]
     acc = {}
-    for scoring in scorings:
-        with ServerProcess(model, [*CPU_SERVER_FLAGS, "--sparse-method", method, "--sparse-config",
-                                   json.dumps({**base, "scoring": scoring})]) as srv:
+    with server_pool.use(*specs, once=True) as started:
+        for scoring, srv in zip(scorings, started):
             table = evaluate(srv.base_url, items)
             _assert_idle_and_sound(srv)
-        acc[scoring] = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
+            acc[scoring] = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
     method_acc, random_acc = (acc[s] for s in scorings)
     assert method_acc >= bar and random_acc <= 0.5, acc
 

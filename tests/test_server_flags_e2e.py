@@ -23,7 +23,8 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, spec, wait_idle_checked
 
 pytestmark = pytest.mark.server
 
@@ -33,19 +34,19 @@ STREAMING = {"sink_tokens": 16, "recent_tokens": 128, "evict_interval": 32}
 
 
 @pytest.fixture(scope="module")
-def flag_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    procs = {
-        "mixed": ServerProcess(tiny_model, [*FLAGS, "--enable-mixed-chunk", "--sparse-method", "snapkv",
-                                            "--sparse-config", json.dumps(SNAPKV)]),
-        "no_radix": ServerProcess(tiny_model, [*FLAGS, "--disable-radix-cache", "--sparse-method", "streamingllm",
-                                               "--sparse-config", json.dumps(STREAMING)]),
-        "priority": ServerProcess(tiny_model, [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "256",
-                                               "--enable-priority-scheduling", "--max-running-requests", "1",
-                                               "--max-total-tokens", "4000", "--sparse-method", "snapkv",
-                                               "--sparse-config", json.dumps(SNAPKV)]),
+def flag_servers(tiny_model: str, server_pool: ServerPool) -> Iterator[dict[str, ServerProcess]]:
+    specs = {
+        "mixed": spec(tiny_model, [*FLAGS, "--enable-mixed-chunk", "--sparse-method", "snapkv",
+                                   "--sparse-config", json.dumps(SNAPKV)]),
+        "no_radix": spec(tiny_model, [*FLAGS, "--disable-radix-cache", "--sparse-method", "streamingllm",
+                                      "--sparse-config", json.dumps(STREAMING)]),
+        "priority": spec(tiny_model, [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "256",
+                                      "--enable-priority-scheduling", "--max-running-requests", "1",
+                                      "--max-total-tokens", "4000", "--sparse-method", "snapkv",
+                                      "--sparse-config", json.dumps(SNAPKV)]),
     }
-    with running(*procs.values()):
-        yield procs
+    with server_pool.use(*specs.values(), once=True) as started:
+        yield dict(zip(specs, started))
 
 
 def _state(server: ServerProcess) -> dict:
@@ -53,11 +54,7 @@ def _state(server: ServerProcess) -> dict:
 
 
 def _idle(server: ServerProcess, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while (st := _state(server))["requests_tracked"]:
-        assert time.monotonic() < deadline, st
-        time.sleep(0.2)
-    time.sleep(0.5)
+    wait_idle_checked(server, timeout, protected=False)
     assert requests.get(f"{server.base_url}/health", timeout=30).status_code == 200, server.log_tail()
     st = _state(server)
     assert st["kv_slots_used"] == st["tree_evictable_slots"] + st["tree_protected_slots"], st

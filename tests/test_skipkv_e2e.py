@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from sgl_sparse.methods.eviction.skipkv import boundary_ids
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, Spec, spec
 from tests.test_eviction_e2e import (
     _assert_idle_and_sound,
     _flush,
@@ -32,16 +33,16 @@ FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-rep
 SMALL = {"budget": 512, "recent_tokens": 128, "evict_interval": 16}  # sink 64, window 8, the rest SkipKV's
 
 
-def _server(model: str, method: str, config: dict | None = None) -> ServerProcess:
+def _server(model: str, method: str, config: dict | None = None) -> Spec:
     extra = ["--sparse-config", json.dumps(config)] if config is not None else []
-    return ServerProcess(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
+    return spec(model, [*FLAGS, "--sparse-method", method, *extra], startup_timeout=900)
 
 
 @pytest.fixture(scope="module")
-def skipkv_servers(tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"dense": _server(tiny_model, "dense"), "small": _server(tiny_model, "skipkv", SMALL)}
-    with running(*procs.values()):
-        yield procs
+def skipkv_servers(server_pool: ServerPool, servers: dict[str, ServerProcess],
+                   tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
+    with server_pool.use(_server(tiny_model, "skipkv", SMALL), once=True) as (small,):
+        yield {"dense": servers["ours"], "small": small}
 
 
 def _closed_sentences(ids: list[int], boundaries: set[int], min_tokens: int = 4, max_tokens: int = 256) -> int:

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import requests
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, fresh, spec
 from tests.test_eviction_e2e import _assert_idle_and_sound, _ids, _state
 
 pytestmark = pytest.mark.server
@@ -40,24 +41,32 @@ CPU_TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": f"{_CORES[0]}|{_CORES[-1]}",
 
 
 @pytest.fixture(scope="module")
-def tp1(tiny_model: str) -> Iterator[ServerProcess]:
-    with running(ServerProcess(tiny_model, FLAGS)) as (proc,):
+def tp1(tiny_model: str, server_pool: ServerPool) -> Iterator[ServerProcess]:
+    with server_pool.use(spec(tiny_model, FLAGS), once=True) as (proc,):
         yield proc
 
 
-@pytest.fixture
-def tp2(tiny_model: str) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module")
+def tp2_server(tiny_model: str, server_pool: ServerPool) -> Iterator[ServerProcess]:
     # SGLSPARSE_TP_CHECK: every eviction step also checks that both ranks planned the same sets (a scheduler
     # raises, and the server dies, if not).
-    proc = ServerProcess(tiny_model, [*FLAGS, "--tp-size", "2"], env={**CPU_TP_ENV, "SGLSPARSE_TP_CHECK": "1"},
-                         startup_timeout=600)
-    with running(proc):
+    with server_pool.use(spec(tiny_model, [*FLAGS, "--tp-size", "2"], env={**CPU_TP_ENV, "SGLSPARSE_TP_CHECK": "1"},
+                              startup_timeout=600), once=True) as (proc,):
         yield proc
 
 
 @pytest.fixture
-def dp2(tiny_model: str) -> Iterator[ServerProcess]:
-    with running(ServerProcess(tiny_model, [*FLAGS, "--dp-size", "2"], startup_timeout=600)) as (proc,):
+def tp2(tp1: ServerProcess, tp2_server: ServerProcess) -> ServerProcess:
+    """The --tp-size 2 server, with both it and ``tp1`` emptied first: each test compares the two from the same
+    (empty) tree."""
+    fresh(tp1)
+    fresh(tp2_server)
+    return tp2_server
+
+
+@pytest.fixture  # one test's: held only while it runs, so the pool may stop it for the next test's servers
+def dp2(tiny_model: str, server_pool: ServerPool) -> Iterator[ServerProcess]:
+    with server_pool.use(spec(tiny_model, [*FLAGS, "--dp-size", "2"], startup_timeout=600), once=True) as (proc,):
         yield proc
 
 
@@ -86,6 +95,7 @@ def test_tp2_eviction_greedy_equals_tp1(tp1: ServerProcess, tp2: ServerProcess) 
     prompts = [_ids(rng, n) for n in (300, 520, 90, 700)]  # 90: under the budget, nothing evicted
     jobs = [(ids, method) for method in (None, *PER_REQUEST) for ids in prompts]
     servers = {"tp1": tp1, "tp2": tp2}
+    base = {name: _state(server)["evicted_tokens_total"] for name, server in servers.items()}
     outs = {}
     for name, server in servers.items():
         # Concurrent requests: one batch observes several requests (of several methods), in the same order on
@@ -94,10 +104,9 @@ def test_tp2_eviction_greedy_equals_tp1(tp1: ServerProcess, tp2: ServerProcess) 
             outs[name] = [o["output_ids"] for o in pool.map(lambda job, s=server: _generate(s, *job), jobs)]
     for i, (ids, method) in enumerate(jobs):
         assert outs["tp2"][i] == outs["tp1"][i], (method or "snapkv", len(ids))
-    for server in servers.values():
-        st = _assert_idle_and_sound(server)
-        assert st["evicted_tokens_total"] > 0, st
-    assert _state(tp2)["evicted_tokens_total"] == _state(tp1)["evicted_tokens_total"]
+    evicted = {name: _assert_idle_and_sound(server)["evicted_tokens_total"] - base[name]
+               for name, server in servers.items()}
+    assert evicted["tp1"] > 0 and evicted["tp2"] == evicted["tp1"], evicted
     assert "TP ranks planned different keep sets" not in tp2.log_tail(400)
 
 
@@ -172,19 +181,21 @@ KVZIP_FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cac
                "kvzip", "--sparse-config", json.dumps(KVZIP)]
 
 
-def test_tp2_kvzip_replays_keep_what_tp1_keeps(tiny_model: str) -> None:
+def test_tp2_kvzip_replays_keep_what_tp1_keeps(tiny_model: str, server_pool: ServerPool) -> None:
     """KVzip at --tp-size 2: every rank runs the same replay forwards (their all-reduces matched), scores its own KV
     head, and the maximum over the ranks is the maximum over every head, so both ranks keep the positions one rank
     holding both heads keeps and decode the same tokens; a request's own kvzip_global prune too (its replays score
     the ranges, then KVzip evicts from the rest). The ranks' keep sets are checked equal at every step."""
-    tp1 = ServerProcess(tiny_model, KVZIP_FLAGS, startup_timeout=600)
-    tp2 = ServerProcess(tiny_model, [*KVZIP_FLAGS, "--tp-size", "2"], env={**CPU_TP_ENV, "SGLSPARSE_TP_CHECK": "1"},
-                        startup_timeout=600)
+    specs = (spec(tiny_model, KVZIP_FLAGS, startup_timeout=600),
+             spec(tiny_model, [*KVZIP_FLAGS, "--tp-size", "2"], env={**CPU_TP_ENV, "SGLSPARSE_TP_CHECK": "1"},
+                  startup_timeout=600))
     rng = random.Random(37)
     prompts = [_ids(rng, n) for n in (300, 450, 40)]  # 40: under the budget, no replay
     prune = json.dumps({"ranges": [[20, 120], [150, 250]], "keep_tokens": 30, "policy": "kvzip_global"})
     outs, hidden, stats = {}, {}, {}
-    with running(tp1, tp2):
+    with server_pool.use(*specs) as (tp1, tp2):
+        for server in (tp1, tp2):  # tp1 is test_kvzip_e2e.py's server: both compared from an empty tree
+            fresh(server)
         for name, server in (("tp1", tp1), ("tp2", tp2)):
             base = _state(server)
             with ThreadPoolExecutor(len(prompts)) as pool:

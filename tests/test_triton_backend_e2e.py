@@ -10,21 +10,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, running
+from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
+from tests.server_pool import ServerPool, spec
 
 pytestmark = pytest.mark.server
 CONFIG = json.dumps({"sink_tokens": 8, "recent_tokens": 40, "evict_interval": 8})
 
 
 @pytest.fixture(scope="module")
-def paths(tiny_model: str, servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+def paths(tiny_model: str, servers: dict[str, ServerProcess],
+          server_pool: ServerPool) -> Iterator[dict[str, ServerProcess]]:
     flags = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "64", "--sparse-method", "streamingllm",
              "--sparse-config", CONFIG]
     # SGLSPARSE_CHECK_TABLES: every decode step checks the device live counts against the rows.
-    triton = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "triton", "TRITON_INTERPRET": "1",
-                                                   "SGLSPARSE_CHECK_TABLES": "1"})
-    torch_ = ServerProcess(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "torch"})
-    with running(triton, torch_):
+    with server_pool.use(
+        spec(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "triton", "TRITON_INTERPRET": "1",
+                                     "SGLSPARSE_CHECK_TABLES": "1"}),
+        spec(tiny_model, flags, env={"SGLSPARSE_ATTENTION_IMPL": "torch"}), once=True) as (triton, torch_):
         yield {"triton": triton, "torch": torch_, "dense": servers["ours"]}
 
 

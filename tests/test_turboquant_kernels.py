@@ -2,9 +2,9 @@
 (``TurboQuantStore.row_attention``: dequantize, QJL-corrected scores, softmax), and its wiring as a GPU store.
 
 The kernels' checks run when ``TRITON_INTERPRET=1`` was set before Triton was imported:
-:func:`test_triton_kernel_under_the_interpreter` re-runs this file so, in a subprocess. Rows are ragged and
-scattered over the pool (an empty one, one of a single token), read through ``req_to_token`` rows given out of
-order, so every program's bounds and every split's merge are exercised.
+:func:`test_triton_kernel_under_the_interpreter` checks them in the session's interpreted run (tests/interpreted.py).
+Rows are ragged and scattered over the pool (an empty one, one of a single token), read through ``req_to_token``
+rows given out of order, so every program's bounds and every split's merge are exercised.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from interpreted import INTERPRETED, rerun_interpreted
+from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import KVGeometry
 from sgl_sparse.registry import create_method
@@ -89,7 +89,7 @@ def test_the_launcher_starts_it_on_cuda_behind_the_opt_in(
 def test_decode_kernel_equals_the_store_reference(bits: int, qjl: bool) -> None:
     """Over rows of 27, 5, 0, 40 and 1 tokens, 3 splits (some empty), group of 2 query heads per KV head."""
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import turboquant_attention
 
     store, r2t, gen = _filled(bits, qjl)
@@ -106,7 +106,7 @@ def test_prefix_kernel_equals_the_store_reference(bits: int, qjl: bool) -> None:
     """New tokens over cached prefixes of 27, 5, 0, 40 and 1 tokens (a request with no new token, one with no
     prefix: ``-inf`` log-sum-exp and 0 output), blocks of 4 new tokens."""
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import fp8_attention, turboquant_attention
 
     store, r2t, gen = _filled(bits, qjl, seed=1)
@@ -131,7 +131,7 @@ def test_kernels_at_head_dims_whose_chunks_take_tl_dot(bits: int, qjl: bool, d: 
     (``D = 64``) and 2-bit chunks of 32 with QJL's 1-bit chunks of 16 (``D = 128``) take ``tl.dot``, as at serving
     shapes: decode and extend against the store's torch path."""
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import fp8_attention, turboquant_attention
 
     store, r2t, gen = _filled(bits, qjl, seed=3, d=d)
@@ -158,7 +158,7 @@ def test_kernels_through_the_store_at_other_groups_and_in_bf16(group: int) -> No
     of 3 query heads (not a power of two: masked tile rows), a bf16 model: the kernels decode in fp32 where the
     torch path rounds each dequantized key and value to bf16, so they agree to bf16's precision."""
     if not INTERPRETED:
-        pytest.skip("the kernel runs in the interpreted re-run")
+        pytest.skip("the kernel runs in the interpreted run")
     store, r2t, gen = _filled(3, True, group=group, dtype=torch.bfloat16, seed=2)
     rpi, seq = _rows()
     q = torch.randn(len(LENS), HKV * group, D, generator=gen).to(torch.bfloat16)
@@ -177,4 +177,4 @@ def test_kernels_through_the_store_at_other_groups_and_in_bf16(group: int) -> No
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_triton_kernel_under_the_interpreter() -> None:
-    rerun_interpreted(__file__)
+    assert_interpreted_passed(__file__)

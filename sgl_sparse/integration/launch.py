@@ -522,9 +522,13 @@ def scored_prune_problem(args: argparse.Namespace, device: str) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     from sglang.srt.plugins import load_plugins
 
-    from sgl_sparse.integration.plugin import check_registered
+    from sgl_sparse.integration.plugin import check_registered, mp_start_method
 
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        mp_start_method()  # the plug-in would only log this, and then not register
+    except RuntimeError as e:
+        raise SystemExit(f"sgl_sparse: {e}") from None
     load_plugins()
     check_registered()
     args, hand = parse_args(argv)

@@ -1,7 +1,8 @@
 """Entry point of group ``sglang.srt.plugins`` (see pyproject.toml).
 
 SGLang calls :func:`register` through ``load_plugins()`` in the launcher and first thing in every
-scheduler process (spawned, so nothing set up in the parent survives). It must be idempotent, cheap
+scheduler process (spawned, so nothing set up in the parent survives; tests may fork them instead, see
+``MP_START_ENV``). It must be idempotent, cheap
 and must not change vanilla behaviour: it only *adds* backends named ``sgl_sparse``, a field in
 ``/server_info`` of servers that use them, and, on hosts without CUDA, the CPU fallbacks of
 :mod:`.cpu_support` (without which SGLang 0.5.17 cannot build a model on CPU at all).
@@ -13,6 +14,7 @@ fail loudly if registration did not happen.
 from __future__ import annotations
 
 import logging
+import os
 
 from sgl_sparse.integration import BACKEND_NAME, handoff
 
@@ -116,6 +118,36 @@ def _after_war_barrier(result, scheduler, *args, **kwargs):  # type: ignore[no-u
     return result
 
 
+def _before_sleep_on_idle(scheduler, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """BEFORE ``Scheduler.maybe_sleep_on_idle``, which ``Scheduler.on_idle`` calls only after its leak checks
+    passed on a fully idle scheduler (a failed strict check raises before it)."""
+    from sgl_sparse.integration.runtime import get_runtime
+
+    get_runtime().counters.idle_checks_passed_total += 1
+
+
+# Tests only: "fork" starts SGLang's scheduler and detokenizer by forking the launcher, which has imported
+# SGLang already, instead of spawning fresh interpreters that import it again (~11 s of CPU each on a CPU host).
+# The children then inherit the launcher's modules and patches; servers that check the production path keep spawn.
+MP_START_ENV = "SGLSPARSE_MP_START"
+MP_START_CHOICES = ("spawn", "fork")
+
+
+def mp_start_method() -> str:
+    method = os.environ.get(MP_START_ENV, "spawn")
+    if method not in MP_START_CHOICES:
+        raise RuntimeError(f"{MP_START_ENV}={method!r}: one of {', '.join(MP_START_CHOICES)}")
+    return method
+
+
+def _after_set_envs_and_config(result, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """AFTER ``engine._set_envs_and_config``, which sets SGLang's children's start method to spawn."""
+    import multiprocessing as mp
+
+    mp.set_start_method(mp_start_method(), force=True)
+    return result
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -142,6 +174,12 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier", _after_war_barrier, HookType.AFTER
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle", _before_sleep_on_idle, HookType.BEFORE
+    )
+    if mp_start_method() != "spawn":
+        HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config", _after_set_envs_and_config,
+                              HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.process_batch_result", _around_process_batch_result,
         HookType.AROUND

@@ -80,6 +80,9 @@ class Counters:
     # Replay plans (KVzip's, a kvzip_global prune's) whose room was bound by KV memory (free slots plus what the
     # tree could evict) rather than by the context: their chunks may be shorter than on an idle server.
     replay_room_memory_bound_total: int = 0
+    # Times SGLang's idle checks (pool leak, request pool, tree) ran and passed: a client that saw the server idle
+    # waits for this to move to know a check ran after its requests, instead of sleeping.
+    idle_checks_passed_total: int = 0
 
 
 @dataclass
