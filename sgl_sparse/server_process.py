@@ -191,8 +191,7 @@ class ServerProcess:
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self._log = log
         stop_servers_on_sigterm()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self.proc = self._launch(log)
         _LIVE.add(self)
         deadline = time.monotonic() + self.startup_timeout
         health_wait = float(self.env.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)) + 10.0
@@ -218,6 +217,11 @@ class ServerProcess:
             time.sleep(HEALTH_POLL_S)
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def _launch(self, log: Any) -> Any:
+        """The server's process, leader of its own session (``stop`` ends the whole group): a ``Popen``, or an
+        object with its ``pid``, ``poll()``, ``wait(timeout)`` and ``returncode``."""
+        return subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
 
     def log_tail(self, n: int = 60) -> str:
         try:

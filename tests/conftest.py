@@ -96,7 +96,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def server_pool() -> Iterator[ServerPool]:
     pool = ServerPool(int(os.environ.get("SGLSPARSE_TEST_MAX_SERVERS", DEFAULT_MAX_LIVE)),
-                      record_path=os.environ.get(SERVER_RECORD_ENV))
+                      record_path=os.environ.get(SERVER_RECORD_ENV),
+                      zygote=os.environ.get("SGLSPARSE_TEST_ZYGOTE", "1") != "0")
     try:
         yield pool
     finally:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess, stop_all, stop_servers_on_sigterm
+from tests.server_zygote import Zygote, ZygoteServer, eligible
 
 # Pooled servers fork SGLang's scheduler and detokenizer from the launcher (SGLang spawns them: each re-imports
 # SGLang, ~11 s of CPU); a spec that sets SGLSPARSE_MP_START itself keeps its choice (the session's dense and
@@ -68,10 +69,14 @@ class Spec:
         flat = dict((g[0], g[1]) for g in self.args if len(g) == 2)
         return int(flat.get("--tp-size", 1)) * int(flat.get("--dp-size", 1))
 
-    def build(self) -> ServerProcess:
+    def build(self, zygote: Zygote | None = None) -> ServerProcess:
+        """The server, its launcher forked by ``zygote`` where its environment allows (tests/server_zygote.py)."""
         args = [a for g in self.args for a in g]
-        return ServerProcess(self.model, args, module=self.module, env=dict([MP_START, *self.env]),
-                             startup_timeout=self.startup_timeout)
+        env = dict([MP_START, *self.env])
+        if zygote is not None and eligible(self.module, env):
+            return ZygoteServer(zygote, self.model, args, module=self.module, env=env,
+                                startup_timeout=self.startup_timeout)
+        return ServerProcess(self.model, args, module=self.module, env=env, startup_timeout=self.startup_timeout)
 
 
 def spec(model: str, args: Sequence[str] = (), module: str = "sgl_sparse.launch_server",
@@ -92,9 +97,11 @@ class _Entry:
 class ServerPool:
     """Session-wide servers by :class:`Spec`; see the module docstring."""
 
-    def __init__(self, max_live: int = DEFAULT_MAX_LIVE, record_path: str | None = None) -> None:
+    def __init__(self, max_live: int = DEFAULT_MAX_LIVE, record_path: str | None = None,
+                 zygote: bool = True) -> None:
         self.max_live = max_live
         self.record_path = record_path
+        self.zygote = Zygote() if zygote else None
         self._entries: dict[Spec, _Entry] = {}
         self._lock = threading.Lock()
 
@@ -143,7 +150,7 @@ class ServerPool:
                     self._stop([self._entries.pop(s).server])
             missing = list(dict.fromkeys(s for s in specs if s not in self._entries))
             self._make_room(sum(s.weight for s in missing), set(specs))
-            fresh = {s: s.build() for s in missing}
+            fresh = {s: s.build(self.zygote) for s in missing}
             try:
                 with ThreadPoolExecutor(max(1, len(fresh))) as pool:
                     for f in [pool.submit(srv.start) for srv in fresh.values()]:
@@ -175,6 +182,8 @@ class ServerPool:
             servers = [e.server for e in self._entries.values()]
             self._entries.clear()
         self._stop(servers)
+        if self.zygote is not None:
+            self.zygote.close()
 
 
 def state(server: ServerProcess) -> dict:
