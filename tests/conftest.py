@@ -39,7 +39,10 @@ SERVER_FILE_ORDER = [
 
 
 def _uses_servers(item: pytest.Item) -> bool:
-    return item.get_closest_marker("server") is not None or "server_pool" in getattr(item, "fixturenames", ())
+    """Tests of the pool's servers share one lane. A test that runs a driver starting its own servers one at a time
+    (the demo, ``bench_agent compare``, ``benchmarks/quality_suite.py``) runs in the other lane: one server beside
+    the pool's fits the machine's memory (tests/README.md)."""
+    return "server_pool" in getattr(item, "fixturenames", ())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -123,14 +126,15 @@ def mixed_spec(model: str) -> Spec:
     return spec(model, [*COMMON_FLAGS, "--sparse-request-methods", "eviction"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def servers(server_pool: ServerPool, tiny_model: str) -> Iterator[dict[str, ServerProcess]]:
-    """Our launcher (dense) and stock ``sglang.launch_server``, same model and flags."""
+    """Our launcher (dense) and stock ``sglang.launch_server``, same model and flags; held for the session (most
+    server files compare against them, so the pool never stops them)."""
     with server_pool.use(dense_spec(tiny_model), vanilla_spec(tiny_model)) as (ours, vanilla):
         yield {"ours": ours, "vanilla": vanilla}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(servers: dict[str, ServerProcess]) -> ServerProcess:
     return servers["ours"]
 

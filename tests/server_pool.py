@@ -27,7 +27,7 @@ from tests.server_zygote import Zygote, ZygoteServer, eligible
 # Pooled servers fork SGLang's scheduler and detokenizer from the launcher (SGLang spawns them: each re-imports
 # SGLang, ~11 s of CPU); a spec that sets SGLSPARSE_MP_START itself keeps its choice (the session's dense and
 # vanilla servers spawn, as in production).
-MP_START = ("SGLSPARSE_MP_START", "fork")
+FORKED_CHILDREN = {"SGLSPARSE_MP_START": "fork"}  # also for drivers that start servers of their own in tests
 TEST_STOP_GRACE_S = 2.0  # then SIGKILL to the process group: nothing is checked at a test server's exit
 DEFAULT_MAX_LIVE = 6  # tiny-model CPU servers alive at once (weights: a --tp-size 2 server counts 2)
 
@@ -72,7 +72,7 @@ class Spec:
     def build(self, zygote: Zygote | None = None) -> ServerProcess:
         """The server, its launcher forked by ``zygote`` where its environment allows (tests/server_zygote.py)."""
         args = [a for g in self.args for a in g]
-        env = dict([MP_START, *self.env])
+        env = {**FORKED_CHILDREN, **dict(self.env)}
         if zygote is not None and eligible(self.module, env):
             return ZygoteServer(zygote, self.model, args, module=self.module, env=env,
                                 startup_timeout=self.startup_timeout)

@@ -24,8 +24,11 @@ from typing import Any
 
 from sgl_sparse.server_process import ServerProcess
 
-# Variables the zygote's imports do not read, so a forked launcher may set them itself.
-FORKABLE_ENV = {"SGLSPARSE_MP_START"}
+# Variables read after the zygote's imports (when the launcher or a scheduler runs, or by modules the zygote does
+# not import), so a forked launcher may set them itself. Not TRITON_INTERPRET: Triton reads it on import.
+FORKABLE_ENV = {"SGLSPARSE_MP_START", "SGLSPARSE_METHOD_MODULES", "SGLSPARSE_TP_CHECK", "SGLSPARSE_ATTENTION_IMPL",
+                "SGLSPARSE_CHECK_TABLES", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_NCCL_SO_PATH", "PYTHONPATH"}
+ROOT = Path(__file__).resolve().parents[1]
 MODULE = "sgl_sparse.launch_server"
 
 _SOURCE = r"""
@@ -82,8 +85,15 @@ for line in sys.stdin:
 """
 
 
+def _zygote_path() -> list[str]:
+    return [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+
+
 def eligible(module: str, env: dict[str, str]) -> bool:
-    return module == MODULE and set(env) <= FORKABLE_ENV
+    """A server the zygote can fork: our launcher, and an environment it may set after the imports (a PYTHONPATH
+    only of entries on the zygote's own path: ``sys.path`` is not read again)."""
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return module == MODULE and set(env) <= FORKABLE_ENV and all(p in _zygote_path() for p in path)
 
 
 class ForkedProcess:
@@ -122,8 +132,7 @@ class Zygote:
 
     def _started(self) -> subprocess.Popen[str]:
         if self._proc is None or self._proc.poll() is not None:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                                os.environ.get("PYTHONPATH", "")])}
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(_zygote_path())}
             self._proc = subprocess.Popen([sys.executable, "-c", _SOURCE], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True, env=env)
             assert self._proc.stdout is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from bench_agent import report
 from bench_agent.replay import replay
 from bench_agent.workload import Trace, WorkloadConfig, generate
 from sgl_sparse.server_process import ServerProcess
+from tests.server_pool import FORKED_CHILDREN
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bench_agent" / "configs"
 
@@ -79,7 +81,7 @@ def test_compare_driver_on_cpu(tiny_model: str, tmp_path: Path) -> None:
                     "--out", str(trace_path), "--sessions", "2"], check=True, timeout=120)
     r = subprocess.run([sys.executable, "-m", "bench_agent", "compare", "--model-path", tiny_model, "--trace",
                         str(trace_path), "--cpu", "--out", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=900, env={**os.environ, **FORKED_CHILDREN})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| metric | vanilla | sgl_sparse:dense | ratio sgl_sparse:dense/vanilla |" in r.stdout
     summaries = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -3,13 +3,9 @@ plain-torch references written here; the Triton scorer under TRITON_INTERPRET=1 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import KVGeometry
 from sgl_sparse.errors import SparseConfigError
@@ -96,30 +92,26 @@ def test_layers_filters_and_config_errors() -> None:
         fresh.select(1, torch.zeros(1, 2, 4), torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1), torch.ones(1))
 
 
-def test_triton_scores_match_torch() -> None:
-    code = textwrap.dedent("""
-        import torch
-        from sgl_sparse.kernels import omnikv
-        import tests.test_omnikv as t
-        omnikv.BLOCK_TOKENS = 8   # several blocks per program at small shapes
-        omnikv.MIN_PROGRAMS_PER_ROW = omnikv.MAX_PROGRAMS_PER_ROW = 3
-        k_cache, r2t, rpi, seq, q = t._setup(seed=7)
-        for sink, recent in ((2, 3), (0, 1)):
-            ref = torch.empty(len(seq), r2t.shape[1])
-            omnikv.score_tokens_torch(q, k_cache, r2t, rpi, seq, ref, sink, recent)
-            got = torch.full_like(ref, float("-inf"))
-            omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, sink, recent, mma=False)
-            assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
-            mma = torch.full_like(ref, float("-inf"))   # the tensor-core form
-            omnikv.score_tokens(q, k_cache, r2t, rpi, seq, mma, sink, recent, mma=True)
-            assert torch.allclose(mma, ref, atol=1e-5), (mma - ref).abs().max()
-        print("ok")
-    """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-4000:]
+@pytest.mark.skipif(not INTERPRETED, reason="Triton kernel: run by test_triton_kernel_under_the_interpreter")
+def test_triton_scores_match_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(omnikv, "BLOCK_TOKENS", 8)  # several blocks per program at small shapes
+    monkeypatch.setattr(omnikv, "MIN_PROGRAMS_PER_ROW", 3)
+    monkeypatch.setattr(omnikv, "MAX_PROGRAMS_PER_ROW", 3)
+    k_cache, r2t, rpi, seq, q = _setup(seed=7)
+    for sink, recent in ((2, 3), (0, 1)):
+        ref = torch.empty(len(seq), r2t.shape[1])
+        omnikv.score_tokens_torch(q, k_cache, r2t, rpi, seq, ref, sink, recent)
+        got = torch.full_like(ref, float("-inf"))
+        omnikv.score_tokens(q, k_cache, r2t, rpi, seq, got, sink, recent, mma=False)
+        assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+        mma = torch.full_like(ref, float("-inf"))  # the tensor-core form
+        omnikv.score_tokens(q, k_cache, r2t, rpi, seq, mma, sink, recent, mma=True)
+        assert torch.allclose(mma, ref, atol=1e-5), (mma - ref).abs().max()
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
+def test_triton_kernel_under_the_interpreter() -> None:
+    assert_interpreted_passed(__file__)
 
 
 def test_programs_per_row_fill_the_gpu_at_any_batch() -> None:

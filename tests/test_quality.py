@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sgl_sparse.quality.tasks import TASKS, make_example, score
-from tests.server_pool import ServerPool, spec
+from tests.server_pool import FORKED_CHILDREN, ServerPool, spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,7 +187,7 @@ def test_quality_suite_script(tmp_path: Path) -> None:
     r = subprocess.run([*script, "--tokens", "512", "--n", "2", "--methods", "dense", 'snapkv:{"budget": 1024}',
                         "--json", str(out), "--log-dir", str(tmp_path / "new" / "logs"), "--parallel", "3",
                         "--server-args=--max-running-requests 7"],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=900, env={**os.environ, **FORKED_CHILDREN})
     assert r.returncode == 0, r.stderr[-3000:]
     logs = sorted(f.name for f in (tmp_path / "new" / "logs").iterdir())
     assert logs == ["server-0-dense.log", "server-1-snapkv.log"]
