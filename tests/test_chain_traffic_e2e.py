@@ -83,7 +83,7 @@ def test_no_step_runs_for_a_request_after_its_last_token(tiny_model: str, server
         out = _gen(server, prompt, 9)["output_ids"]
         st = _idle(server)
         assert st["eviction_steps_total"] - base["eviction_steps_total"] == 1, st  # the prompt's only
-        assert st["kv_slots_used"] - base["kv_slots_used"] == 28, st  # the base: /health's one-token request
+        assert st["kv_slots_used"] - base["kv_slots_used"] == 28, st
         nxt = _gen(server, prompt + out + q, 2)
         _idle(server)
         assert nxt["meta_info"]["cached_tokens"] == 48, nxt["meta_info"]

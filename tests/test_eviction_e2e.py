@@ -244,7 +244,7 @@ def test_flush_cache_returns_every_slot(sparse_servers: dict) -> None:
     _assert_idle_and_sound(server)
     r = requests.post(f"{server.base_url}/flush_cache", timeout=30)
     assert r.status_code == 200
-    st = _state(server)  # before /health, which itself runs a 1-token request
+    st = _state(server)
     assert st["kv_slots_used"] == 0 and st["tree_evictable_slots"] == 0
     _assert_idle_and_sound(server)
 
