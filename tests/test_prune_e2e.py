@@ -166,7 +166,8 @@ def test_a_range_a_running_request_holds_is_blocked(mixed_server: ServerProcess)
     rng = random.Random(51)
     seq = _ids(rng, 300)
     seq += _turn(server, seq, 5)["output_ids"]
-    long_turn = threading.Thread(target=_turn, args=(server, seq + _ids(rng, 10), 1500))
+    # Long enough to be running when the prune arrives (it is sent as soon as the request is tracked).
+    long_turn = threading.Thread(target=_turn, args=(server, seq + _ids(rng, 10), 600))
     long_turn.start()
     deadline = time.monotonic() + 60
     while _state(server)["requests_tracked"] == 0:
