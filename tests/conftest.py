@@ -1,8 +1,8 @@
 """Shared fixtures: the tiny model, the session's server pool, and the servers most files share.
 
 Server-backed tests get their servers from one pool (tests/server_pool.py, rules in tests/README.md). With
-pytest-xdist (two lanes, ``-n 2 --dist loadgroup`` in pyproject.toml) every test that starts or uses a server
-runs in one lane, in an order that keeps users of one server together; everything else runs in the other.
+pytest-xdist (two lanes, ``-n 2 --dist loadgroup`` in pyproject.toml) every test that uses the pool runs in one
+lane, in an order that keeps users of one server together; everything else runs in the other.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ SERVER_RECORD_ENV = "SGLSPARSE_TEST_SERVER_RECORD"  # JSON lines: each pooled se
 SERVER_FILE_ORDER = [
     # the session's dense and vanilla servers, and the mixed (per-request methods) server
     "test_server_e2e", "test_request_validation", "test_bench_agent", "test_quality", "test_prune_e2e",
-    "test_request_methods_e2e", "test_hook_order_e2e", "test_server_process",
+    "test_request_methods_e2e", "test_hook_order_e2e",
     # streamingllm / snapkv / fp8_kv / kivi shared by these
     "test_eviction_e2e", "test_chain_traffic_e2e", "test_compose_e2e", "test_quant_e2e",
     "test_h2o_e2e", "test_rkv_e2e", "test_skipkv_e2e", "test_pyramidkv_e2e", "test_kvzip_e2e",
     "test_selection_e2e", "test_server_flags_e2e", "test_triton_backend_e2e", "test_router_e2e",
-    "test_request_prune_e2e", "test_tp_e2e", "test_demo",
+    "test_request_prune_e2e", "test_tp_e2e",
 ]
 
 

@@ -91,7 +91,6 @@ class _Entry:
     weight: int
     holders: int = 0
     last_used: float = 0.0
-    uses: int = 0
 
 
 class ServerPool:
@@ -164,7 +163,6 @@ class ServerPool:
             held = [self._entries[s] for s in specs]
             for e in held:
                 e.holders += 1
-                e.uses += 1
         try:
             yield tuple(e.server for e in held)
         finally:

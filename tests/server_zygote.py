@@ -6,8 +6,9 @@ requests on its stdin: each is one server (argv, environment, log file), for whi
 the leader of a new session, points its stdio at the log, takes the environment, and runs
 ``sgl_sparse.launch_server`` as ``python -m`` would. What the launcher does from there is unchanged.
 
-Only servers whose environment is the pool's own may come from here (:func:`eligible`): a variable read at import
-time (``TRITON_INTERPRET``, ``SGLSPARSE_METHOD_MODULES``) would be read by the zygote, not by the server.
+Only servers whose environment the zygote's imports do not read may come from here (:func:`eligible`,
+:data:`FORKABLE_ENV`): a variable read at import time (``TRITON_INTERPRET``) would be read by the zygote, not by the
+server.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
 from tests.server_pool import ServerPool, spec, wait_idle_checked
+from tests.server_pool import state as _state
 
 pytestmark = pytest.mark.server
 
@@ -47,10 +48,6 @@ def flag_servers(tiny_model: str, server_pool: ServerPool) -> Iterator[dict[str,
     }
     with server_pool.use(*specs.values(), once=True) as started:
         yield dict(zip(specs, started))
-
-
-def _state(server: ServerProcess) -> dict:
-    return server.server_info()["internal_states"][0]["sgl_sparse"]
 
 
 def _idle(server: ServerProcess, timeout: float = 60.0) -> dict:
