@@ -68,7 +68,7 @@ def plot(points: list[Point], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="Plot decode tok/s against batch at ~130K context.")
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     ap.add_argument("--out", type=Path, default=DEFAULT_PNG)
     args = ap.parse_args(argv)
