@@ -322,3 +322,24 @@ def test_a_request_keep_covering_what_is_left_drops_nothing_and_no_score_is_take
     assert not request_prune_leaves(kept, PruneSpec(((5, 20),), 2, "snapkv_global"), no_window).any()
     assert request_prune_leaves(kept, PruneSpec(((5, 20),)), no_window).tolist() == [False] * 3 + [True] * 2 + \
         [False] * 2
+
+
+def test_own_prune_reports_what_leaves_and_when_it_could_not_score() -> None:
+    """A request's own prune as step.py applies it: the positions that leave, its response's report, and where its
+    finish evicts the idle branches; a scored keep that cannot score prunes nothing and says why."""
+    from sgl_sparse.prune.keep import own_prune
+
+    kept = torch.tensor([0, 1, 2, 9, 10, 30, 31])
+
+    def no_window() -> Any:
+        raise AssertionError("scored without a choice to make")
+
+    out = own_prune(kept, PruneSpec(((5, 20), (30, 31)), evict_branches=True), no_window)
+    assert out.leave is not None and out.leave.tolist() == [False] * 3 + [True] * 3 + [False]
+    assert out.report == {"status": "applied", "policy": "drop", "pruned_tokens": 3, "kept_tokens": 0}
+    assert out.pruned == 3 and out.evict_branches_after == 5
+    none = own_prune(kept, PruneSpec(((3, 8),), evict_branches=True), no_window)
+    assert none.report["status"] == "nothing_to_prune" and none.pruned == 0 and none.evict_branches_after is None
+    unscored = own_prune(kept, PruneSpec(((0, 31),), 2, "kvzip_global"), no_window)
+    assert unscored.leave is None and unscored.pruned == 0 and unscored.report["status"] == "unscored"
+    assert unscored.report["kept_tokens"] == 6 and "no replay forwards" in unscored.report["message"]

@@ -163,6 +163,40 @@ def request_prune_leaves(kept: torch.Tensor, spec: PruneSpec, window: Callable[[
     return leave
 
 
+@dataclass(frozen=True)
+class OwnPrune:
+    """What a request's own prune decided: ``leave`` (bool over its retained positions: those that leave; ``None``
+    when it could not score, then nothing leaves), ``report`` (for its response, ``meta_info["sgl_sparse"]["prune"]``)
+    and ``evict_branches_after`` (for its finish: the first range's start when the spec asks to evict the idle
+    branches, and something left)."""
+
+    leave: torch.Tensor | None
+    report: dict[str, Any]
+    evict_branches_after: int | None = None
+
+    @property
+    def pruned(self) -> int:
+        return 0 if self.leave is None else int(self.leave.sum())
+
+
+def own_prune(kept: torch.Tensor, spec: PruneSpec, window: Callable[[], ObservationWindow],
+              replays: ReplayInputs | None = None) -> OwnPrune:
+    """A request's own prune over its retained positions ``kept`` (sorted, CPU): :func:`request_prune_leaves` and
+    the report its response carries (``applied`` / ``nothing_to_prune``, or ``unscored`` with the reason, when a
+    scored keep could not score: the prompt stays whole)."""
+    in_n = int(in_ranges(kept, list(spec.ranges)).sum())
+    try:
+        leave = request_prune_leaves(kept, spec, window, replays)
+    except PruneUnscored as e:
+        return OwnPrune(None, {"status": "unscored", "policy": spec.policy, "pruned_tokens": 0, "kept_tokens": in_n,
+                               "message": str(e)})
+    pruned = int(leave.sum())
+    report = {"status": "applied" if pruned else "nothing_to_prune", "policy": spec.policy,
+              "pruned_tokens": pruned, "kept_tokens": in_n - pruned}
+    after = spec.ranges[0][0] if pruned and spec.evict_branches else None
+    return OwnPrune(leave, report, after)
+
+
 def pool_scorer(kvcache: Any, policy: str, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``slots -> scores`` (CPU) of ``policy`` over the keys SGLang's KV pool ``kvcache`` holds at those slots, every
