@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 
+from sgl_sparse.prune import tree_ops
 from sgl_sparse.prune.body import BadPruneRequest, chat_ranges, merge, parse_body, route_counts
 from sgl_sparse.prune.keep import pool_scorer
 from sgl_sparse.prune.spec import (
@@ -64,7 +65,6 @@ class SparsePruneReqOutput(BaseReq):
 
 def handle(scheduler: Any, req: SparsePruneReqInput) -> SparsePruneReqOutput:
     from sgl_sparse.integration.tp import scores_all_reduce
-    from sgl_sparse.prune import tree_ops
     from sgl_sparse.radix.tree import SparseRadixCache
 
     tree = scheduler.tree_cache
