@@ -81,6 +81,11 @@ from sgl_sparse.slots import complement, live_slots, retained_positions, to_devi
 
 
 class SparseRadixCache(RadixCache):
+    """SGLang's ``RadixCache`` with Chain Cache (module docstring). Besides SGLang's interface, its public API
+    for Prefix-Cache Pruning (:mod:`sgl_sparse.prune.tree_ops`): :meth:`view_of` (what a sequence's match
+    serves), :meth:`path_to`, :meth:`node_ending_at`, :meth:`compact_exclusive`, :meth:`evict_side_branches`
+    and :meth:`drop_leaf`; the per-node state is a :class:`~sgl_sparse.radix.records.NodeRecord`."""
+
     def __init__(self, params: CacheInitParams, method: SparseMethod[Any], fingerprint: str,
                  on_finish: Callable[[Any], FinishedState | None] | None = None,
                  evicts_for: Callable[[Any], bool] | None = None, evicting: bool | None = None,
