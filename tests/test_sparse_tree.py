@@ -464,3 +464,30 @@ def test_a_dense_hit_leaves_the_observed_window_to_be_computed_but_a_record_resu
     assert len(t2.prefix_indices) == 16 and _holes_in(t2.prefix_indices) == [3, 4, 5]
     tree.cache_finished_req(t2, kv_len_to_handle=18)
     assert _invariant(tree, alloc) == 0
+
+
+def test_each_node_carries_one_typed_record_and_nothing_else() -> None:
+    """The tree adds exactly one attribute to SGLang's TreeNode (``sgl_sparse``: a NodeRecord) through finishes,
+    splits and matches, and its physical count is always the key less its holes."""
+    from sglang.srt.mem_cache.radix_cache import TreeNode
+
+    from sgl_sparse.radix.records import NODE_ATTR, NodeRecord
+
+    tree, req_pool, alloc = _make()
+    a = FakeReq("a", list(range(100, 120)), output_ids=[7, 8, 9])
+    _admit(tree, req_pool, alloc, a, 1)
+    _evict_positions(req_pool, alloc, a, [2, 3, 4, 5, 10, 11])
+    tree.cache_finished_req(a, kv_len_to_handle=23)
+    c = FakeReq("c", list(range(100, 110)) + [1, 2, 3])  # splits a's node
+    _admit(tree, req_pool, alloc, c, 3)
+    tree.cache_finished_req(c, kv_len_to_handle=13)
+    stock = set(vars(TreeNode()))
+    stack, seen = [tree.root_node], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        assert set(vars(node)) - stock == {NODE_ATTR}
+        rec = getattr(node, NODE_ATTR)
+        assert isinstance(rec, NodeRecord) and rec.phys == len(node.key) - rec.holes.numel()
+        stack.extend(node.children.values())
+    assert seen >= 4 and _invariant(tree, alloc) == 0
