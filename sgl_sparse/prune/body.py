@@ -161,7 +161,7 @@ def route_counts(before: dict[str, Any], after: dict[str, Any], ranges: list[tup
     def resident_in_ranges(view: dict[str, Any]) -> int:
         hidden = [tuple(r) for r in view.get("hidden_ranges", [])]
         total = sum(hi - lo for lo, hi in ranges)
-        return total - sum(max(0, min(hi, b) - max(lo, a)) for lo, hi in ranges for a, b in hidden)
+        return int(total - sum(max(0, min(hi, b) - max(lo, a)) for lo, hi in ranges for a, b in hidden))
 
     def slots(view: dict[str, Any]) -> int:
         return sum(int(n["resident"]) for n in view.get("nodes", []))

@@ -32,19 +32,19 @@ class ChainRecord:
     appended, so ``kept`` cut at any ``d >= since`` is the state it had at length ``d``), less a
     trailing generation prompt (``SparseRadixCache.resume_since``: the one cut that is not exactly
     such a state; the kept positions before it were scored with it in the window). ``end`` when
-    unknown."""
+    unknown (not given, or out of ``[0, end]``)."""
 
     end: int
     kept: torch.Tensor
     payload: TreePayload | None = None
-    since: int | None = None
+    since: int = -1
     # The finished request's prompt length (None: a prune's record). A request resumes inside the tail only when its
     # own prompt runs past it: the same prompt sent again (another user's first question) is not a continuation.
     prompt_len: int | None = None
     _hide_dev: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.since is None or not 0 <= self.since <= self.end:
+        if not 0 <= self.since <= self.end:
             self.since = self.end
 
     def hide_on(self, device: torch.device) -> torch.Tensor:

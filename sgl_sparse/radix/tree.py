@@ -391,7 +391,7 @@ class SparseRadixCache(RadixCache):
         if own and hidden.numel():
             void_continuations(path[-1], hidden)
         if hidden.numel():
-            since = None  # unknown without the runtime's state: only a match through the end resumes
+            since = n  # unknown without the runtime's state: only a match through the end resumes
             if finished is not None and finished.tail_start is not None:
                 since = self._resume_since(req.origin_input_ids, finished.tail_start)
             node_record(path[-1]).chain = ChainRecord(n, kept.clone(), finished.payload if finished else None,
