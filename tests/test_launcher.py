@@ -344,7 +344,7 @@ def test_prefill_cuda_graph_switch(method: str, device: str, flags: list[str], p
 def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str], words: str | None) -> None:
     """The handoff says why a request's own prune cannot keep a scored part of its ranges on this server (its
     requests then get a 400 naming custom_params['sgl_sparse_prune']); the server itself starts."""
-    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.prune.spec import PruneSpec
     from sgl_sparse.registry import create_method
     from sgl_sparse.request_methods import MethodResolver, prune_problem
 
@@ -370,7 +370,7 @@ def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str]
 def test_where_a_request_cannot_keep_by_kvzip_global(flags: list[str], words: str | None) -> None:
     """kvzip_global runs replay forwards in the request's step: where they cannot run (as for the kvzip method), a
     request asking for it is refused (400 naming custom_params['sgl_sparse_prune']) and the other policies stay."""
-    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.prune.spec import PruneSpec
     from sgl_sparse.registry import create_method
     from sgl_sparse.request_methods import MethodResolver, prune_problem
 

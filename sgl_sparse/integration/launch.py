@@ -537,11 +537,11 @@ def main(argv: list[str] | None = None) -> None:
     handoff.publish(hand)  # before ServerArgs: its __post_init__ and the spawned children read it
     from sglang.srt.entrypoints.http_server import app
 
-    from sgl_sparse.integration import prune_api
+    from sgl_sparse.integration import prune_route
 
     # Prefix-Cache Pruning: our routes on SGLang's app and their communicator, before the TokenizerManager exists.
-    prune_api.register_communicator()
-    prune_api.install_routes(app)
+    prune_route.register_communicator()
+    prune_route.install_routes(app)
 
     from sglang.launch_server import run_server
     from sglang.srt.server_args import ServerArgs

@@ -211,11 +211,11 @@ def register() -> None:
     HookRegistry.register(per_request.ADMIT_TARGET, per_request.before_add_request_to_queue, HookType.BEFORE)
     for target in per_request.OPENAI_RESPONSE_TARGETS:  # and in a non-streaming OpenAI response's metadata
         HookRegistry.register(target, per_request.after_build_openai_response, HookType.AFTER)
-    from sgl_sparse.integration import prune_api
+    from sgl_sparse.integration import prune_route
 
     # Prefix-Cache Pruning's control request, handled by each scheduler between batches.
-    HookRegistry.register(prune_api.DISPATCHER_TARGET, prune_api.after_init_request_dispatcher, HookType.AFTER)
-    HookRegistry.register(prune_api.CHAT_CONVERT_TARGET, prune_api.after_convert_chat_request, HookType.AFTER)
+    HookRegistry.register(prune_route.DISPATCHER_TARGET, prune_route.after_init_request_dispatcher, HookType.AFTER)
+    HookRegistry.register(prune_route.CHAT_CONVERT_TARGET, prune_route.after_convert_chat_request, HookType.AFTER)
     if _is_cpu_server():
         from sgl_sparse.integration.cpu_support import register_cpu_support
 

@@ -31,7 +31,7 @@ from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
-from sgl_sparse.prune_keep import KVZIP_GLOBAL, SNAPKV_WINDOW
+from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW
 from sgl_sparse.registry import create_method
 from sgl_sparse.request_methods import (
     EVICTION,
@@ -215,7 +215,7 @@ class SparseRuntime:
         t = self.tracked.get(req.rid)
         if t is not None:
             return t
-        from sgl_sparse.radix.tree import VIEW_ATTR
+        from sgl_sparse.radix.records import VIEW_ATTR
 
         method = self.served(req).method
         st = method.new_state(req.rid)
@@ -249,7 +249,7 @@ class SparseRuntime:
     def finish(self, req: Any) -> Any:
         """The request finished, was aborted or retracted (tree callback): its kept set and payload for
         the tree; drops every per-request structure."""
-        from sgl_sparse.radix.tree import FinishedState
+        from sgl_sparse.radix.records import FinishedState
 
         self.capture.drop(req.rid)
         t = self.tracked.pop(req.rid, None)
