@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, in_ranges
+from sgl_sparse.contract import ObservationWindow
+from sgl_sparse.rules import in_ranges
 
 DROP, KNORM, SNAPKV_GLOBAL, KVZIP_GLOBAL = "drop", "knorm", "snapkv_global", "kvzip_global"
 POLICIES = (DROP, KNORM)  # POST /v1/prefix_cache/prune: between batches, no queries

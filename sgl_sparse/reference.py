@@ -26,10 +26,10 @@ from sgl_sparse.contract import (
     SelectorStep,
     SparseMethod,
     StepInfo,
-    check_keep_plan,
 )
 from sgl_sparse.kernels.pages import selected_positions_mask
 from sgl_sparse.prune_keep import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec, ReplayInputs, request_prune_leaves
+from sgl_sparse.rules import check_keep_plan
 
 
 class ToyAttentionStack:

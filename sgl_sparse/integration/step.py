@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, StepInfo, check_keep_plan, in_ranges
+from sgl_sparse.contract import ObservationWindow, StepInfo
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.per_request import PRUNE_REPORT
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce, scores_max_over_ranks
@@ -38,6 +38,7 @@ from sgl_sparse.prune_keep import (
     ReplayInputs,
     request_prune_leaves,
 )
+from sgl_sparse.rules import check_keep_plan, in_ranges
 from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:

@@ -48,7 +48,6 @@ from sgl_sparse.contract import (
     Family,
     KeepPlan,
     ObservationWindow,
-    PrefixReuse,
     RequestState,
     SparseMethod,
     StepInfo,
@@ -88,7 +87,6 @@ class H2O(SparseMethod[H2OConfig]):
     family = Family.EVICTION
     config_cls = H2OConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def observation_window(self) -> int:
         return self.config.window_size

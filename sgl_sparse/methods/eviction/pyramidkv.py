@@ -54,7 +54,6 @@ from sgl_sparse.contract import (
     KVGeometry,
     ObservationWindow,
     PageSelector,
-    PrefixReuse,
     RequestState,
     SparseMethod,
     StepInfo,
@@ -219,7 +218,6 @@ class PyramidKV(SparseMethod[PyramidKVConfig]):
     family = Family.EVICTION
     config_cls = PyramidKVConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def __init__(self, config: PyramidKVConfig) -> None:
         super().__init__(config)

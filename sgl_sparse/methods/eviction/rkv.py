@@ -52,7 +52,6 @@ from sgl_sparse.contract import (
     Family,
     KeepPlan,
     ObservationWindow,
-    PrefixReuse,
     RequestState,
     SparseMethod,
     StepInfo,
@@ -146,7 +145,6 @@ class RKV(SparseMethod[RKVConfig]):
     family = Family.EVICTION
     config_cls = RKVConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def observation_window(self) -> int:
         return self.config.window_size

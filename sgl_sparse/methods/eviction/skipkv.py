@@ -58,7 +58,6 @@ from sgl_sparse.contract import (
     Family,
     KeepPlan,
     ObservationWindow,
-    PrefixReuse,
     RequestState,
     SparseMethod,
     StepInfo,
@@ -216,7 +215,6 @@ class SkipKV(SparseMethod[SkipKVConfig]):
     family = Family.EVICTION
     config_cls = SkipKVConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def __init__(self, config: SkipKVConfig) -> None:
         super().__init__(config)

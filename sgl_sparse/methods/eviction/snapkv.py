@@ -19,7 +19,6 @@ from sgl_sparse.contract import (
     Family,
     KeepPlan,
     ObservationWindow,
-    PrefixReuse,
     RequestState,
     SparseMethod,
     StepInfo,
@@ -107,7 +106,6 @@ class SnapKV(SparseMethod[SnapKVConfig]):
     family = Family.EVICTION
     config_cls = SnapKVConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def observation_window(self) -> int:
         return self.config.window_size
