@@ -22,7 +22,7 @@ the step that completes the prompt, where the prompt's last queries exist and th
 serves two more policies:
 
 * ``snapkv_global``: SparseEngine's token-shared SnapKV (one mask per position): SnapKV's score
-  (:func:`sgl_sparse.methods.eviction.snapkv.observation_scores`, with SnapKV's defaults: the last 32 queries,
+  (:func:`sgl_sparse.methods.eviction.base.observation_scores`, with SnapKV's defaults: the last 32 queries,
   average pooling over 5 positions) of each retained key, the softmax over every retained key of the request,
   summed over heads and layers; the ``keep_tokens`` highest of the ranges' retained positions stay.
 * ``kvzip_global``: SparseEngine's token-shared KVzip: the ranges are reconstructed, chunk by chunk, by replay
@@ -223,7 +223,7 @@ def policy_scores(policy: str, window: ObservationWindow) -> torch.Tensor:
     if policy == KNORM:
         total = knorm_scores(window.keys(layer)[0] for layer in range(window.num_layers))
     elif policy == SNAPKV_GLOBAL:
-        from sgl_sparse.methods.eviction.snapkv import observation_scores
+        from sgl_sparse.methods.eviction.base import observation_scores
 
         queries = {layer: q[-SNAPKV_WINDOW:] for layer, q in window.queries.items()}
         n_w = next(iter(queries.values())).shape[0]
