@@ -307,7 +307,7 @@ class PyramidKV(ScoredEviction[PyramidKVConfig]):
 
     def keep(self, state: RequestState, positions: torch.Tensor, scores: torch.Tensor) -> KeepPlan | None:
         candidates, budgets = state.extra.pop(SCORED)
-        summed = scores.cpu().split([c.numel() for c in candidates])
+        summed = torch.split(scores.cpu(), [c.numel() for c in candidates])
         return self.select_layers(state, list(zip(candidates, summed, strict=True)), budgets)
 
     def select_layers(self, state: RequestState, scored: list[tuple[torch.Tensor, torch.Tensor]],
@@ -336,7 +336,7 @@ class PyramidKV(ScoredEviction[PyramidKVConfig]):
         return TreePayload({LAYERS: self.layer_masks(state, self._num_layers(state))})
 
     def stats(self) -> dict[str, Any]:
-        c = dict(self.counters)
+        c: dict[str, Any] = dict(self.counters)
         n = c["selections"]
         if n:
             # What the pool holds (the union) against what the layers read: a layer-sliced pool would hold the
