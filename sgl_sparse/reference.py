@@ -26,11 +26,11 @@ from sgl_sparse.contract import (
     SelectorStep,
     SparseMethod,
     StepInfo,
-    check_keep_plan,
 )
 from sgl_sparse.kernels.pages import selected_positions_mask
 from sgl_sparse.prune.keep import ReplayInputs, request_prune_leaves
 from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec
+from sgl_sparse.rules import check_keep_plan
 
 
 class ToyAttentionStack:

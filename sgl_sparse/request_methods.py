@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_sparse.compose import is_composed
-from sgl_sparse.contract import SparseMethod, served_hooks_problem
+from sgl_sparse.contract import SparseMethod
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.prune.spec import (
     KVZIP_GLOBAL,
@@ -41,6 +41,7 @@ from sgl_sparse.prune.spec import (
     parse_ranges,
 )
 from sgl_sparse.registry import create_method
+from sgl_sparse.rules import served_hooks_problem
 
 METHOD_KEY = "sgl_sparse_method"
 CONFIG_KEY = "sgl_sparse_config"

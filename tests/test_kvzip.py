@@ -234,7 +234,7 @@ def test_config_defaults_and_errors() -> None:
 
 
 @pytest.mark.parametrize("flags", [
-    ["--device", "cuda"],  # since tests/gpu/test_gpu_kvzip.py passed on the H200
+    ["--device", "cuda"],  # served on CUDA: tests/gpu/test_gpu_kvzip.py
     ["--device", "cpu", "--tp-size", "2"],  # the scores' maximum over the ranks (tests/test_tp_e2e.py)
     ["--device", "cpu", "--dp-size", "2"],
 ])

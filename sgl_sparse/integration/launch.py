@@ -14,11 +14,12 @@ import os
 import sys
 from typing import Any
 
-from sgl_sparse.contract import KVStore, pool_page_size
+from sgl_sparse.contract import KVStore
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.registry import create_method, registered_methods
 from sgl_sparse.request_methods import EVICTION, FLAG, POLICIES, default_policy, policy_problem
+from sgl_sparse.rules import pool_page_size
 
 PROG = "python -m sgl_sparse.launch_server"
 
@@ -347,7 +348,7 @@ def replay_prune_problem(args: argparse.Namespace, method: Any, device: str, pol
 def unsupported_combinations(args: argparse.Namespace, method: Any, device: str) -> list[str]:
     """What sgl_sparse cannot serve yet, as messages for argparse errors (file:line refer to sglang/srt/ of
     SGLang 0.5.17)."""
-    from sgl_sparse.contract import served_hooks_problem
+    from sgl_sparse.rules import served_hooks_problem
 
     problems = []
     if (why := served_hooks_problem(method)) is not None:

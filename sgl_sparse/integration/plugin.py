@@ -32,9 +32,9 @@ def _is_cpu_server() -> bool:
 
 
 def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildContext
-    from sgl_sparse.contract import pool_page_size
     from sgl_sparse.integration.runtime import get_runtime
     from sgl_sparse.radix.tree import SparseRadixCache
+    from sgl_sparse.rules import pool_page_size
 
     unsupported = {
         "hybrid SWA models": ctx.is_hybrid_swa,

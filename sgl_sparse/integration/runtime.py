@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod, served_hooks_problem
+from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod
 from sgl_sparse.integration import handoff, step
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
@@ -42,6 +42,7 @@ from sgl_sparse.request_methods import (
     parse_prune_param,
     prune_problem,
 )
+from sgl_sparse.rules import served_hooks_problem
 from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)

@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, StepInfo, check_keep_plan, in_ranges
+from sgl_sparse.contract import ObservationWindow, StepInfo
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.per_request import PRUNE_REPORT
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce, scores_max_over_ranks
 from sgl_sparse.prune.keep import PruneUnscored, ReplayInputs, request_prune_leaves
 from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec
+from sgl_sparse.rules import check_keep_plan, in_ranges
 from sgl_sparse.slots import to_device, write_sentinels
 
 if TYPE_CHECKING:

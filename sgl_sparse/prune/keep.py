@@ -20,7 +20,7 @@ the step that completes the prompt, where the prompt's last queries exist and th
 serves two more policies (the route serves them too, by sending the sequence as such a request):
 
 * ``snapkv_global``: SparseEngine's token-shared SnapKV (one mask per position): SnapKV's score
-  (:func:`sgl_sparse.methods.eviction.snapkv.observation_scores`, with SnapKV's defaults: the last 32 queries,
+  (:func:`sgl_sparse.methods.eviction.base.observation_scores`, with SnapKV's defaults: the last 32 queries,
   average pooling over 5 positions) of each retained key, the softmax over every retained key of the request,
   summed over heads and layers; the ``keep_tokens`` highest of the ranges' retained positions stay.
 * ``kvzip_global``: SparseEngine's token-shared KVzip: the ranges are reconstructed, chunk by chunk, by replay
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, in_ranges
+from sgl_sparse.contract import ObservationWindow
 from sgl_sparse.prune.spec import (
     KNORM,
     KVZIP_GLOBAL,
@@ -51,6 +51,7 @@ from sgl_sparse.prune.spec import (
     SNAPKV_WINDOW,
     PruneSpec,
 )
+from sgl_sparse.rules import in_ranges
 
 
 class PruneUnscored(RuntimeError):
@@ -104,11 +105,11 @@ def select_keep(positions: torch.Tensor, scores: torch.Tensor, keep: int) -> tor
 
 def policy_scores(policy: str, window: ObservationWindow) -> torch.Tensor:
     """``[n]`` scores (CPU float64) of ``window``'s retained keys (``window.k_pos``) under ``policy``, summed over
-    every head of the model (``window.reduce_heads``: under TP every rank then keeps the same positions)."""
+    every head of the model (``window.all_reduce``: under TP every rank then keeps the same positions)."""
     if policy == KNORM:
         total = knorm_scores(window.keys(layer)[0] for layer in range(window.num_layers))
     elif policy == SNAPKV_GLOBAL:
-        from sgl_sparse.methods.eviction.snapkv import observation_scores
+        from sgl_sparse.methods.eviction.base import observation_scores
 
         queries = {layer: q[-SNAPKV_WINDOW:] for layer, q in window.queries.items()}
         n_w = next(iter(queries.values())).shape[0]

@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend
+from sgl_sparse.contract import Family, KVGeometry, KVStore, SparseMethod
 from sgl_sparse.kernels import fp8_attention, kivi_attention, kivi_write, quant
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
+from sgl_sparse.store_reads import attend
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,6 @@ class KIVI(SparseMethod[KIVIConfig]):
     name = "kivi"
     family = Family.QUANTIZATION
     config_cls = KIVIConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: KIVIConfig) -> None:
         super().__init__(config)

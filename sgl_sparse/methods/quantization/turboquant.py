@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, KVStore, SparseMethod
 from sgl_sparse.kernels import fp8_attention, quant, turboquant_attention
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
@@ -199,7 +199,6 @@ class TurboQuant(SparseMethod[TurboQuantConfig]):
     name = "turboquant"
     family = Family.QUANTIZATION
     config_cls = TurboQuantConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: TurboQuantConfig) -> None:
         super().__init__(config)

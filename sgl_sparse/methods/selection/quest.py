@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, PageSelector, SparseMethod
 from sgl_sparse.kernels import quest
 from sgl_sparse.kernels.pages import randomize_scores, select_pages, select_pages_triton
 from sgl_sparse.registry import register_method
@@ -114,7 +114,6 @@ class Quest(SparseMethod[QuestConfig]):
     name = "quest"
     family = Family.SELECTION
     config_cls = QuestConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: QuestConfig) -> None:
         super().__init__(config)

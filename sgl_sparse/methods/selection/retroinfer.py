@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SelectorStep, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, PageSelector, SelectorStep, SparseMethod
 from sgl_sparse.kernels import retroinfer as ri
 from sgl_sparse.kernels.pages import randomize_scores
 from sgl_sparse.registry import register_method
@@ -207,7 +207,6 @@ class RetroInfer(SparseMethod[RetroInferConfig]):
     name = "retroinfer"
     family = Family.SELECTION
     config_cls = RetroInferConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: RetroInferConfig) -> None:
         super().__init__(config)
