@@ -115,7 +115,7 @@ class RetroInferSelector(PageSelector):
     def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
         if layer_id == self._first_layer and self.stamps is not None:
             # New content: no index covers the page any more. index_fill_ (not ``stamps[idx] = 0``, which copies
-            # the 0 from the host and fails inside a CUDA-graph capture: tests/gpu, 2026-12-03).
+            # the 0 from the host and fails inside a CUDA-graph capture, tests/gpu/test_gpu_retroinfer.py).
             self.stamps.index_fill_(0, loc.long() // self.page_size, 0)
 
     # -- decode -------------------------------------------------------------------------------------
