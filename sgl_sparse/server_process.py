@@ -242,7 +242,7 @@ class ServerProcess:
         """Send SIGTERM to the server's process group (its scheduler and detokenizer are children) and return."""
         _LIVE.discard(self)
         if self.proc is not None and self.proc.poll() is None:
-            self._stop_t0 = time.monotonic()
+            self._stop_t0: float | None = time.monotonic()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
 

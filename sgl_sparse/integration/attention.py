@@ -60,6 +60,9 @@ BASES = ("flashinfer", "triton", "torch_native")
 class SparseBackendMixin:
     base_backend: str
     runtime: SparseRuntime
+    # Set by the SGLang base's constructor.
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
     # Whether the lists being built serve a decode step (one padding slot for an empty row) or an
     # extend step (empty stays empty); set around each metadata build.
     decode_lists: bool = False
@@ -245,7 +248,8 @@ class SparseTorchNativeBackend(SparseBackendMixin, TorchNativeAttnBackend):
         sel, layer = self.selector, self._extend_layer
         if sel is None or not sel.static or layer is None or not sel.selects(layer.layer_id):
             return None
-        pages = sel.select(layer.layer_id, None, req_to_token, req_pool_indices, seq_lens)
+        # A static selection is read without queries (PyramidKV's layer sets); the contract types q as a Tensor.
+        pages = sel.select(layer.layer_id, None, req_to_token, req_pool_indices, seq_lens)  # type: ignore[arg-type]
         return selected_positions_mask(pages, seq_lens, layer.tp_k_head_num, sel.page_size, int(seq_lens.max()))
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,  # type: ignore[no-untyped-def]
@@ -287,6 +291,7 @@ class SparseTorchNativeBackend(SparseBackendMixin, TorchNativeAttnBackend):
                                             k, v)
 
     def _attend_selection(self, layer: Any, q: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        assert self.selector is not None
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         o = attend_selected(self.selector, layer, q3, k_buf, v_buf, self.req_to_token_pool.req_to_token,

@@ -345,9 +345,9 @@ def _from_outside(obj: Any) -> bool:
 
 
 class Check(NamedTuple):
-    """One combination sgl_sparse cannot serve: ``when`` it applies, ``say`` the argparse error."""
+    """One combination sgl_sparse cannot serve: ``when`` it applies (truthy), ``say`` the argparse error."""
 
-    when: Callable[[Launch], bool]
+    when: Callable[[Launch], object]
     say: Callable[[Launch], str]
 
 
@@ -367,6 +367,17 @@ REPLAY: tuple[Check, ...] = (
     Check(lambda c: c.method.selector is not None,
           lambda c: f"replay forwards through {c.name}'s per-layer selector are not served yet"),
 )
+
+def _replays(r: Check) -> Check:
+    """A method that runs replays, where ``r`` refuses them."""
+    return Check(lambda c: c.method.runs_replays and r.when(c), lambda c: f"--sparse-method {c.name}: {r.say(c)}")
+
+
+def _graphs_on_cpu(phase: str) -> Check:
+    return Check(lambda c: not c.gpu and c.graph_on(phase),
+                 lambda c: f"{phase} CUDA graph backend {c.graph(phase)} on CPU: CUDA graphs cannot run on CPU; "
+                           "drop the flag (the launcher turns CUDA graphs off on CPU)")
+
 
 # Combinations that have not run on hardware yet: each starts with ALLOW_UNVERIFIED.
 UNVERIFIED: tuple[Check, ...] = (
@@ -402,8 +413,7 @@ UNSUPPORTED: tuple[Check, ...] = (
                     "set) serves on --device cpu only for now: the GPU selection path plans one list length per "
                     "request from its sequence length, and per-layer sets differ in size"),
     UNVERIFIED[0],
-    *(Check(lambda c, r=r: c.method.runs_replays and r.when(c),
-            lambda c, r=r: f"--sparse-method {c.name}: {r.say(c)}") for r in REPLAY),
+    *(_replays(r) for r in REPLAY),
     Check(lambda c: c.args.enable_hierarchical_cache,
           lambda c: "--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet"),
     Check(lambda c: c.args.enable_session_radix_cache or c.args.enable_streaming_session,
@@ -510,10 +520,7 @@ UNSUPPORTED: tuple[Check, ...] = (
           lambda c: f"--num-continuous-decode-steps {c.args.num_continuous_decode_steps} with {c.name}: the "
                     "eviction step and its host counters run once per scheduled batch; use 1"),
     UNVERIFIED[2],
-    *(Check(lambda c, p=phase: not c.gpu and c.graph_on(p),
-            lambda c, p=phase: f"{p} CUDA graph backend {c.graph(p)} on CPU: CUDA graphs cannot run on CPU; drop "
-                               "the flag (the launcher turns CUDA graphs off on CPU)")
-      for phase in ("decode", "prefill")),
+    *(_graphs_on_cpu(phase) for phase in ("decode", "prefill")),
     Check(lambda c: (c.gpu and c.method.observation_window() > 0 and c.method.observes_decode()
                      and c.graph("decode") != DISABLED),
           lambda c: f"{c.name} observes decode queries (snapkv's decode_interval > 0, h2o's evict_interval > 0, "
@@ -545,7 +552,7 @@ def unsupported_combinations(args: argparse.Namespace, method: Any, device: str)
     combinations of :data:`UNVERIFIED` start with ``--sparse-allow-unverified``."""
     c = Launch(args, method, device)
     return [check.say(c) for check in UNSUPPORTED
-            if check.when(c) and not (check in UNVERIFIED and c.unverified_allowed)]
+            if check.when(c) and not (c.unverified_allowed and any(check is u for u in UNVERIFIED))]
 
 
 def scored_prune_problem(args: argparse.Namespace, device: str) -> str | None:

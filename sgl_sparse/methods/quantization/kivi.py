@@ -221,7 +221,9 @@ class KIVIStore(KVStore):
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         return attend(q, *self._row(layer_id, req_to_token, row, n), scale)
 
-    def _buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+    def _buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K and V codes, K scale and zero, V scale and zero, K and V residuals: the kernels' pool arguments."""
         return (self.k_codes[layer_id], self.v_codes[layer_id], self.k_scale[layer_id], self.k_zero[layer_id],
                 self.v_scale[layer_id], self.v_zero[layer_id], self.res_k[layer_id], self.res_v[layer_id])
 
