@@ -34,6 +34,8 @@ def test_help_shows_our_group() -> None:
     assert r.returncode == 0
     assert "sgl_sparse:" in r.stdout and "--sparse-method NAME" in r.stdout and "--sparse-config" in r.stdout
     assert "--model-path" in r.stdout  # every SGLang flag is still there
+    # The one switch for combinations not yet run on hardware, saying what it unlocks.
+    assert "--sparse-allow-unverified" in r.stdout and "--tp-size > 1 on CUDA" in " ".join(r.stdout.split())
 
 
 def test_bad_config_field_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:

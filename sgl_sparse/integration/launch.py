@@ -303,7 +303,7 @@ ALLOW_UNVERIFIED = "--sparse-allow-unverified"
 ALLOW_UNVERIFIED_HELP = (
     "Start combinations that have not run on hardware yet, which are otherwise launch errors naming this flag: "
     "an eviction method with --tp-size > 1 on CUDA, and on CUDA a selection method or a quantized KV layout "
-    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES). See docs/parallelism.md and docs/methods/.")
+    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES). See docs/parallelism.md.")
 
 
 @dataclass(frozen=True)
