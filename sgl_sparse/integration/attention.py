@@ -166,6 +166,9 @@ class SparseBackendMixin:
     def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
         """A selecting layer's decode: this step's K/V written, then the selector's own attention (``attends``) or
         the base's read of the selected pages."""
+        if not self.serves_selection:
+            raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} "
+                                      "base")
         if save_kv_cache and k is not None and v is not None:
             self._write_selected_kv(layer, forward_batch, k, v)
         if self.selector.attends:
@@ -176,13 +179,15 @@ class SparseBackendMixin:
             return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
         return self._attend_selection(layer, q, forward_batch)
 
-    # Each base that serves selection: how a selecting layer writes this step's K/V, and how it reads the
-    # selected pages (``[tokens, Hq * Dv]``).
+    # A base that serves selection says so and gives how a selecting layer writes this step's K/V and how it
+    # reads the selected pages (``[tokens, Hq * Dv]``).
+    serves_selection = False
+
     def _write_selected_kv(self, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} base")
+        raise NotImplementedError
 
     def _attend_selection(self, layer: Any, q: torch.Tensor, forward_batch: Any) -> torch.Tensor:
-        raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} base")
+        raise NotImplementedError
 
     def _new_tokens_attention(self, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, layer: Any,
                               lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,6 +237,7 @@ class SparseBackendMixin:
 
 class SparseTorchNativeBackend(SparseBackendMixin, TorchNativeAttnBackend):
     base_backend = "torch_native"
+    serves_selection = True
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)

@@ -62,6 +62,7 @@ class SparseFlashInferBackend(SparseBackendMixin, FlashInferAttnBackend):
 
     base_backend = "flashinfer"
     dense_prefix_on_gpu = True
+    serves_selection = True
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner, init_new_workspace=model_runner.init_new_workspace)
