@@ -21,7 +21,7 @@ The model-runner side (per layer, device):
 * :mod:`.store_attention`, :mod:`.kv_pool` - attention over and the pool of a method-owned KV layout.
 * :mod:`.syncs`              - the check that a decode step never waits for the GPU.
 
-HTTP: :mod:`.validation` (requests), :mod:`.prune_api` (Prefix-Cache Pruning), :mod:`.chat_resume` (the chat
+HTTP: :mod:`.validation` (requests), :mod:`.prune_route` (Prefix-Cache Pruning), :mod:`.chat_resume` (the chat
 template's resume point), :mod:`.server_info` and :mod:`.metrics` (what the server reports).
 """
 

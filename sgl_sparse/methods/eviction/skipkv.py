@@ -31,7 +31,7 @@ backend never sees. Keys are what an observation window already gives every laye
 own mean keys (as SparseEngine's fallback does for its segments). Caveat: keys are post-RoPE, so two copies of a
 sentence far apart differ by a rotation in their high-frequency channels; the mean over a sentence averages
 those channels out and the slow ones dominate, but distant restatements score lower than the paper's hidden
-states would (docs/method-notes/skipkv.md).
+states would (docs/methods/skipkv.md).
 
 When (SparseEngine's ``SkipKVRuntime``): decode only, every ``evict_interval`` decoded tokens once more than
 ``budget`` are retained, so at most ``budget + evict_interval`` are; a prompt over the budget stays whole until

@@ -9,7 +9,7 @@ request's clusters by the softmax of ``q . centroid`` summed over the query grou
 and reads everything else that is not clustered (sink, tail, segments not indexed) exactly, under one
 softmax. Requests shorter than ``min_index_tokens`` of clustered keys are read densely. Layout, math
 and the deviations from the original (segments clustered alone, 1,024 tokens, not 8K with a global
-assignment) are in :mod:`sgl_sparse.kernels.retroinfer` and docs/method-notes/retroinfer.md.
+assignment) are in :mod:`sgl_sparse.kernels.retroinfer` and docs/methods/retroinfer.md.
 
 Index validity is data on the device: each page holds a build stamp, cleared wherever K is written
 to it and set, for all pages of a segment, by the build that clustered it. A segment is used only
