@@ -1,6 +1,6 @@
 """Decode attention over a page selection on FlashInfer (GPU), inside CUDA graphs.
 
-Design (docs/architecture.md, "Dynamic selection"; ../shared/notes/flashinfer-backend-map.md §2.3-2.4):
+Design (docs/selection.md; ../shared/notes/flashinfer-backend-map.md §2.3-2.4):
 a selecting layer reads one KV list per (request, KV head). FlashInfer has one list per request, so
 the KV is viewed head-flattened: K/V ``[N, Hkv, D]`` as ``[N * Hkv, 1, D]`` (one KV head), queries
 ``[bs, Hq, D]`` as ``[bs * Hkv, G, D]`` (the group of KV head ``h`` is query heads ``h*G..h*G+G-1``),

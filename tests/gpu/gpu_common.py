@@ -44,7 +44,7 @@ FLAGS = [
 # SGLang 0.5.17's idle leak check (scheduler.on_idle -> invariant_checker: available + evictable + protected
 # == total, req pool, tree) raises in the scheduler when SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE is on
 # (its default; set here so the tests do not depend on it), which kills the server. The busy-time check
-# counts logical lengths and would flag evicted positions (docs/architecture.md): off.
+# counts logical lengths and would flag evicted positions (docs/limits.md): off.
 ENV = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "0",
