@@ -56,10 +56,10 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_sparse.contract import SparseMethod, TreePayload
 from sgl_sparse.radix.prune import evict_side_branches, void_continuations
+from sgl_sparse.request import VIEW_ATTR, match_view, set_match_view  # noqa: F401  (VIEW_ATTR: radix/prune.py's)
 from sgl_sparse.slots import complement, live_slots, retained_positions, to_device, write_sentinels
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-VIEW_ATTR = "_sgl_sparse_view"  # set on SGLang's Req by match_prefix: what the request may see
 
 
 @dataclass
@@ -195,7 +195,7 @@ class SparseRadixCache(RadixCache):
             return False
         if self._evicts_for is None or self._evicts_for(req):
             return True
-        view = getattr(req, VIEW_ATTR, None)
+        view = match_view(req)
         return view is not None and view.record is not None
 
     def _chain_cached(self, req: Any, token_ids: Any) -> bool:
@@ -373,7 +373,7 @@ class SparseRadixCache(RadixCache):
             if length > cap:
                 length, kept = cap, torch.arange(cap)
         if req is not None:
-            setattr(req, VIEW_ATTR, MatchView(length, kept, record, payload))
+            set_match_view(req, MatchView(length, kept, record, payload))
         if length == pos and record is None:
             return res  # a dense prefix, no hole: the stock result as it is
         indices = res.device_indices[:length]
