@@ -37,7 +37,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_sparse.integration.prune_api import message_spans, role_ranges  # noqa: E402
+from sgl_sparse.prune.body import message_spans, role_ranges  # noqa: E402
 from sgl_sparse.quality.eval import MAX_NEW_TOKENS, fit_example, positive_int, render  # noqa: E402
 from sgl_sparse.quality.tasks import score  # noqa: E402
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, GPU_SERVER_FLAGS, ServerProcess  # noqa: E402

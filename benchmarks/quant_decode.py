@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from graph_timing import graph_us
 
-from sgl_sparse.contract import KVGeometry, pool_page_size
+from sgl_sparse.contract import KVGeometry
 from sgl_sparse.kernels import fp8_attention, kivi_attention, turboquant_attention
 from sgl_sparse.registry import create_method
+from sgl_sparse.rules import pool_page_size
 
 HQ, HKV, D, LAYERS = 32, 8, 128, 32
 WIDTH = 131072 + 4  # SGLang's req_to_token rows: the context length (Llama-3-8B's) + 4

@@ -36,9 +36,10 @@ from typing import Any
 import torch
 from quant_decode import fill_pool
 
-from sgl_sparse.contract import KVGeometry, pool_page_size
+from sgl_sparse.contract import KVGeometry
 from sgl_sparse.kernels import fp8_attention
 from sgl_sparse.registry import create_method
+from sgl_sparse.rules import pool_page_size
 
 HQ, HKV, D = 32, 8, 128
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {

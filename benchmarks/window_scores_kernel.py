@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_sparse.kernels.window_scores import window_scores_per_head  # noqa: E402
-from sgl_sparse.methods.eviction.snapkv import per_head_scores_torch  # noqa: E402
+from sgl_sparse.methods.eviction.base import per_head_scores_torch  # noqa: E402
 
 
 def timed(fn, reps: int = 10) -> tuple[float, float, torch.Tensor]:  # type: ignore[no-untyped-def]

@@ -1,7 +1,8 @@
 """sgl_sparse: sparse-first KV-cache serving as a plug-in for stock SGLang 0.5.17.
 
-The core (config, contract, registry, methods, kernels) imports only torch/triton; everything that
-touches ``sglang.srt`` lives in :mod:`sgl_sparse.integration` and :mod:`sgl_sparse.radix`.
+The core (config, contract, rules, registry, methods, kernels, pruning, the tree's records) imports only
+torch/triton; everything that touches ``sglang.srt`` lives in :mod:`sgl_sparse.integration`, plus the radix tree
+(:mod:`sgl_sparse.radix.tree`), which subclasses SGLang's.
 """
 
 from sgl_sparse.config import MethodConfig

@@ -32,7 +32,6 @@ from sgl_sparse.contract import (
     KVStore,
     ObservationWindow,
     PrefillChunk,
-    PrefixReuse,
     RequestState,
     SparseMethod,
     StepInfo,
@@ -74,7 +73,6 @@ class Composed(SparseMethod[ComposedConfig]):
     family = Family.EVICTION
     config_cls = ComposedConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def __init__(self, eviction: SparseMethod[Any], quantization: SparseMethod[Any]) -> None:
         super().__init__(ComposedConfig(eviction.config, quantization.config))

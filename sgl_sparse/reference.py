@@ -26,10 +26,11 @@ from sgl_sparse.contract import (
     SelectorStep,
     SparseMethod,
     StepInfo,
-    check_keep_plan,
 )
 from sgl_sparse.kernels.pages import selected_positions_mask
-from sgl_sparse.prune_keep import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec, ReplayInputs, request_prune_leaves
+from sgl_sparse.prune.keep import ReplayInputs, request_prune_leaves
+from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec
+from sgl_sparse.rules import check_keep_plan
 
 
 class ToyAttentionStack:
@@ -91,8 +92,8 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     """Prefill ``tokens[:prompt_len]`` in chunks, then decode the rest one token at a time (teacher
     forcing: the sequence is given, so dense and sparse runs are compared position by position).
     ``prune``: the request's prune of its own prompt (as ``custom_params['sgl_sparse_prune']``): logical ``[l, r)``
-    ranges, or a :class:`~sgl_sparse.prune_keep.PruneSpec` with a scored keep; what leaves does so at the end of
-    the final chunk through ``on_prune``, as on the server (:func:`~sgl_sparse.prune_keep.request_prune_leaves`).
+    ranges, or a :class:`~sgl_sparse.prune.spec.PruneSpec` with a scored keep; what leaves does so at the end of
+    the final chunk through ``on_prune``, as on the server (:func:`~sgl_sparse.prune.keep.request_prune_leaves`).
     ``prune_replays``: the ``kvzip`` config a ``kvzip_global`` keep replays with (default: KVzip's defaults, no
     instruction tokens)."""
     if prune is not None and not isinstance(prune, PruneSpec):

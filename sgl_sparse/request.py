@@ -23,19 +23,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sgl_sparse.contract import RequestState, SparseMethod
+from sgl_sparse.radix.records import VIEW_ATTR, MatchView
 
 if TYPE_CHECKING:
-    from sgl_sparse.prune_keep import PruneSpec
-    from sgl_sparse.radix.tree import MatchView
+    from sgl_sparse.prune.spec import PruneSpec
     from sgl_sparse.request_methods import Served
 
 HANDLE = "sgl_sparse"  # the one attribute sgl_sparse sets on SGLang's Req
 # The customized_info key that carries a request's own prune outcome from the scheduler (integration/step.py) to
 # its response (integration/per_request.py).
 PRUNE_REPORT = "sgl_sparse_prune_report"
-# Where the tree leaves a match view on an object that carries no record: a probe of the tree (radix/prune.py asks
-# what is cached with a stand-in request) or a test's stand-in.
-VIEW_ATTR = "_sgl_sparse_view"
 
 
 @dataclass(eq=False)
@@ -98,7 +95,8 @@ def attach(req: Any, record: SparseRequest) -> None:
 
 
 def set_match_view(req: Any, view: MatchView) -> None:
-    """The tree's match of ``req``: on its record, or on a probe that carries none (:data:`VIEW_ATTR`)."""
+    """The tree's match of ``req``: on its record, or, on a probe that carries none (the tree's own probes ask what
+    is cached with a stand-in request; tests' stand-ins), at :data:`~sgl_sparse.radix.records.VIEW_ATTR`."""
     rec = record_of(req)
     if rec is not None:
         rec.view = view

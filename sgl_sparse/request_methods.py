@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl_sparse.compose import is_composed
-from sgl_sparse.contract import SparseMethod, served_hooks_problem
+from sgl_sparse.contract import SparseMethod
 from sgl_sparse.errors import SparseConfigError
-from sgl_sparse.prune_keep import (
+from sgl_sparse.prune.spec import (
     KVZIP_GLOBAL,
     REQUEST_POLICIES,
     REQUEST_SCORED,
@@ -41,6 +41,7 @@ from sgl_sparse.prune_keep import (
     parse_ranges,
 )
 from sgl_sparse.registry import create_method
+from sgl_sparse.rules import served_hooks_problem
 
 METHOD_KEY = "sgl_sparse_method"
 CONFIG_KEY = "sgl_sparse_config"
@@ -48,7 +49,7 @@ KEYS = frozenset({METHOD_KEY, CONFIG_KEY})
 # Per-request Prefix-Cache Pruning (docs/prefix-cache-pruning.md, "Per request"): a JSON string
 # ``{"ranges": [[l, r], ...]}`` of this request's prompt positions hidden from its attention after its final
 # prefill, and from the sequence the tree stores at its finish; with ``keep_tokens`` / ``keep_ratio`` and a
-# ``policy``, the best-scored of them stay (sgl_sparse/prune_keep.py). Any method serves it: the runtime tells the
+# ``policy``, the best-scored of them stay (sgl_sparse/prune/keep.py). Any method serves it: the runtime tells the
 # method which positions leave (``SparseMethod.on_prune``) before the method plans, so state indexed by the
 # retained set (H2O's scores, PyramidKV's layer masks) stays aligned.
 PRUNE_KEY = "sgl_sparse_prune"
@@ -201,7 +202,7 @@ def _config_fields(config: Any) -> dict[str, Any]:
 
 
 def parse_prune_param(value: Any, prompt_len: int | None) -> PruneSpec:
-    """``custom_params[PRUNE_KEY]`` -> a :class:`~sgl_sparse.prune_keep.PruneSpec`: sorted, merged ``[l, r)`` ranges
+    """``custom_params[PRUNE_KEY]`` -> a :class:`~sgl_sparse.prune.spec.PruneSpec`: sorted, merged ``[l, r)`` ranges
     of prompt positions, ``0 <= l < r <= prompt_len`` (unchecked against the prompt when its length is not known
     here), and the scored keep (``keep_tokens`` or ``keep_ratio``, ``policy``) as ``POST /v1/prefix_cache/prune``
     takes it, with ``snapkv_global`` besides ``knorm`` (the default when something is kept: the prompt's last

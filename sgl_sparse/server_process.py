@@ -35,8 +35,8 @@ CPU_SERVER_FLAGS = [
 # The stock launcher needs these to match what ours selects on CPU (ours sets the page size each method
 # needs, and runs SGLang's paged allocator in torch there).
 VANILLA_CPU_FLAGS = ["--attention-backend", "torch_native", "--disable-cuda-graph", "--page-size", "1"]
-# Known-good flags on an H200 (the piecewise prefill CUDA graph would add ~70 s of start-up and is off
-# for SnapKV anyway). Ours picks its attention backend itself (FlashInfer on CUDA); a vanilla server
+# Known-good flags on a GPU (the piecewise prefill CUDA graph would add over a minute of start-up and is
+# off for SnapKV anyway). Ours picks its attention backend itself (FlashInfer on CUDA); a vanilla server
 # gets `--attention-backend flashinfer` from its caller.
 GPU_SERVER_FLAGS = ["--sampling-backend", "pytorch", "--disable-piecewise-cuda-graph",
                     "--chunked-prefill-size", "16384"]
@@ -242,7 +242,7 @@ class ServerProcess:
         """Send SIGTERM to the server's process group (its scheduler and detokenizer are children) and return."""
         _LIVE.discard(self)
         if self.proc is not None and self.proc.poll() is None:
-            self._stop_t0 = time.monotonic()
+            self._stop_t0: float | None = time.monotonic()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
 

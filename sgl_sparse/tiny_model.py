@@ -21,6 +21,7 @@ import os
 import pydoc
 import warnings
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -29,7 +30,7 @@ CHAT_TEMPLATE = (
 )
 # Small enough for 2 CPU cores (a 2K-token prefill takes well under a second), big enough to have
 # GQA (4 query heads over 2 KV heads) and several layers.
-TINY_CONFIG = {
+TINY_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 128,

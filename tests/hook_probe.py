@@ -24,7 +24,6 @@ from sgl_sparse.contract import (
     ObservationWindow,
     PageSelector,
     PrefillChunk,
-    PrefixReuse,
     RequestState,
     SelectorStep,
     SparseMethod,
@@ -119,7 +118,6 @@ class HookProbe(SparseMethod[HookProbeConfig]):
     family = Family.EVICTION
     config_cls = HookProbeConfig
     evicts = True
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: HookProbeConfig) -> None:
         super().__init__(config)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, KVStore, SparseMethod
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
@@ -50,7 +50,6 @@ class PlainStoreMethod(SparseMethod[PlainStoreConfig]):
     name = "plain_store"
     family = Family.QUANTIZATION
     config_cls = PlainStoreConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: PlainStoreConfig) -> None:
         super().__init__(config)

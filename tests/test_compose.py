@@ -9,9 +9,10 @@ import torch
 
 from sgl_sparse import SparseConfigError, create_method
 from sgl_sparse.compose import Composed, family_label
-from sgl_sparse.contract import KeepPlan, RequestState, StepInfo, TreePayload, served_hooks_problem
+from sgl_sparse.contract import KeepPlan, RequestState, StepInfo, TreePayload
 from sgl_sparse.integration.store_attention import compact_rows
 from sgl_sparse.methods.quantization.fp8_kv import FP8Store
+from sgl_sparse.rules import served_hooks_problem
 
 
 def test_config_is_keyed_by_member_and_reported_as_given() -> None:
@@ -130,7 +131,8 @@ def test_compacted_rows_hold_the_live_slots_in_position_order() -> None:
 
 def test_store_decode_over_compacted_rows_attends_only_the_kept_tokens() -> None:
     """The contract's reference decode over a compacted table equals attention over the kept slots alone."""
-    from sgl_sparse.contract import KVGeometry, attend
+    from sgl_sparse.contract import KVGeometry
+    from sgl_sparse.store_reads import attend
 
     g = KVGeometry(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=1, num_slots=32,
                    dtype=torch.float32, device=torch.device("cpu"))

@@ -213,8 +213,9 @@ def test_keep_plan_rules_are_enforced() -> None:
 def test_per_request_hooks_of_a_method_the_server_would_not_drive_are_refused() -> None:
     """The server drives per-request hooks only for evicting or observing methods: a method that overrides
     one without either is refused at launch, not served with the hook silently never called."""
-    from sgl_sparse.contract import TreePayload, served_hooks_problem
+    from sgl_sparse.contract import TreePayload
     from sgl_sparse.methods.dense import Dense
+    from sgl_sparse.rules import served_hooks_problem
 
     class FinishOnly(Dense):
         def on_finish(self, state: RequestState) -> TreePayload | None:

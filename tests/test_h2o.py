@@ -241,7 +241,7 @@ def test_config_defaults_and_errors() -> None:
 def test_scores_survive_the_prefix_tree() -> None:
     """Through SGLang's real radix tree and pools (no server): the scores a finishing turn leaves beside its
     compacted KV come back to the turn that resumes at its end, aligned with the kept set it resumes with."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
     from tests.test_sparse_tree import FakeReq, _admit, _evict_positions, _invariant, _make
 
     tree, req_pool, alloc = _make(method="h2o")

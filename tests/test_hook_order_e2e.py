@@ -1,4 +1,4 @@
-"""The contract's hook order (``sgl_sparse/contract.py`` docstring) as a real server drives it: a probe
+"""The contract's hook order (``sgl_sparse/contract/method.py`` docstring) as a real server drives it: a probe
 method (``tests/hook_probe.py``, loaded through ``SGLSPARSE_METHOD_MODULES``) logs every hook call of the
 scheduler, in order; the test replays a chunked prefill, decode, a prefix hit, a concurrent batch and an
 abort, then checks the log against the docstring's grammar."""

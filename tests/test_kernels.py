@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 
 from sgl_sparse.kernels import compact
 from sgl_sparse.kernels import window_scores as ws
-from sgl_sparse.methods.eviction.snapkv import per_head_scores_torch
+from sgl_sparse.methods.eviction.base import per_head_scores_torch
 
 only_interpreted = pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
 

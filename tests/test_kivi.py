@@ -14,10 +14,11 @@ import pytest
 import torch
 from interpreted import INTERPRETED, assert_interpreted_passed
 
-from sgl_sparse.contract import KVGeometry, attend
+from sgl_sparse.contract import KVGeometry
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.kernels import quant
 from sgl_sparse.registry import create_method
+from sgl_sparse.store_reads import attend
 
 HKV, G, D, GS, LAYERS, PAGES, ROWS = 2, 2, 16, 8, 2, 40, 4
 SCALE = 1 / math.sqrt(D)

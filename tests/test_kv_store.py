@@ -125,14 +125,14 @@ def test_the_dequantized_prefix_path_reads_what_the_store_prefix_reads(method: s
 
 
 def test_read_prefix_reads_in_pieces_what_one_read_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_sparse import contract
+    from sgl_sparse import store_reads
 
     store = _store()
     gen = torch.Generator().manual_seed(8)
     slots = torch.randperm(SLOTS - 1, generator=gen)[:23] + 1
     store.write(0, slots, torch.randn(23, HKV, D, generator=gen), torch.randn(23, HKV, D, generator=gen),
                 torch.zeros_like(slots), decode=False)
-    monkeypatch.setattr(contract, "READ_PIECE", 5)
+    monkeypatch.setattr(store_reads, "READ_PIECE", 5)
     r2t = slots[None].to(torch.int32)
     k, v = store.read_prefix(0, r2t, torch.tensor([0]), torch.tensor([23]), [23], slots)
     want_k, want_v = store.read(0, slots)

@@ -234,7 +234,7 @@ def test_config_defaults_and_errors() -> None:
 
 
 @pytest.mark.parametrize("flags", [
-    ["--device", "cuda"],  # since tests/gpu/test_gpu_kvzip.py passed on the H200
+    ["--device", "cuda"],  # served on CUDA: tests/gpu/test_gpu_kvzip.py
     ["--device", "cpu", "--tp-size", "2"],  # the scores' maximum over the ranks (tests/test_tp_e2e.py)
     ["--device", "cpu", "--dp-size", "2"],
 ])
@@ -299,7 +299,7 @@ def reference_kvzip_prune(model: ToyAttentionStack, tokens: list[int], prompt_le
     ([(0, 12), (44, 58)], 9, {"chunk_size": 16}),  # a range at position 0: KVzip's first instruction, no sink
 ])
 def test_a_request_kvzip_global_keep_equals_plain_loops(ranges: list[tuple[int, int]], keep: int, cfg: dict) -> None:
-    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.prune.spec import PruneSpec
 
     model, tokens, prompt_len = ToyAttentionStack(), _tokens(66, seed=7), 60
     config = kvzip.KVzipConfig(**IDS, **cfg)
@@ -328,7 +328,8 @@ def test_range_replays_cut_each_range_and_fit_the_room() -> None:
 
 
 def test_a_kvzip_global_keep_without_room_prunes_nothing_and_says_so() -> None:
-    from sgl_sparse.prune_keep import PruneSpec, PruneUnscored, ReplayInputs, request_prune_leaves
+    from sgl_sparse.prune.keep import PruneUnscored, ReplayInputs, request_prune_leaves
+    from sgl_sparse.prune.spec import PruneSpec
 
     def never(*_: object) -> None:
         raise AssertionError("no replay fits: none may run")
@@ -350,7 +351,7 @@ def test_replays_refuse_requests_with_multimodal_inputs() -> None:
     from types import SimpleNamespace
 
     from sgl_sparse.integration.runtime import multimodal_replay_problem
-    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.prune.spec import PruneSpec
 
     image, text = SimpleNamespace(multimodal_inputs=object()), SimpleNamespace(multimodal_inputs=None)
     kvzip, snapkv = create_method("kvzip"), create_method("snapkv")

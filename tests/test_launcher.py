@@ -34,6 +34,8 @@ def test_help_shows_our_group() -> None:
     assert r.returncode == 0
     assert "sgl_sparse:" in r.stdout and "--sparse-method NAME" in r.stdout and "--sparse-config" in r.stdout
     assert "--model-path" in r.stdout  # every SGLang flag is still there
+    # The one switch for combinations not yet run on hardware, saying what it unlocks.
+    assert "--sparse-allow-unverified" in r.stdout and "--tp-size > 1 on CUDA" in " ".join(r.stdout.split())
 
 
 def test_bad_config_field_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -344,7 +346,7 @@ def test_prefill_cuda_graph_switch(method: str, device: str, flags: list[str], p
 def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str], words: str | None) -> None:
     """The handoff says why a request's own prune cannot keep a scored part of its ranges on this server (its
     requests then get a 400 naming custom_params['sgl_sparse_prune']); the server itself starts."""
-    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.prune.spec import PruneSpec
     from sgl_sparse.registry import create_method
     from sgl_sparse.request_methods import MethodResolver, prune_problem
 
@@ -370,7 +372,7 @@ def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str]
 def test_where_a_request_cannot_keep_by_kvzip_global(flags: list[str], words: str | None) -> None:
     """kvzip_global runs replay forwards in the request's step: where they cannot run (as for the kvzip method), a
     request asking for it is refused (400 naming custom_params['sgl_sparse_prune']) and the other policies stay."""
-    from sgl_sparse.prune_keep import PruneSpec
+    from sgl_sparse.prune.spec import PruneSpec
     from sgl_sparse.registry import create_method
     from sgl_sparse.request_methods import MethodResolver, prune_problem
 
@@ -467,15 +469,14 @@ def test_quest_is_served_with_its_page_size(capsys: pytest.CaptureFixture[str]) 
         assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
-def test_selection_on_gpu_needs_a_validated_gpu_path(capsys: pytest.CaptureFixture[str],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selection_on_gpu_from_outside_needs_the_unverified_flag(capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Quest's, OmniKV's and RetroInfer's FlashInfer paths passed the GPU tests: they launch on CUDA. A selection
-    method that has not (one of a user's own, here a renamed Quest): a launch error naming the opt-in, which
-    starts it."""
+    method from outside sgl_sparse (one of a user's own, here a renamed Quest): a launch error naming
+    --sparse-allow-unverified, which starts it."""
     from sgl_sparse import registry
     from sgl_sparse.methods.selection.quest import Quest
 
-    monkeypatch.delenv("SGLSPARSE_GPU_SELECTION", raising=False)
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "quest"])
     assert hand.method == "quest" and args.page_size == 16
     for name in ("omnikv", "retroinfer"):
@@ -488,30 +489,44 @@ def test_selection_on_gpu_needs_a_validated_gpu_path(capsys: pytest.CaptureFixtu
     monkeypatch.setitem(registry._METHODS, "own_quest", OwnQuest)
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "own_quest"])
-    assert "GPU decode path" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_SELECTION", "1")
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "own_quest"])
+    err = capsys.readouterr().err
+    assert "GPU decode path" in err and "--sparse-allow-unverified" in err
+    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "own_quest",
+                          "--sparse-allow-unverified"])
+    assert hand.method == "own_quest"
+    _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "own_quest"])
     assert hand.method == "own_quest"
 
 
-def test_a_quantized_layout_on_gpu_needs_validated_kernels(capsys: pytest.CaptureFixture[str],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """kivi's and turboquant's kernels decode slower than bf16 at 130K: a launch error naming the opt-in, which starts
-    them; fp8_kv's 130K run beat vanilla, so it serves without it; a layout without GPU kernels (the lossless test
-    store): a launch error even with the opt-in."""
-    monkeypatch.delenv("SGLSPARSE_GPU_QUANT", raising=False)
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "fp8_kv"])
-    assert hand.method == "fp8_kv" and hand.prefill_cuda_graph_off
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "kivi"])
-    assert "SGLSPARSE_GPU_QUANT=1" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_QUANT", "1")
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "kivi"])
-    assert hand.method == "kivi"
+def test_quantized_layouts_with_gpu_kernels_serve_on_gpu(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_kv, kivi and turboquant passed their GPU tests: they launch on CUDA (their speed is the docs'
+    business); a layout without GPU kernels (the lossless test store): a launch error even with
+    --sparse-allow-unverified; one with kernels from outside sgl_sparse: a launch error naming that flag, which
+    starts it."""
+    for name in ("fp8_kv", "kivi", "turboquant"):
+        _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", name])
+        assert hand.method == name and hand.prefill_cuda_graph_off
     monkeypatch.setenv("SGLSPARSE_METHOD_MODULES", "tests.plain_store")
     with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "plain_store"])
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "plain_store",
+                    "--sparse-allow-unverified"])
     assert "GPU kernels are not written yet" in capsys.readouterr().err
+    from sgl_sparse import registry
+    from sgl_sparse.methods.quantization.fp8_kv import FP8KV
+
+    class OwnFP8(FP8KV):
+        name = "own_fp8"
+
+    monkeypatch.setitem(registry._METHODS, "own_fp8", OwnFP8)
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "own_fp8"])
+    err = capsys.readouterr().err
+    assert "--sparse-method own_fp8: its KV layout's GPU kernels have not run on hardware" in err
+    assert "--sparse-allow-unverified" in err
+    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "own_fp8",
+                          "--sparse-allow-unverified"])
+    assert hand.method == "own_fp8"
 
 
 def test_a_composition_launches_on_cpu_and_hands_off_both_members() -> None:
@@ -551,21 +566,15 @@ def test_bad_compositions_are_argparse_errors(method: str, config: str | None, m
     assert f"--sparse-method {method}: " in err and message in err, err
 
 
-def test_on_gpu_until_its_tests_pass_one_opt_in(capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGLSPARSE_GPU_QUANT", raising=False)
-    parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv+fp8_kv"])  # fp8_kv needs none
-    flags = ["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv+turboquant"]
-    with pytest.raises(SystemExit):
-        parse_args(flags)
-    # A composition needs only its store's opt-in (its GPU tests passed).
-    assert "SGLSPARSE_GPU_QUANT=1 starts it anyway" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_QUANT", "1")
-    parse_args(flags)  # accepted
+def test_a_composition_over_a_tested_layout_serves_on_gpu() -> None:
+    """A composition needs nothing beyond its members: fp8_kv's and turboquant's GPU tests passed."""
+    for method in ("snapkv+fp8_kv", "snapkv+turboquant"):
+        _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", method])
+        assert hand.method == method
 
 
 def test_replay_forwards_serve_on_gpu_without_an_opt_in() -> None:
-    """KVzip and a prune's kvzip_global on CUDA since tests/gpu/test_gpu_kvzip.py passed on the H200 (2026-12-04)."""
+    """KVzip and a prune's kvzip_global on CUDA (tests/gpu/test_gpu_kvzip.py)."""
     _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "kvzip"])
     assert hand.replay_prune_problem is None
     _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv"])
@@ -600,11 +609,9 @@ def test_skipkv_boundary_ids_come_from_the_served_tokenizer(tiny_model: str) -> 
 
 
 @pytest.mark.parametrize("method", ["streamingllm", "snapkv", "h2o", "rkv", "skipkv", "pyramidkv"])
-def test_eviction_with_tensor_parallelism(method: str, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eviction_with_tensor_parallelism(method: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Every eviction method launches with --tp-size 2 on CPU (its scores are summed over the TP group); on CUDA
-    it has not run yet: a launch error naming the opt-in, which starts it."""
-    monkeypatch.delenv("SGLSPARSE_GPU_TP", raising=False)
+    it has not run yet: a launch error naming --sparse-allow-unverified and the reason, which starts it."""
     _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", method, "--tp-size", "2"])
     assert hand.method == method
     _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-request-methods", "eviction",
@@ -614,10 +621,10 @@ def test_eviction_with_tensor_parallelism(method: str, capsys: pytest.CaptureFix
         return
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", method, "--tp-size", "2"])
-    assert "has not run on GPUs yet; SGLSPARSE_GPU_TP=1" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_TP", "1")
+    err = capsys.readouterr().err
+    assert "has not yet run on more than one GPU; see docs/parallelism.md (--sparse-allow-unverified starts it)" in err
     _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", method, "--tp-size", "2",
-                          "--cuda-graph-backend-decode", "disabled"])
+                          "--cuda-graph-backend-decode", "disabled", "--sparse-allow-unverified"])
     assert hand.method == method
 
 

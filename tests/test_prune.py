@@ -1,6 +1,6 @@
-"""Prefix-Cache Pruning without a server: the tree surgery (sgl_sparse/radix/prune.py) on SGLang's real radix tree,
+"""Prefix-Cache Pruning without a server: the tree operation (sgl_sparse/prune/tree_ops.py) on SGLang's real radix tree,
 allocator and req-to-token pool, checked against the kept set computed by hand (what a continuation sees, what is
-freed, what a conversation sharing the prefix keeps), and the request parsing (sgl_sparse/integration/prune_api.py):
+freed, what a conversation sharing the prefix keeps), and the request parsing (sgl_sparse/prune/body.py):
 selectors, ranges, chat messages to content spans with the tiny model's real chat template, and the error naming
 each bad field."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from sgl_sparse.integration.prune_api import BadPruneRequest, merge, message_spans, parse_body, parse_ranges
-from sgl_sparse.radix import prune as tree_prune
+from sgl_sparse.prune import tree_ops
+from sgl_sparse.prune.body import BadPruneRequest, merge, message_spans, parse_body, sequence_ranges
 from sgl_sparse.registry import create_method
 from sgl_sparse.request_methods import EVICTION, MethodResolver
 from tests.test_sparse_tree import FakeReq, _admit, _evict_positions, _holes_in, _invariant, _make, _match
@@ -38,12 +38,12 @@ def _parse(tok: Any, body: dict[str, Any], need_ranges: bool = True) -> dict[str
 
 
 def test_ranges_are_checked_sorted_and_merged() -> None:
-    assert parse_ranges([[30, 40], [0, 10], [5, 12], [40, 41]], 50) == [(0, 12), (30, 41)]
+    assert sequence_ranges([[30, 40], [0, 10], [5, 12], [40, 41]], 50) == [(0, 12), (30, 41)]
     for bad, where in (([[0, 51]], "ranges[0]"), ([[5, 5]], "ranges[0]"), ([[-1, 3]], "ranges[0]"),
                        ([[0, 2], [1]], "ranges[1]"), ([[0, "3"]], "ranges[0]"), ([], "ranges"), ("0-3", "ranges"),
                        ([[True, 3]], "ranges[0]")):
         with pytest.raises(BadPruneRequest) as e:
-            parse_ranges(bad, 50)
+            sequence_ranges(bad, 50)
         assert e.value.field == where, (bad, e.value)
 
 
@@ -139,7 +139,7 @@ def test_prune_hides_the_ranges_frees_them_and_the_continuation_still_matches() 
     tree, req_pool, alloc = _make()
     seq = _finished(tree, req_pool, alloc, "a", list(range(100, 130)), [7, 8], 1)
     free0 = alloc.available_size()
-    r = tree_prune.prune(tree, seq, None, [(4, 10), (20, 22)])
+    r = tree_ops.prune(tree, seq, None, [(4, 10), (20, 22)])
     assert (r.status, r.matched_tokens, r.pruned_tokens, r.freed_slots, r.kept_tokens, r.resident_tokens) == (
         "completed", 32, 8, 8, 0, 24)
     assert alloc.available_size() == free0 + 8 and _invariant(tree, alloc) == 0
@@ -148,11 +148,11 @@ def test_prune_hides_the_ranges_frees_them_and_the_continuation_still_matches() 
     assert len(nxt.device_indices) == 32
     assert _holes_in(nxt.device_indices) == [*range(4, 10), 20, 21]
     # Pruning it again is a no-op that says so; a range past the cached end fails and changes nothing.
-    assert tree_prune.prune(tree, seq, None, [(4, 10)]).status == "completed"
-    assert tree_prune.prune(tree, seq, None, [(4, 10)]).pruned_tokens == 0
-    bad = tree_prune.prune(tree, seq + [5, 6], None, [(30, 34)])
+    assert tree_ops.prune(tree, seq, None, [(4, 10)]).status == "completed"
+    assert tree_ops.prune(tree, seq, None, [(4, 10)]).pruned_tokens == 0
+    bad = tree_ops.prune(tree, seq + [5, 6], None, [(30, 34)])
     assert bad.status == "failed" and alloc.available_size() == free0 + 8
-    insp = tree_prune.inspect(tree, seq, None)
+    insp = tree_ops.inspect(tree, seq, None)
     assert (insp["matched_tokens"], insp["resident_tokens"], insp["hidden_tokens"]) == (32, 24, 8)
 
 
@@ -163,7 +163,7 @@ def test_a_prefix_another_conversation_shares_keeps_its_kv_and_that_conversation
     b = _finished(tree, req_pool, alloc, "b", shared + [5, 6, 7, 8], [9], 2)
     free0 = alloc.available_size()
     # Positions 2..6 lie in the shared node, 21..23 in a's own branch: only those 2 slots are freed.
-    r = tree_prune.prune(tree, a, None, [(2, 6), (21, 23)])
+    r = tree_ops.prune(tree, a, None, [(2, 6), (21, 23)])
     assert r.status == "completed" and r.pruned_tokens == 6 and r.freed_slots == 2
     assert alloc.available_size() == free0 + 2 and _invariant(tree, alloc) == 0
     assert _holes_in(_match(tree, a + [0]).device_indices) == [2, 3, 4, 5, 21, 22]
@@ -181,7 +181,7 @@ def test_evict_branches_frees_a_range_a_stale_reply_branch_shares() -> None:
         _finished(tree, req_pool, alloc, "t1", p1, [9, 9, 9], 1)
         seq = _finished(tree, req_pool, alloc, "t2", p1 + [8, 9, 5, 6], [7], 2)
         free0 = alloc.available_size()
-        r = tree_prune.prune(tree, seq, None, [(20, 24)], evict_branches=evict)
+        r = tree_ops.prune(tree, seq, None, [(20, 24)], evict_branches=evict)
         assert r.status == "completed" and r.pruned_tokens == 4
         if not evict:
             assert (r.freed_slots, r.evicted_branch_slots) == (0, 0)
@@ -201,7 +201,7 @@ def test_a_requests_own_prune_with_evict_branches_frees_what_a_stale_reply_branc
     that KV for the stale branch, hidden but resident, and the pool's LRU evicts only the branch's own leaf after it.
     With ``evict_branches`` (``FinishedState.evict_branches_after``, the first range's start) the finishing request
     evicts the idle branch first and the range's slots go back to the pool."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
 
     for evict in (False, True):
         tree, req_pool, alloc = _make()
@@ -233,7 +233,7 @@ def test_a_prune_voids_the_turns_own_record_below_it_even_where_it_frees_nothing
     and a next turn whose re-rendered reply leaves turn 2's inside its tail used to resume from it and read the
     pruned range again (a review's repro: holes [26] only). The prune voids that record: the next turn resumes from
     the prune's own."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
 
     tree, req_pool, alloc = _make()
     p1 = list(range(100, 120)) + [1, 2, 3, 4]
@@ -245,7 +245,7 @@ def test_a_prune_voids_the_turns_own_record_below_it_even_where_it_frees_nothing
     _admit(tree, req_pool, alloc, t2, 2)
     _evict_positions(req_pool, alloc, t2, [26])
     tree.cache_finished_req(t2, kv_len_to_handle=31)
-    r = tree_prune.prune(tree, p2, None, [(20, 24)])
+    r = tree_ops.prune(tree, p2, None, [(20, 24)])
     assert r.status == "completed" and (r.pruned_tokens, r.freed_slots) == (4, 0)  # shared with t1's branch
     nxt = _match(tree, p2 + [7, 1, 2])  # leaves turn 2's reply at 29, inside its record's tail
     assert _holes_in(nxt.device_indices) == [20, 21, 22, 23, 26], _holes_in(nxt.device_indices)
@@ -259,7 +259,7 @@ def test_a_request_pruning_a_cached_turn_compacts_below_it_as_the_route_does() -
     continuation used to shield the range (the last node had a child: nothing compacted, 0 slots freed, a review's
     repro). With ``FinishedState.pruned`` the finish compacts as a route prune does, and the next turn resumes from
     the request's record with the range hidden."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
 
     tree, req_pool, alloc = _make()
     p2 = list(range(100, 128))
@@ -282,7 +282,7 @@ def test_evict_branches_spares_a_conversation_branching_before_the_ranges() -> N
     shared = list(range(100, 120))
     a = _finished(tree, req_pool, alloc, "a", shared + [1, 2, 3, 4], [9], 1)
     b = _finished(tree, req_pool, alloc, "b", shared + [5, 6, 7, 8], [9], 2)
-    r = tree_prune.prune(tree, a, None, [(21, 23)], evict_branches=True)
+    r = tree_ops.prune(tree, a, None, [(21, 23)], evict_branches=True)
     assert (r.freed_slots, r.evicted_branch_slots) == (2, 0) and _invariant(tree, alloc) == 0
     mb = _match(tree, b + [0])
     assert len(mb.device_indices) == len(b) and _holes_in(mb.device_indices) == []
@@ -294,12 +294,12 @@ def test_a_range_a_running_request_holds_is_blocked_and_nothing_changes() -> Non
     running = FakeReq("b", seq + [1, 2, 3])
     _admit(tree, req_pool, alloc, running, 2)  # locks the path it matched
     free0 = alloc.available_size()
-    r = tree_prune.prune(tree, seq, None, [(3, 8)])
+    r = tree_ops.prune(tree, seq, None, [(3, 8)])
     assert r.status == "blocked" and alloc.available_size() == free0
-    assert tree_prune.view_of(tree, seq, None).kept.tolist() == list(range(24))
-    assert tree_prune.inspect(tree, seq, None)["hidden_tokens"] == 0
+    assert tree.view_of(seq, None).kept.tolist() == list(range(24))
+    assert tree_ops.inspect(tree, seq, None)["hidden_tokens"] == 0
     tree.cache_finished_req(running, kv_len_to_handle=27)
-    assert tree_prune.prune(tree, seq, None, [(3, 8)]).status == "completed"
+    assert tree_ops.prune(tree, seq, None, [(3, 8)]).status == "completed"
     assert _invariant(tree, alloc) == 0
 
 
@@ -307,14 +307,14 @@ def test_prune_within_an_eviction_record_and_on_a_stock_tree() -> None:
     tree, req_pool, alloc = _make()
     # A finished eviction request: positions 5..9 already evicted (its Chain Cache record).
     seq = _finished(tree, req_pool, alloc, "a", list(range(100, 124)), [3], 1, evicted=(5, 6, 7, 8, 9))
-    r = tree_prune.prune(tree, seq, None, [(0, 12)])
+    r = tree_ops.prune(tree, seq, None, [(0, 12)])
     assert (r.pruned_tokens, r.resident_tokens, r.freed_slots) == (7, 13, 7)  # 0..4 and 10..11 were still resident
     assert _holes_in(_match(tree, seq + [0]).device_indices) == list(range(12))
     assert _invariant(tree, alloc) == 0
     stock, req_pool, alloc = _make(method="dense")
     seq = _finished(stock, req_pool, alloc, "a", list(range(100, 110)), [], 1)
-    assert tree_prune.prune(stock, seq, None, [(0, 3)]).status == "failed"
-    assert tree_prune.inspect(stock, seq, None)["matched_tokens"] == 10
+    assert tree_ops.prune(stock, seq, None, [(0, 3)]).status == "failed"
+    assert tree_ops.inspect(stock, seq, None)["matched_tokens"] == 10
 
 
 def test_a_dense_request_on_a_mixed_tree_recomputes_a_pruned_range_and_fills_its_holes() -> None:
@@ -324,7 +324,7 @@ def test_a_dense_request_on_a_mixed_tree_recomputes_a_pruned_range_and_fills_its
     tree, req_pool, alloc = _make(method="dense")
     tree.evicting, tree._evicts_for = True, lambda req: False
     seq = _finished(tree, req_pool, alloc, "a", list(range(100, 130)), [], 1)
-    assert tree_prune.prune(tree, seq, None, [(10, 20)]).freed_slots == 10
+    assert tree_ops.prune(tree, seq, None, [(10, 20)]).freed_slots == 10
     other = FakeReq("b", seq[:24] + [1, 2, 3, 4])
     _admit(tree, req_pool, alloc, other, 2)
     assert len(other.prefix_indices) == 10  # stops at the first hole
@@ -344,7 +344,7 @@ def test_a_sequence_cached_inside_a_longer_one_is_pruned_and_freed() -> None:
     tree, req_pool, alloc = _make()
     history = list(range(100, 130))
     full = _finished(tree, req_pool, alloc, "a", history + [1, 2], [3], 1)
-    r = tree_prune.prune(tree, history, None, [(5, 15)])
+    r = tree_ops.prune(tree, history, None, [(5, 15)])
     assert (r.status, r.pruned_tokens, r.freed_slots) == ("completed", 10, 10)
     assert _invariant(tree, alloc) == 0
     m = _match(tree, full + [4])
@@ -354,7 +354,7 @@ def test_a_sequence_cached_inside_a_longer_one_is_pruned_and_freed() -> None:
 def test_chat_ranges_of_a_requests_own_prompt(tok: Any) -> None:
     """The per-request chat form: the role spans of the request's messages, only where the tokenizer's template
     reproduces the start of the prompt the route rendered."""
-    from sgl_sparse.integration.prune_api import chat_ranges
+    from sgl_sparse.prune.body import chat_ranges
 
     messages = [{"role": "user", "content": "go"}]
     for i in range(3):

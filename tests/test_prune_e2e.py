@@ -419,7 +419,7 @@ def test_per_request_prune_chat_form(mixed_server: ServerProcess, tiny_model: st
     exactly those hidden; the next turn is a hit."""
     from transformers import AutoTokenizer
 
-    from sgl_sparse.integration.prune_api import message_spans, role_ranges
+    from sgl_sparse.prune.body import message_spans, role_ranges
 
     server = mixed_server
     _flush(server)

@@ -1,7 +1,7 @@
 """The scored keep of Prefix-Cache Pruning without a server: the ``knorm`` score and the shared-budget mask
-(sgl_sparse/prune_keep.py) against plain references written here, the body checks of ``keep_tokens`` / ``policy``,
-and the tree surgery of a partial keep (sgl_sparse/radix/prune.py) on SGLang's real radix tree, allocator and MHA KV
-pool, whose keys are built so that the positions to keep are known: kept slots stay where they are, dropped ones
+(sgl_sparse/prune/keep.py) against plain references written here, the body checks of ``keep_tokens`` / ``policy``,
+and the tree operation of a partial keep (sgl_sparse/prune/tree_ops.py) on SGLang's real radix tree, allocator and
+MHA KV pool, whose keys are built so that the positions to keep are known: kept slots stay where they are, dropped ones
 are freed (only on nodes no other conversation shares), nothing leaks."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-from sgl_sparse.integration.prune_api import BadPruneRequest, parse_body, pool_scorer
-from sgl_sparse.prune_keep import PruneSpec, knorm_scores, request_prune_leaves, select_keep
-from sgl_sparse.radix import prune as tree_prune
+from sgl_sparse.prune import tree_ops
+from sgl_sparse.prune.body import BadPruneRequest, parse_body
+from sgl_sparse.prune.keep import knorm_scores, pool_scorer, request_prune_leaves, select_keep
+from sgl_sparse.prune.spec import PruneSpec
 from sgl_sparse.radix.tree import SparseRadixCache
 from sgl_sparse.reference import ToyAttentionStack, run_request
 from sgl_sparse.registry import create_method
@@ -180,7 +181,7 @@ def test_a_scored_keep_keeps_the_lowest_norm_keys_frees_the_rest_and_leaks_nothi
     low = {21: 0.1, 6: 0.2, 23: 0.3, 9: 0.4, 4: 0.5, 30: 0.01}  # 30 is outside the ranges: never in question
     slot_of = _write_norms(tree, kv, seq, low)
     free0 = alloc.available_size()
-    r = tree_prune.prune(tree, seq, None, [(4, 12), (20, 26)], keep_tokens=5, score=_scorer(kv))
+    r = tree_ops.prune(tree, seq, None, [(4, 12), (20, 26)], keep_tokens=5, score=_scorer(kv))
     assert (r.status, r.matched_tokens, r.pruned_tokens, r.kept_tokens, r.freed_slots, r.resident_tokens) == (
         "completed", 32, 14, 5, 9, 32 - 9), r
     assert alloc.available_size() == free0 + 9 and _invariant(tree, alloc) == 0
@@ -190,11 +191,11 @@ def test_a_scored_keep_keeps_the_lowest_norm_keys_frees_the_rest_and_leaks_nothi
     assert len(nxt.device_indices) == 32 and _holes_in(nxt.device_indices) == dropped
     # The kept positions read the very slots they had (nothing moved), the dropped slots are free again.
     assert all(int(nxt.device_indices[p]) == slot_of[p] for p in kept)
-    insp = tree_prune.inspect(tree, seq, None)
+    insp = tree_ops.inspect(tree, seq, None)
     assert insp["hidden_ranges"] == [[5, 6], [7, 9], [10, 12], [20, 21], [22, 23], [24, 26]]
     # A drop of the same ranges now takes up only the kept 5; once the pool's LRU evicts it all, the whole pool is
     # free: no slot leaked, none freed twice.
-    again = tree_prune.prune(tree, seq, None, [(4, 12), (20, 26)])
+    again = tree_ops.prune(tree, seq, None, [(4, 12), (20, 26)])
     assert (again.pruned_tokens, again.kept_tokens, again.freed_slots) == (5, 0, 5)
     tree.evict(EvictParams(num_tokens=POOL))
     assert alloc.available_size() == POOL and _invariant(tree, alloc) == 0
@@ -210,14 +211,14 @@ def test_a_budget_covering_the_resident_tokens_drops_nothing() -> None:
         calls.append(len(slots))
         return _scorer(kv)(slots)
 
-    r = tree_prune.prune(tree, seq, None, [(0, 12)], keep_tokens=7, score=score)  # 7 of 12 are resident
+    r = tree_ops.prune(tree, seq, None, [(0, 12)], keep_tokens=7, score=score)  # 7 of 12 are resident
     assert (r.status, r.pruned_tokens, r.kept_tokens, r.freed_slots) == ("completed", 7, 7, 0) and not calls, r
-    assert alloc.available_size() == free0 and tree_prune.inspect(tree, seq, None)["hidden_tokens"] == 5
-    r = tree_prune.prune(tree, seq, None, [(0, 12)], keep_tokens=3, score=score)
+    assert alloc.available_size() == free0 and tree_ops.inspect(tree, seq, None)["hidden_tokens"] == 5
+    r = tree_ops.prune(tree, seq, None, [(0, 12)], keep_tokens=3, score=score)
     assert (r.pruned_tokens, r.kept_tokens, r.freed_slots) == (7, 3, 4) and calls == [7], r
     assert _invariant(tree, alloc) == 0
     with pytest.raises(ValueError):
-        tree_prune.prune(tree, seq, None, [(0, 12)], keep_tokens=2)
+        tree_ops.prune(tree, seq, None, [(0, 12)], keep_tokens=2)
 
 
 def test_a_scored_keep_on_a_shared_prefix_is_copy_on_write() -> None:
@@ -230,7 +231,7 @@ def test_a_scored_keep_on_a_shared_prefix_is_copy_on_write() -> None:
     b = _finished(tree, req_pool, alloc, "b", shared + [5, 6, 7, 8], [9], 2)
     _write_norms(tree, kv, a, {3: 0.1, 22: 0.2, 5: 0.3})
     free0 = alloc.available_size()
-    r = tree_prune.prune(tree, a, None, [(2, 8), (20, 25)], keep_tokens=3, score=_scorer(kv))
+    r = tree_ops.prune(tree, a, None, [(2, 8), (20, 25)], keep_tokens=3, score=_scorer(kv))
     # 11 candidates, 3 kept (3, 5 in the shared node, 22 in a's own), 8 hidden; a's own 20, 21, 23, 24 are freed.
     assert (r.pruned_tokens, r.kept_tokens, r.freed_slots) == (11, 3, 4), r
     assert alloc.available_size() == free0 + 4 and _invariant(tree, alloc) == 0
@@ -321,3 +322,24 @@ def test_a_request_keep_covering_what_is_left_drops_nothing_and_no_score_is_take
     assert not request_prune_leaves(kept, PruneSpec(((5, 20),), 2, "snapkv_global"), no_window).any()
     assert request_prune_leaves(kept, PruneSpec(((5, 20),)), no_window).tolist() == [False] * 3 + [True] * 2 + \
         [False] * 2
+
+
+def test_own_prune_reports_what_leaves_and_when_it_could_not_score() -> None:
+    """A request's own prune as step.py applies it: the positions that leave, its response's report, and where its
+    finish evicts the idle branches; a scored keep that cannot score prunes nothing and says why."""
+    from sgl_sparse.prune.keep import own_prune
+
+    kept = torch.tensor([0, 1, 2, 9, 10, 30, 31])
+
+    def no_window() -> Any:
+        raise AssertionError("scored without a choice to make")
+
+    out = own_prune(kept, PruneSpec(((5, 20), (30, 31)), evict_branches=True), no_window)
+    assert out.leave is not None and out.leave.tolist() == [False] * 3 + [True] * 3 + [False]
+    assert out.report == {"status": "applied", "policy": "drop", "pruned_tokens": 3, "kept_tokens": 0}
+    assert out.pruned == 3 and out.evict_branches_after == 5
+    none = own_prune(kept, PruneSpec(((3, 8),), evict_branches=True), no_window)
+    assert none.report["status"] == "nothing_to_prune" and none.pruned == 0 and none.evict_branches_after is None
+    unscored = own_prune(kept, PruneSpec(((0, 31),), 2, "kvzip_global"), no_window)
+    assert unscored.leave is None and unscored.pruned == 0 and unscored.report["status"] == "unscored"
+    assert unscored.report["kept_tokens"] == 6 and "no replay forwards" in unscored.report["message"]

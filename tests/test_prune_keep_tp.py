@@ -2,7 +2,7 @@
 
 Two real processes in a gloo group, each with its own SGLang radix tree, allocator and MHA KV pool holding a
 different half of the KV heads (as SGLang shards them), serve and finish the same request, then run the same scored
-prune through the server's own path (``prune_api.pool_scorer`` with ``integration/tp.py``'s all-reduce, SGLang's TP
+prune through the server's own path (``prune.keep.pool_scorer`` with ``integration/tp.py``'s all-reduce, SGLang's TP
 group coordinator over gloo). Both must keep the positions one process holding every head keeps; without the
 all-reduce (each rank's own heads) they keep different ones on these keys, so the test fails if the reduce goes.
 """
@@ -45,8 +45,8 @@ def _kept_after_prune(keys: list[torch.Tensor], all_reduce: object) -> torch.Ten
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-    from sgl_sparse.integration.prune_api import pool_scorer
-    from sgl_sparse.radix import prune as tree_prune
+    from sgl_sparse.prune import tree_ops
+    from sgl_sparse.prune.keep import pool_scorer
     from sgl_sparse.radix.tree import SparseRadixCache
     from sgl_sparse.registry import create_method
     from tests.test_prune import _finished
@@ -60,12 +60,12 @@ def _kept_after_prune(keys: list[torch.Tensor], all_reduce: object) -> torch.Ten
     m = create_method("streamingllm")
     tree = SparseRadixCache(params, m, m.config.fingerprint())
     seq = _finished(tree, req_pool, alloc, "a", PROMPT, [], 1)
-    slots = tree_prune.view_of(tree, seq, None).slots.long()
+    slots = tree.view_of(seq, None).slots.long()
     for layer in range(LAYERS):
         kv.get_key_buffer(layer)[slots] = keys[layer]
-    r = tree_prune.prune(tree, seq, None, RANGES, KEEP, pool_scorer(kv, "knorm", all_reduce))
+    r = tree_ops.prune(tree, seq, None, RANGES, KEEP, pool_scorer(kv, "knorm", all_reduce))
     assert r.status == "completed" and r.kept_tokens == KEEP, r
-    return tree_prune.view_of(tree, seq, None).kept
+    return tree.view_of(seq, None).kept
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:

@@ -343,8 +343,7 @@ def test_continuation_reselects_each_layer_over_its_own_set() -> None:
     for layer in range(4):  # the scores themselves do not matter here: the candidates do
         cand = torch.cat([st.kept[:before.shape[1]][before[layer]], torch.arange(70, 100)])
         scored.append((cand, torch.rand(cand.numel(), generator=torch.Generator().manual_seed(layer))))
-    st.extra["pyramidkv_scored"] = (scored, layer_budgets(100, 4, 24, 6, 3, 4))
-    plan = method.on_step_end(st, step)
+    plan = method.select_layers(st, scored, layer_budgets(100, 4, 24, 6, 3, 4))
     assert plan is not None
     masks = st.extra["pyramidkv_layers"]
     for layer in range(4):

@@ -218,7 +218,7 @@ def _reference_scores(model_dir: str, prompt: list[int], policy: str,
     """The scored keep's score of every prompt position, from HF transformers (fp32, eager attention) over the
     whole prompt: ``snapkv_global``: the softmax attention of the prompt's last 32 queries, summed over each KV
     head's query group and the window, average-pooled over 5 positions per KV head, summed over heads and layers
-    (SnapKV's score, prune_keep.py); ``knorm``: minus each post-RoPE key's L2 norm, summed over heads and layers;
+    (SnapKV's score, prune/keep.py); ``knorm``: minus each post-RoPE key's L2 norm, summed over heads and layers;
     ``kvzip_global``: see :func:`_kvzip_reference_scores` (``ranges`` needed)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM

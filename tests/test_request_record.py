@@ -11,8 +11,9 @@ import torch
 
 from sgl_sparse.integration.replay import replaying
 from sgl_sparse.integration.runtime import SparseRuntime
+from sgl_sparse.radix.records import VIEW_ATTR
 from sgl_sparse.registry import create_method
-from sgl_sparse.request import HANDLE, VIEW_ATTR, SparseRequest, match_view, record_of, set_match_view
+from sgl_sparse.request import HANDLE, SparseRequest, match_view, record_of, set_match_view
 from sgl_sparse.request_methods import EVICTION, MethodResolver
 
 

@@ -8,6 +8,7 @@ from toy_reference import attend_retained
 
 from sgl_sparse import SparseConfigError, create_method
 from sgl_sparse.methods.eviction import rkv
+from sgl_sparse.methods.eviction.base import WINDOW
 from sgl_sparse.reference import ToyAttentionStack, run_request
 
 
@@ -173,4 +174,4 @@ def test_chain_cache_needs_no_payload() -> None:
     trace = run_request(method, ToyAttentionStack(), _tokens(72), prompt_len=60, chunk_size=16)
     assert trace.state.num_kept <= 24 + 4
     assert method.on_finish(trace.state) is None
-    assert "rkv_scores" not in trace.state.extra  # nothing left over between compactions
+    assert WINDOW not in trace.state.extra  # nothing left over between compactions

@@ -9,6 +9,7 @@ from toy_reference import attend_retained
 
 from sgl_sparse import SparseConfigError, create_method
 from sgl_sparse.methods.eviction import skipkv
+from sgl_sparse.methods.eviction.base import WINDOW
 from sgl_sparse.reference import ToyAttentionStack, run_request
 
 BOUNDARY = 255  # the toy vocabulary's "." in these tests
@@ -290,4 +291,4 @@ def test_chain_cache_needs_no_payload() -> None:
     trace = run_request(method, ToyAttentionStack(), _tokens(80, boundary_every=5), prompt_len=40, chunk_size=16)
     assert trace.state.num_kept <= 30 + 4
     assert method.on_finish(trace.state) is None
-    assert skipkv.WINDOW not in trace.state.extra  # no window left over between steps
+    assert WINDOW not in trace.state.extra  # no window left over between steps

@@ -164,7 +164,7 @@ def test_a_turn_that_hid_only_shared_positions_resumes_from_its_record_beside_ot
     re-rendered reply), must still resume from its record, as it does when it is alone on the server (there the
     positions were freed, and the first hole sends the match to the record). It used to get the dense prefix
     instead: the same turn read 3 more positions because another conversation shared its system prompt."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
 
     system, own, answer = list(range(500, 516)), [1, 2, 3, 4], [7, 8, 9, 10]
     kept = torch.tensor([p for p in range(24) if p not in (2, 3, 4)])
@@ -303,7 +303,7 @@ def test_next_turn_that_leaves_the_previous_answer_resumes_from_its_record() -> 
     last eviction: it sees the kept set cut at its match. A request that leaves earlier (another
     conversation sharing part of the prompt, or one inside the span the last eviction decided) still
     stops at the first hole."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
 
     tree, req_pool, alloc = _make()
     prompt, answer = list(range(900, 920)), [1, 2, 3, 4, 5, 6]
@@ -348,7 +348,7 @@ def test_next_turn_rendering_the_generation_prompt_differently_resumes_before_it
     record's ``since`` backs off over them. A request that leaves one token earlier (another question
     on the same document) still stops at the first hole, and so does every request when the prompt
     does not end with the suffix or the last eviction came after the prompt."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
 
     suffix = (61, 62)
     prompt, answer = list(range(900, 918)) + list(suffix), [1, 2, 3, 4, 5, 6]
@@ -387,7 +387,7 @@ def test_the_same_chat_prompt_from_another_request_does_not_resume_from_the_firs
     resume from the first request's kept set (its SnapKV window would then be one token, its answer set by the
     first request's traffic), only a request whose prompt runs past the first one's does. A probe (prune, match)
     still resumes."""
-    from sgl_sparse.radix.tree import FinishedState
+    from sgl_sparse.radix.records import FinishedState
 
     suffix = (61,)
     prompt, answer = list(range(900, 919)) + list(suffix), [1, 2, 3, 4]
@@ -464,3 +464,30 @@ def test_a_dense_hit_leaves_the_observed_window_to_be_computed_but_a_record_resu
     assert len(t2.prefix_indices) == 16 and _holes_in(t2.prefix_indices) == [3, 4, 5]
     tree.cache_finished_req(t2, kv_len_to_handle=18)
     assert _invariant(tree, alloc) == 0
+
+
+def test_each_node_carries_one_typed_record_and_nothing_else() -> None:
+    """The tree adds exactly one attribute to SGLang's TreeNode (``sgl_sparse``: a NodeRecord) through finishes,
+    splits and matches, and its physical count is always the key less its holes."""
+    from sglang.srt.mem_cache.radix_cache import TreeNode
+
+    from sgl_sparse.radix.records import NODE_ATTR, NodeRecord
+
+    tree, req_pool, alloc = _make()
+    a = FakeReq("a", list(range(100, 120)), output_ids=[7, 8, 9])
+    _admit(tree, req_pool, alloc, a, 1)
+    _evict_positions(req_pool, alloc, a, [2, 3, 4, 5, 10, 11])
+    tree.cache_finished_req(a, kv_len_to_handle=23)
+    c = FakeReq("c", list(range(100, 110)) + [1, 2, 3])  # splits a's node
+    _admit(tree, req_pool, alloc, c, 3)
+    tree.cache_finished_req(c, kv_len_to_handle=13)
+    stock = set(vars(TreeNode()))
+    stack, seen = [tree.root_node], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        assert set(vars(node)) - stock == {NODE_ATTR}
+        rec = getattr(node, NODE_ATTR)
+        assert isinstance(rec, NodeRecord) and rec.phys == len(node.key) - rec.holes.numel()
+        stack.extend(node.children.values())
+    assert seen >= 4 and _invariant(tree, alloc) == 0

@@ -78,12 +78,14 @@ SPANS = [(4, 20), (20, 40), (40, 60), (60, 76)]  # closed sentences (decoded tok
 def _skipkv_scores(qs: list[torch.Tensor], ks: list[torch.Tensor], all_reduce: AllReduce | None,
                    sentence_weight: float) -> torch.Tensor:
     """SkipKV scores its candidates in decode (its keep set needs decode steps): its score function directly."""
+    from sgl_sparse.methods.eviction.base import over_all_heads
     from sgl_sparse.methods.eviction.skipkv import SkipKVConfig, skipkv_scores
 
     window = ObservationWindow(queries=dict(enumerate(qs)), q_pos=torch.arange(N - W, N),
                                key_buffer=lambda layer: ks[layer], key_rows=torch.arange(N), k_pos=torch.arange(N),
                                num_layers=LAYERS, scale=D**-0.5, all_reduce=all_reduce)
-    return skipkv_scores(window, SPANS, SkipKVConfig(**SKIPKV, sentence_weight=sentence_weight))[0]
+    local = skipkv_scores(window, SPANS, SkipKVConfig(**SKIPKV, sentence_weight=sentence_weight))[0]
+    return over_all_heads(window, local, mean=True)  # as ScoredEviction reduces SkipKV's (head_mean)
 
 
 def _shard(qs: list[torch.Tensor], ks: list[torch.Tensor], rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

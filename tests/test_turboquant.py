@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from sgl_sparse.contract import KVGeometry, attend
+from sgl_sparse.contract import KVGeometry
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.kernels import quant
 from sgl_sparse.registry import create_method
+from sgl_sparse.store_reads import attend
 
 HKV, G, D, LAYERS, SLOTS = 2, 2, 16, 2, 64
 SCALE = 1 / math.sqrt(D)

@@ -68,19 +68,12 @@ def test_the_store_declares_kernels_and_uses_them_on_cuda_only() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the launcher needs no kernel")
-def test_the_launcher_starts_it_on_cuda_behind_the_opt_in(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_launcher_starts_it_on_cuda() -> None:
     from sgl_sparse.integration.launch import parse_args
     from sgl_sparse.integration.plugin import register
 
     register()
     argv = ["--model-path", "m", "--device", "cuda", "--sparse-method", "turboquant"]
-    monkeypatch.delenv("SGLSPARSE_GPU_QUANT", raising=False)
-    with pytest.raises(SystemExit):
-        parse_args(argv)
-    assert "SGLSPARSE_GPU_QUANT=1" in capsys.readouterr().err
-    monkeypatch.setenv("SGLSPARSE_GPU_QUANT", "1")
     _, hand = parse_args([*argv, "--sparse-config", '{"bits": 2, "qjl": true}'])
     assert hand.method == "turboquant" and hand.prefill_cuda_graph_off
 

@@ -1,4 +1,4 @@
-"""Put a model that `benchmarks/device_session.sh collect` brought back into its asset folder.
+"""Put a model that `tools/device/device_session.sh collect` brought back into its asset folder.
 
     python training/ship_collected.py /work/.device/7 --model large --phase gpu-5-16k
 

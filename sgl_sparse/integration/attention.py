@@ -5,17 +5,17 @@ stock kernels it wraps, so output and speed equal vanilla SGLang. With an evicti
 ``req_to_token`` hold sentinel slots (0) at evicted positions, which attention must skip. The base it
 wraps (the launcher's choice, ``handoff.base``):
 
-* ``flashinfer`` (CUDA default): :class:`SparseFlashInferBackend` over SGLang's
-  ``FlashInferAttnBackend``. Every FlashInfer KV list (eager and CUDA-graph decode, extend with a
-  paged prefix beside the ragged new tokens, paged-only extend) is built by the module-global Triton
-  kernel ``create_flashinfer_kv_indices_triton``; while our backend builds its metadata that name is
-  bound to our compacting kernel, so the lists hold live slots only. Eager decode and extend plan
-  from the device ``kv_indptr`` (FlashInfer copies it to the host, as stock SGLang already pays);
-  graph decode plans from host lengths, which we give exactly from the runtime's counters.
+* ``flashinfer`` (CUDA default): :class:`~.flashinfer_backend.SparseFlashInferBackend` over SGLang's
+  ``FlashInferAttnBackend``, in its own module (imported only for that base): every FlashInfer KV list is
+  built by a module-global Triton kernel, which our compacting launcher stands in for while our backend
+  builds its metadata, so the lists hold live slots only.
 * ``triton``: :class:`SparseTritonBackend` over SGLang's ``TritonAttnBackend``: its lists are built
   by ``_fill_kv_indptr_and_indices``, which we replace with the same compacting kernel.
 * ``torch_native`` (CPU): :class:`SparseTorchNativeBackend`; per request it gathers the live slots
   and masks by logical position (``kpos <= qpos``).
+
+What every base shares is :class:`SparseBackendMixin`, with the plain-torch parts of a method-owned layout's
+attention (the CPU path); the FlashInfer class replaces them with FlashInfer's (the GPU path).
 
 Decode lists give a row with no live slot one padding slot (``min_one``): only CUDA-graph padding rows
 have none, and the kernels expect one slot there; their lengths come from the live counts of the
@@ -26,7 +26,6 @@ observation window (SnapKV) also get their requests' last post-RoPE queries here
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -40,13 +39,11 @@ from sgl_sparse.integration import handoff
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
 from sgl_sparse.integration.selection import allocate_once, attend_itself, attend_selected, observe, write_summaries
 from sgl_sparse.integration.store_attention import (
-    LN2,
     ExtendLists,
     StoreRows,
     causal_attention_torch,
     decode_rows,
     extend_lists,
-    flat_rows,
     merge,
     open_pages_attention_torch,
     prefix_attention_torch,
@@ -60,9 +57,12 @@ from sgl_sparse.slots import SENTINEL_SLOT
 BASES = ("flashinfer", "triton", "torch_native")
 
 
-class _SparseBackendMixin:
+class SparseBackendMixin:
     base_backend: str
     runtime: SparseRuntime
+    # Set by the SGLang base's constructor.
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
     # Whether the lists being built serve a decode step (one padding slot for an empty row) or an
     # extend step (empty stays empty); set around each metadata build.
     decode_lists: bool = False
@@ -167,7 +167,30 @@ class _SparseBackendMixin:
         return out
 
     def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
-        raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} base")
+        """A selecting layer's decode: this step's K/V written, then the selector's own attention (``attends``) or
+        the base's read of the selected pages."""
+        if not self.serves_selection:
+            raise NotImplementedError(f"sgl_sparse: {self.method.name} has no decode path on the {self.base_backend} "
+                                      "base")
+        if save_kv_cache and k is not None and v is not None:
+            self._write_selected_kv(layer, forward_batch, k, v)
+        if self.selector.attends:
+            q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            o = attend_itself(self.selector, layer, q3, k_buf, v_buf, self.req_to_token_pool.req_to_token,
+                              forward_batch)
+            return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        return self._attend_selection(layer, q, forward_batch)
+
+    # A base that serves selection says so and gives how a selecting layer writes this step's K/V and how it
+    # reads the selected pages (``[tokens, Hq * Dv]``).
+    serves_selection = False
+
+    def _write_selected_kv(self, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _attend_selection(self, layer: Any, q: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        raise NotImplementedError
 
     def _new_tokens_attention(self, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, layer: Any,
                               lists: ExtendLists) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,8 +238,9 @@ class _SparseBackendMixin:
         self.runtime.capture_queries(layer.layer_id, q3, forward_batch.rids, lens, float(layer.scaling))
 
 
-class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
+class SparseTorchNativeBackend(SparseBackendMixin, TorchNativeAttnBackend):
     base_backend = "torch_native"
+    serves_selection = True
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
@@ -233,7 +257,8 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
         sel, layer = self.selector, self._extend_layer
         if sel is None or not sel.static or layer is None or not sel.selects(layer.layer_id):
             return None
-        pages = sel.select(layer.layer_id, None, req_to_token, req_pool_indices, seq_lens)
+        # A static selection is read without queries (PyramidKV's layer sets); the contract types q as a Tensor.
+        pages = sel.select(layer.layer_id, None, req_to_token, req_pool_indices, seq_lens)  # type: ignore[arg-type]
         return selected_positions_mask(pages, seq_lens, layer.tp_k_head_num, sel.page_size, int(seq_lens.max()))
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,  # type: ignore[no-untyped-def]
@@ -268,20 +293,17 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
                                                 req_to_token[req_pool_indices[i], :n_kv], scaling, enable_gqa, True)
         return output
 
-    def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
+    def _write_selected_kv(self, layer: Any, forward_batch: Any, k: torch.Tensor, v: torch.Tensor) -> None:
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
-                                                k, v)
+        self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
+                                            k, v)
+
+    def _attend_selection(self, layer: Any, q: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        assert self.selector is not None
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        if self.selector.attends:
-            o = attend_itself(self.selector, layer, q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                              self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                              self.req_to_token_pool.req_to_token, forward_batch)
-            return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-        o = attend_selected(self.selector, layer, q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
+        k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        o = attend_selected(self.selector, layer, q3, k_buf, v_buf, self.req_to_token_pool.req_to_token,
                             forward_batch.req_pool_indices, forward_batch.seq_lens)
         return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
@@ -307,7 +329,7 @@ class SparseTorchNativeBackend(_SparseBackendMixin, TorchNativeAttnBackend):
         return out.squeeze(0).movedim(1, 0)
 
 
-class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
+class SparseTritonBackend(SparseBackendMixin, TritonAttnBackend):
     base_backend = "triton"
 
     def __init__(self, model_runner: Any, *args: Any, **kwargs: Any) -> None:
@@ -319,214 +341,6 @@ class SparseTritonBackend(_SparseBackendMixin, TritonAttnBackend):
         if not self.skip_sentinels:
             return super()._fill_kv_indptr_and_indices(bs, seq_lens, req_pool_indices, kv_indices)
         return self._fill_lists(self.req_to_token, req_pool_indices[:bs], seq_lens[:bs], self.kv_indptr, kv_indices)
-
-
-class _CompactingIndexLauncher:
-    """Stands in for ``flashinfer_backend.create_flashinfer_kv_indices_triton`` (called as
-    ``kernel[grid](...)``): while one of our backends builds its lists and the method evicts, it writes
-    compacted lists (``kv_indptr`` rewritten in place, the view the stock code passes); otherwise, or
-    for lists with a start offset (sliding window, cross attention), it runs the stock kernel."""
-
-    def __init__(self, stock: Any) -> None:
-        self.stock = stock
-        self.active: _SparseBackendMixin | None = None
-
-    def __getitem__(self, grid: Any) -> Any:
-        def launch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor,
-                   kv_indptr: torch.Tensor, kv_start_idx: Any, kv_indices: torch.Tensor, stride: int) -> None:
-            backend = self.active
-            if backend is None or kv_start_idx is not None:
-                self.stock[grid](req_to_token, req_pool_indices, lens, kv_indptr, kv_start_idx, kv_indices, stride)
-                return
-            bs = int(grid[0])
-            backend._fill_lists(req_to_token, req_pool_indices[:bs], lens[:bs], kv_indptr, kv_indices)
-
-        return launch
-
-
-def _flashinfer_launcher() -> _CompactingIndexLauncher:
-    """Install (once per process) our launcher under the FlashInfer backend module's kernel name."""
-    from sglang.srt.layers.attention import flashinfer_backend as fib
-
-    current = fib.create_flashinfer_kv_indices_triton
-    if not isinstance(current, _CompactingIndexLauncher):
-        current = _CompactingIndexLauncher(current)
-        fib.create_flashinfer_kv_indices_triton = current
-    return current
-
-
-def _flashinfer_backend_cls() -> type:
-    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
-
-    class SparseFlashInferBackend(_SparseBackendMixin, FlashInferAttnBackend):
-        base_backend = "flashinfer"
-
-        def __init__(self, model_runner: Any) -> None:
-            super().__init__(model_runner, init_new_workspace=model_runner.init_new_workspace)
-            # The stock constructor checks KV-cache access only for its own class, not subclasses.
-            self._check_kv_attention_access("prefill", self.prefill_kv_access)
-            self._check_kv_attention_access("decode", self.decode_kv_access)
-            self._bind_runtime(model_runner)
-            deterministic = getattr(model_runner.server_args, "enable_deterministic_inference", False)
-            if self.store is not None and (self.is_multimodal or getattr(self, "use_paged", False) or deterministic):
-                raise ValueError(f"sgl_sparse: {self.method.name}'s extend reads new tokens through FlashInfer's "
-                                 "ragged prefill, which SGLang turns off for multimodal models, deterministic "
-                                 "inference and SGLANG_FLASHINFER_USE_PAGED")
-            if self.skip_sentinels and (self.use_sliding_window_kv_pool or self.enable_mis):
-                raise ValueError("sgl_sparse: sliding-window pools and multi-item scoring are not supported with "
-                                 "eviction (they address KV by logical position)")
-            self.launcher = _flashinfer_launcher() if self.skip_sentinels else None
-            self.selection = None
-            if self.selector is not None and not self.selector.attends:
-                from sgl_sparse.integration.flashinfer_selection import FlashInferSelection
-
-                self.selection = FlashInferSelection(self, self.selector)
-
-        def _new_tokens_attention(self, q3, k3, v3, layer, lists):  # type: ignore[no-untyped-def]
-            if not self.forward_metadata.use_ragged:
-                raise RuntimeError(f"sgl_sparse: {self.method.name} reads an extend's new tokens through "
-                                   "FlashInfer's ragged prefill, which this step did not plan (deterministic "
-                                   "inference or a piecewise prefill graph)")
-            o, lse2 = self.prefill_wrapper_ragged.forward_return_lse(q3, k3, v3, causal=True, sm_scale=layer.scaling)
-            return o, lse2 * LN2  # FlashInfer's log-sum-exp is base 2
-
-        def _store_decode_rows(self, forward_batch, q):  # type: ignore[no-untyped-def]
-            if not (self.skip_sentinels and q.is_cuda):
-                return super()._store_decode_rows(forward_batch, q)
-            # A composition on CUDA: the decode wrapper's lists, compacted by our index launcher from the runtime's
-            # live counts (device only), in the graph's static buffers under CUDA graphs; the store reads them as
-            # rows (flat_rows) instead of req_to_token's, which hold sentinels.
-            w = self.forward_metadata.decode_wrappers[0]
-            return flat_rows(w._paged_kv_indptr_buf, w._paged_kv_indices_buf, q.shape[0],
-                             self.req_to_token_pool.req_to_token.shape[1])
-
-        dense_prefix_on_gpu = True
-        _dense_wrapper: Any = None
-        _dense_planned: Any = None  # the ExtendLists the wrapper is planned for (one plan a forward)
-
-        _pages_wrapper: Any = None
-        _pages_planned: Any = None  # the ExtendLists the paged wrapper is planned for (one plan a forward)
-
-        def _open_pages_attention(self, q3, kb, vb, layer, lists):  # type: ignore[no-untyped-def]
-            if not q3.is_cuda:
-                return super()._open_pages_attention(q3, kb, vb, layer, lists)
-            pages = lists.open
-            if self._pages_planned is not lists:
-                from flashinfer import BatchPrefillWithPagedKVCacheWrapper
-
-                if self._pages_wrapper is None:  # SGLang's float workspace, as its own wrappers share it
-                    self._pages_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace_buffer, "NHD")
-                # One request per page of queries; host indptrs and indices: the plan copies them without a sync.
-                self._pages_wrapper.plan(pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.last_page_len,
-                                         q3.shape[1], kb.shape[1], q3.shape[2], pages.group, causal=True,
-                                         q_data_type=q3.dtype, kv_data_type=kb.dtype)
-                self._pages_planned = lists
-            # The buffer's pages as stored, then at full precision (OpenPages.kv_indices counts them so).
-            shape = (2 * pages.pages, pages.group, *kb.shape[1:])
-            o, lse = self._pages_wrapper.forward_return_lse(q3, (kb.view(shape), vb.view(shape)), causal=True,
-                                                            sm_scale=layer.scaling)
-            return o, lse * LN2  # FlashInfer's log-sum-exp is base 2
-
-        def _dense_prefix_attention(self, q3, k, v, layer, lists):  # type: ignore[no-untyped-def]
-            if not q3.is_cuda:
-                return super()._dense_prefix_attention(q3, k, v, layer, lists)
-            if self._dense_planned is not lists:
-                from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
-
-                if self._dense_wrapper is None:  # SGLang's float workspace, as its own wrappers share it
-                    self._dense_wrapper = BatchPrefillWithRaggedKVCacheWrapper(self.workspace_buffer, "NHD")
-                # Host indptrs over the requests with a prefix: the plan copies them to the device without a sync.
-                self._dense_wrapper.plan(lists.dense.qo_indptr, lists.dense.kv_indptr, q3.shape[1], k.shape[1],
-                                         q3.shape[2], causal=False, q_data_type=q3.dtype, kv_data_type=k.dtype)
-                self._dense_planned = lists
-            rows = lists.dense.q_rows
-            qs = q3 if rows is None else q3.index_select(0, rows)
-            o, lse = self._dense_wrapper.forward_return_lse(qs, k, v, causal=False, sm_scale=layer.scaling)
-            lse = lse * LN2  # FlashInfer's log-sum-exp is base 2
-            if rows is None:
-                return o, lse
-            # Requests without a prefix: an empty part (output 0, log-sum-exp -inf), which the merge weighs 0.
-            full_o = o.new_zeros((q3.shape[0], *o.shape[1:]))
-            full_lse = lse.new_full((q3.shape[0], lse.shape[1]), float("-inf"))
-            full_o[rows], full_lse[rows] = o, lse
-            return full_o, full_lse
-
-        @staticmethod
-        def _merge_parts(o1, lse1, o2, lse2):  # type: ignore[no-untyped-def]
-            # FlashInfer's merge (bf16 in and out, base-2 lse): no fp32 copies of a 16K-token chunk per layer.
-            from flashinfer.cascade import merge_state
-
-            return merge_state(o1, lse1 / LN2, o2, lse2 / LN2)[0]
-
-        def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
-            super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
-            if self.selection is not None:
-                self.selection.init_graph_state(max_num_tokens, self.workspace_buffer.device)
-
-        def init_forward_metadata(self, forward_batch: Any) -> None:
-            if self.launcher is None:
-                super().init_forward_metadata(forward_batch)
-            else:
-                self.launcher.active = self
-                try:
-                    super().init_forward_metadata(forward_batch)
-                finally:
-                    self.launcher.active = None
-            if self.selection is not None and forward_batch.forward_mode.is_decode_or_idle():
-                self.selection.plan_eager(forward_batch)
-
-        def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
-            if self.launcher is None:
-                super().init_forward_metadata_out_graph(forward_batch, in_capture)
-            else:
-                fb = forward_batch
-                if fb.forward_mode.is_decode_or_idle() and not in_capture:
-                    fb = self._with_live_lens(fb)
-                self.launcher.active = self
-                try:
-                    super().init_forward_metadata_out_graph(fb, in_capture)
-                finally:
-                    self.launcher.active = None
-            if self.selection is not None and forward_batch.forward_mode.is_decode_or_idle():
-                with no_host_sync(not in_capture and forward_batch.seq_lens_cpu is not None):
-                    self.selection.plan_graph(forward_batch, in_capture)
-
-        def _forward_decode_selected(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
-            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
-            if k is not None and save_kv_cache:
-                self.token_to_kv_pool.set_kv_buffer(
-                    layer, KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc), k, v,
-                    *self._kv_write_scales(layer))
-            if self.selector.attends:
-                k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-                q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-                o = attend_itself(self.selector, layer, q3, k_buf, v_buf, self.req_to_token_pool.req_to_token,
-                                  forward_batch)
-                return o.reshape(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-            return self.selection.attend(layer, q, self.token_to_kv_pool.get_kv_buffer(layer.layer_id),
-                                         self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                         forward_batch.seq_lens)
-
-        def _with_live_lens(self, fb: Any) -> Any:
-            """Graph decode plans on the host from ``seq_lens_cpu`` (logical lengths). Give it the live
-            lengths instead: from the runtime's host counters when it has them for this batch (no sync),
-            else ``None``, which makes FlashInfer read the compacted indptr from the device (one sync).
-            Padding rows keep the fill length 1: their list has exactly one slot (``min_one``)."""
-            if fb.seq_lens_cpu is None:
-                return fb
-            fb = copy.copy(fb)
-            live = self.runtime.decode_live_lens
-            raw_bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
-            if live is None or live.numel() != raw_bs:
-                fb.seq_lens_cpu = None
-                return fb
-            lens = fb.seq_lens_cpu.clone()
-            lens[:raw_bs] = live.to(lens.dtype)
-            fb.seq_lens_cpu = lens
-            return fb
-
-    return SparseFlashInferBackend
 
 
 # Models that fuse the K/V write into RoPE on CUDA with a bf16 pool (sglang/srt/models/*.py, 0.5.17).
@@ -559,7 +373,7 @@ def checkpoint_kv_dtype_problem(model_runner: Any) -> str | None:
     return None
 
 
-def create_backend(model_runner: Any) -> _SparseBackendMixin:
+def create_backend(model_runner: Any) -> SparseBackendMixin:
     """Factory for ``register_attention_backend``."""
     if (why := checkpoint_kv_dtype_problem(model_runner)) is not None:
         raise ValueError(why)
@@ -585,4 +399,6 @@ def create_backend(model_runner: Any) -> _SparseBackendMixin:
         raise ValueError("sgl_sparse: encoder-decoder models are not supported (no cross attention)")
     if base == "triton":
         return SparseTritonBackend(model_runner)
-    return _flashinfer_backend_cls()(model_runner)
+    from sgl_sparse.integration.flashinfer_backend import SparseFlashInferBackend
+
+    return SparseFlashInferBackend(model_runner)

@@ -192,7 +192,7 @@ def _define_pool_class() -> type:
                 self.store.allocate(self.geometry())
             self.k_buffer = [self.store.slot_tensors(i)[0] for i in range(self.layer_num)]
             self.v_buffer = [self.store.slot_tensors(i)[1] for i in range(self.layer_num)]
-            self._kv_buffer_descs = []  # PD transfer and post-capture backing only, both refused
+            self._kv_buffer_descs: list[Any] = []  # PD transfer and post-capture backing only, both refused
             self._init_data_ptrs_and_strides()
 
         def _slot_move_pointer_buffers(self) -> list[torch.Tensor]:

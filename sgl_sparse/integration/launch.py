@@ -12,13 +12,16 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-from sgl_sparse.contract import KVStore, pool_page_size
+from sgl_sparse.contract import KVStore
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.registry import create_method, registered_methods
 from sgl_sparse.request_methods import EVICTION, FLAG, POLICIES, default_policy, policy_problem
+from sgl_sparse.rules import pool_page_size
 
 PROG = "python -m sgl_sparse.launch_server"
 
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every request. Default: eviction when --sparse-method is an eviction method, else off (on a dense "
         "server 'eviction' replaces SGLang's stock attention lists by compacted ones).",
     )
+    group.add_argument(ALLOW_UNVERIFIED, action="store_true", help=ALLOW_UNVERIFIED_HELP)
     return parser
 
 
@@ -292,48 +296,248 @@ def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> hand
     return hand
 
 
-# Method-owned KV layouts served on CUDA without the opt-in. fp8_kv, kivi and turboquant passed their tests/gpu
-# files on an H200 (kernels, CUDA graphs on = off, greedy text near bf16), but their decode speed at long context is
-# what they are for (KIVI-4's first 130K x 6 run decoded at 6.9 tok/s, vanilla bf16 216): each needs a 130K run at
-# or above vanilla before it is served by default. fp8_kv has one: 11 x 130K decode at 1.09x vanilla's 6, prefill at
-# vanilla's input rate (BENCHMARKS.md, 2026-12-04, fifteenth session; its GPU files passed then too).
-GPU_VALIDATED_STORES: frozenset[str] = frozenset({"fp8_kv"})
-GPU_STORE_STATUS = {
-    "kivi": "served at 130K x 6 on an H200 it decodes at 0.70x vanilla at 4 bits: its decode kernel takes 1.03 ms a "
-            "layer (0.99 ms at 2 bits), slower than the 0.74 ms floor of reading that KV in bf16 (BENCHMARKS.md, "
-            "2026-12-04)",
-    "turboquant": "its decode kernel (chunk-major codes) takes 1.5 ms a layer at 130K x 6 on an H200 at 4 bits, "
-                  "slower than the 0.74 ms floor of reading that KV in bf16 (benchmarks/quant_decode.py, "
-                  "2026-12-03)",
-}
-GPU_STORE_ENV = "SGLSPARSE_GPU_QUANT"
-
 # --max-running-requests for a store with per-request buffers when the flag is not given.
 DEFAULT_STORE_RUNNING_REQUESTS = 64
 
-# Selection methods whose FlashInfer decode path has passed its GPU tests on an H200 (quest: tests/gpu/
-# test_gpu_selection.py, 3 passed at a12aa19, 2026-12-02; omnikv: test_gpu_omnikv.py, 2 passed at 555b5cc,
-# 2026-12-03; retroinfer: test_gpu_retroinfer.py, 3 passed on 761eac6 + the KIVI change of 7664278, 2026-12-03). A
-# method of your own (SGLSPARSE_METHOD_MODULES) always needs the opt-in: it is for methods that have passed such tests.
-GPU_VALIDATED_SELECTION = frozenset({"quest", "omnikv", "retroinfer"})
-GPU_SELECTION_ENV = "SGLSPARSE_GPU_SELECTION"
+# The one switch for combinations that have not run on hardware yet (see UNVERIFIED below).
+ALLOW_UNVERIFIED = "--sparse-allow-unverified"
+ALLOW_UNVERIFIED_HELP = (
+    "Start combinations that have not run on hardware yet, which are otherwise launch errors naming this flag: "
+    "an eviction method with --tp-size > 1 on CUDA, and on CUDA a selection method or a quantized KV layout "
+    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES). See docs/parallelism.md.")
 
-# Eviction with --tp-size > 1 on CUDA: opt-in until a multi-GPU run passes (docs/parallelism.md).
-GPU_TP_ENV = "SGLSPARSE_GPU_TP"
+
+@dataclass(frozen=True)
+class Launch:
+    """What a check reads: the parsed flags, the method (the served one, or the representative of the methods
+    requests may choose) and the device."""
+
+    args: argparse.Namespace
+    method: Any
+    device: str
+
+    @property
+    def name(self) -> str:
+        return str(self.method.name)
+
+    @property
+    def gpu(self) -> bool:
+        return self.device != "cpu"
+
+    @property
+    def kv_dtype(self) -> str:
+        return str(self.args.kv_cache_dtype or "auto")
+
+    @property
+    def unverified_allowed(self) -> bool:
+        return bool(getattr(self.args, "sparse_allow_unverified", False))
+
+    def graph(self, phase: str) -> str | None:
+        return requested_graph_backend(self.args, phase)
+
+    def graph_on(self, phase: str) -> bool:
+        """An explicit graph backend other than disabled for ``phase``."""
+        return self.graph(phase) not in (None, DISABLED)
+
+
+def _from_outside(obj: Any) -> bool:
+    """Defined outside sgl_sparse (a module of SGLSPARSE_METHOD_MODULES): no GPU test of ours has run it."""
+    return not type(obj).__module__.startswith("sgl_sparse.")
+
+
+class Check(NamedTuple):
+    """One combination sgl_sparse cannot serve: ``when`` it applies (truthy), ``say`` the argparse error."""
+
+    when: Callable[[Launch], object]
+    say: Callable[[Launch], str]
+
+
+def _hooks_problem(c: Launch) -> str | None:
+    from sgl_sparse.rules import served_hooks_problem
+
+    return served_hooks_problem(c.method)
+
+
+# Replay forwards (KVzip's reconstruction, integration/replay.py; a method's or a prune's kvzip_global). On CUDA
+# too; --tp-size > 1 takes the scores' maximum over the ranks (tests/test_tp_e2e.py), --dp-size > 1 runs them on
+# the rank that holds the request.
+REPLAY: tuple[Check, ...] = (
+    Check(lambda c: c.method.store is not None,
+          lambda c: "replay forwards over a method-owned KV layout are not served yet"),
+    # A replay's extend would write the selector's metadata and read its static sets (PyramidKV): never run.
+    Check(lambda c: c.method.selector is not None,
+          lambda c: f"replay forwards through {c.name}'s per-layer selector are not served yet"),
+)
+
+def _replays(r: Check) -> Check:
+    """A method that runs replays, where ``r`` refuses them."""
+    return Check(lambda c: c.method.runs_replays and r.when(c), lambda c: f"--sparse-method {c.name}: {r.say(c)}")
+
+
+def _graphs_on_cpu(phase: str) -> Check:
+    return Check(lambda c: not c.gpu and c.graph_on(phase),
+                 lambda c: f"{phase} CUDA graph backend {c.graph(phase)} on CPU: CUDA graphs cannot run on CPU; "
+                           "drop the flag (the launcher turns CUDA graphs off on CPU)")
+
+
+# Combinations that have not run on hardware yet: each starts with ALLOW_UNVERIFIED.
+UNVERIFIED: tuple[Check, ...] = (
+    Check(lambda c: (c.method.selector is not None and not c.method.evicts and c.gpu
+                     and _from_outside(c.method)),
+          lambda c: f"--sparse-method {c.name}: its GPU decode path (page selection read through FlashInfer) has "
+                    "not run on hardware: it is loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and "
+                    "only sgl_sparse's own selection methods have passed the GPU tests (tests/gpu/); it serves on "
+                    f"--device cpu, or on CUDA with {ALLOW_UNVERIFIED}"),
+    Check(lambda c: (c.method.store is not None and c.gpu and c.method.store.gpu_kernels
+                     and _from_outside(getattr(c.method, "quantization", c.method))),
+          lambda c: f"--sparse-method {c.name}: its KV layout's GPU kernels have not run on hardware: it is "
+                    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and only sgl_sparse's own layouts "
+                    f"have passed the GPU tests (tests/gpu/); it serves on --device cpu, or on CUDA with "
+                    f"{ALLOW_UNVERIFIED}"),
+    # Every rank sums its scores over the TP group before selecting (integration/tp.py), tested with two gloo
+    # ranks on CPU (tests/test_tp_eviction.py).
+    Check(lambda c: c.method.evicts and (c.args.tp_size or 1) > 1 and c.gpu,
+          lambda c: f"--tp-size {c.args.tp_size} with {c.name}: eviction under tensor parallelism (scores summed "
+                    "over the TP group, so every rank keeps the same tokens) has not yet run on more than one GPU; "
+                    f"see docs/parallelism.md ({ALLOW_UNVERIFIED} starts it)"),
+)
+
+_FP8 = "fp8"
+
+# What sgl_sparse cannot serve, in the order the launcher reports them (file:line refer to sglang/srt/ of SGLang
+# 0.5.17). A predicate that must exclude an earlier one says so (the kv-dtype and store rows).
+UNSUPPORTED: tuple[Check, ...] = (
+    Check(lambda c: _hooks_problem(c) is not None,
+          lambda c: f"--sparse-method {c.name}: {_hooks_problem(c)}"),
+    Check(lambda c: c.method.selector is not None and c.method.evicts and c.gpu,
+          lambda c: f"--sparse-method {c.name}: eviction with per-layer selection (each layer reads its own kept "
+                    "set) serves on --device cpu only for now: the GPU selection path plans one list length per "
+                    "request from its sequence length, and per-layer sets differ in size"),
+    UNVERIFIED[0],
+    *(_replays(r) for r in REPLAY),
+    Check(lambda c: c.args.enable_hierarchical_cache,
+          lambda c: "--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet"),
+    Check(lambda c: c.args.enable_session_radix_cache or c.args.enable_streaming_session,
+          lambda c: "session radix caches / streaming sessions are not supported with sgl_sparse yet"),
+    Check(lambda c: c.args.speculative_algorithm,
+          lambda c: f"--speculative-algorithm {c.args.speculative_algorithm}: speculative decoding is not "
+                    "supported with sgl_sparse: SGLang picks draft attention backends by name "
+                    "(speculative/draft_utils.py L44-58) and has none for 'sgl_sparse', and its draft and verify "
+                    "paths build KV index lists from raw req_to_token rows, which hold sentinel slots after "
+                    "eviction"),
+    Check(lambda c: (c.args.pp_size or 1) > 1,
+          lambda c: f"--pp-size {c.args.pp_size}: pipeline parallelism is not supported with sgl_sparse: a stage "
+                    "holds only its own layers, while the eviction step and observation windows work on all layers "
+                    "in one process"),
+    Check(lambda c: (c.args.dcp_size or 1) > 1,
+          lambda c: f"--dcp-size {c.args.dcp_size}: decode context parallelism is not supported with sgl_sparse: "
+                    "it builds per-rank KV index lists from raw req_to_token rows "
+                    "(layers/attention/triton_backend.py L356-384), bypassing our compaction"),
+    Check(lambda c: c.args.disaggregation_mode not in (None, "null"),
+          lambda c: f"--disaggregation-mode {c.args.disaggregation_mode}: PD disaggregation is not supported with "
+                    "sgl_sparse: KV transfer sends req_to_token rows as slot ids, which hold sentinel slots after "
+                    "eviction, and the method state stays on the prefill server"),
+    Check(lambda c: c.args.enable_dp_attention,
+          lambda c: "--enable-dp-attention: DP attention is not supported with sgl_sparse yet (untested: "
+                    "attention-DP ranks run idle and padded batches our runtime was never checked against)"),
+    Check(lambda c: c.args.enable_mis,
+          lambda c: "--enable-mis: multi-item scoring is not supported with sgl_sparse: it needs SGLang's "
+                    "flashinfer backend by name (server_args.py L4600-4604) and masks by logical positions "
+                    "(layers/attention/flashinfer_backend.py L559-689)"),
+    Check(lambda c: "fp4" in c.kv_dtype,
+          lambda c: f"--kv-cache-dtype {c.kv_dtype}: FP4 KV is not supported with sgl_sparse: FlashInfer's FP4 "
+                    "dequant workspaces read raw req_to_token rows (layers/attention/flashinfer_backend.py L1269, "
+                    "L1429; mem_cache/memory_pool.py L2557-2679)"),
+    Check(lambda c: c.kv_dtype == "mxfp8",
+          lambda c: "--kv-cache-dtype mxfp8: only SGLang's fa4 backend reads MXFP8 KV (its block scales); "
+                    "sgl_sparse wraps flashinfer, triton or torch_native"),
+    Check(lambda c: c.kv_dtype.startswith(_FP8) and "fp4" not in c.kv_dtype and c.method.observation_window() > 0,
+          lambda c: f"--kv-cache-dtype {c.kv_dtype} with {c.name}: its scores read the raw FP8 keys and ignore "
+                    "k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method without an "
+                    "observation window"),
+    Check(lambda c: (c.kv_dtype.startswith(_FP8) and "fp4" not in c.kv_dtype and c.method.observation_window() == 0
+                     and (c.method.selector is not None or c.method.runs_replays)),
+          lambda c: f"--kv-cache-dtype {c.kv_dtype} with {c.name}: its "
+                    + ("page summaries and scores are kept in the KV dtype and read the raw FP8 keys"
+                       if c.method.selector is not None else "replay scores read the raw FP8 keys")
+                    + " (k_scale ignored); use the model dtype, or fp8_kv (our FP8 layout, per-token scales)"),
+    Check(lambda c: c.method.store is not None and c.gpu and not c.method.store.gpu_kernels,
+          lambda c: f"--sparse-method {c.name}: its GPU kernels are not written yet (its layout runs in plain "
+                    "torch, which cannot run inside CUDA graphs); it serves on --device cpu"),
+    UNVERIFIED[1],
+    Check(lambda c: c.method.store is not None and c.kv_dtype != "auto",
+          lambda c: f"--kv-cache-dtype {c.kv_dtype} with {c.name}: the method owns the KV layout (its codes and "
+                    "scales); drop the flag"),
+    Check(lambda c: c.method.store is not None and c.gpu and c.graph_on("prefill"),
+          lambda c: f"prefill CUDA graph backend {c.graph('prefill')} with {c.name}: its extend attention runs "
+                    "eagerly (the launcher turns prefill CUDA graphs off for it); drop the flag"),
+    Check(lambda c: (c.args.tokenizer_worker_num or 1) > 1,
+          lambda c: f"--tokenizer-worker-num {c.args.tokenizer_worker_num}: each extra tokenizer worker re-imports "
+                    "SGLang's HTTP app (entrypoints/http_server.py L2647-2660) without sgl_sparse's routes "
+                    "(/v1/prefix_cache/*); use 1"),
+    Check(lambda c: c.args.enable_hisparse,
+          lambda c: "--enable-hisparse: SGLang's hierarchical sparse attention manages its own KV layout and index "
+                    "lists; it cannot be combined with sgl_sparse's backends"),
+    Check(lambda c: c.args.enable_pdmux,
+          lambda c: "--enable-pdmux: PD multiplexing builds its own attention backend groups per stream, around "
+                    "our backend and runtime; not supported with sgl_sparse"),
+    Check(lambda c: c.args.enable_two_batch_overlap or c.args.enable_single_batch_overlap,
+          lambda c: "--enable-two-batch-overlap / --enable-single-batch-overlap: micro-batch overlap splits a "
+                    "forward into parts our per-step runtime does not see; not supported with sgl_sparse"),
+    Check(lambda c: c.args.enable_lmcache or c.args.enable_flexkv,
+          lambda c: "--enable-lmcache / --enable-flexkv: SGLang builds these in place of its radix tree, and "
+                    "sgl_sparse's tree (--radix-cache-backend sgl_sparse) is built instead, so the external KV "
+                    "store would be silently off; not supported with sgl_sparse"),
+    Check(lambda c: c.args.enable_deterministic_inference or c.args.rl_on_policy_target,
+          lambda c: "--enable-deterministic-inference / --rl-on-policy-target: SGLang's batch-invariant kernels "
+                    "are chosen by attention backend name (fa3, flashinfer, triton), not sgl_sparse's; not "
+                    "supported with sgl_sparse"),
+    Check(lambda c: c.args.enable_torch_compile,
+          lambda c: "--enable-torch-compile: torch.compile would trace sgl_sparse's decode-step Python "
+                    "(compaction, selection) on CUDA, which has not been tested, and on CPU SGLang's compiled graph "
+                    "runner needs backend hooks ours lack; not supported with sgl_sparse yet"),
+    Check(lambda c: getattr(c.args, "smg_grpc_mode", False) or getattr(c.args, "grpc_mode", False),
+          lambda c: "--grpc-mode / --smg-grpc-mode: the gRPC servicer replaces SGLang's HTTP server and tokenizer "
+                    "manager, so sgl_sparse's routes (/v1/prefix_cache/*), request validation and meta_info would "
+                    "be missing; serve over HTTP"),
+    Check(lambda c: (c.args.attn_cp_size or 1) > 1 or c.args.enable_prefill_cp,
+          lambda c: "--attn-cp-size / --enable-prefill-cp: context parallelism writes prefill K/V through SGLang's "
+                    "all-gather (set_kv_buffer), past sgl_sparse's write path (selection summaries, eviction "
+                    "capture, method-owned layouts); not supported with sgl_sparse"),
+    Check(lambda c: getattr(c.args, "dllm_algorithm", None),
+          lambda c: f"--dllm-algorithm {c.args.dllm_algorithm}: diffusion LLM decoding replaces the attention "
+                    "backend with SGLang's own and changes the page size; not supported with sgl_sparse"),
+    Check(lambda c: str(getattr(c.args, "kv_canary", "none") or "none") != "none",
+          lambda c: f"--kv-canary {c.args.kv_canary}: the canary walks SGLang's own radix tree classes and reads "
+                    "req_to_token rows, which hold sentinel slots after eviction; not supported with sgl_sparse"),
+    Check(lambda c: c.method.evicts and getattr(c.args, "kv_events_config", None),
+          lambda c: f"--kv-events-config with {c.name}: the events would report evicted positions as still stored "
+                    "(a node keeps its whole key when the method frees some of its slots), misleading a KV-aware "
+                    "router; serve events with a method that does not evict"),
+    Check(lambda c: c.method.evicts and getattr(c.args, "strip_thinking_cache", False),
+          lambda c: f"--strip-thinking-cache with {c.name}: SGLang then frees the output part of the row itself, "
+                    "raw (mem_cache/common.py L178-201), which holds sentinel slots after eviction"),
+    Check(lambda c: c.method.evicts and (c.args.num_continuous_decode_steps or 1) > 1,
+          lambda c: f"--num-continuous-decode-steps {c.args.num_continuous_decode_steps} with {c.name}: the "
+                    "eviction step and its host counters run once per scheduled batch; use 1"),
+    UNVERIFIED[2],
+    *(_graphs_on_cpu(phase) for phase in ("decode", "prefill")),
+    Check(lambda c: (c.gpu and c.method.observation_window() > 0 and c.method.observes_decode()
+                     and c.graph("decode") != DISABLED),
+          lambda c: f"{c.name} observes decode queries (snapkv's decode_interval > 0, h2o's evict_interval > 0, "
+                    "rkv and skipkv always), collected in Python, which decode CUDA graphs would skip: add "
+                    "--cuda-graph-backend-decode disabled (or, for snapkv and h2o, set that field to 0)"),
+    Check(lambda c: c.gpu and c.method.observation_window() > 0 and c.graph_on("prefill"),
+          lambda c: f"prefill CUDA graph backend {c.graph('prefill')} with {c.name}: a replayed prefill graph has "
+                    "no request ids, so the method cannot capture its window queries; drop the flag (the launcher "
+                    "turns prefill CUDA graphs off for it)"),
+)
 
 
 def replay_problems(args: argparse.Namespace, method: Any, device: str) -> list[str]:
-    """Why replay forwards (KVzip's reconstruction, integration/replay.py; a method's or a prune's kvzip_global)
-    cannot run on this server; empty when they can."""
-    # CUDA since tests/gpu/test_gpu_kvzip.py passed on the H200 (2026-12-04); --tp-size > 1 takes the scores'
-    # maximum over the ranks (tests/test_tp_e2e.py), --dp-size > 1 runs them on the rank that holds the request.
-    problems = []
-    if method.store is not None:
-        problems.append("replay forwards over a method-owned KV layout are not served yet")
-    if method.selector is not None:
-        # A replay's extend would write the selector's metadata and read its static sets (PyramidKV): never run.
-        problems.append(f"replay forwards through {method.name}'s per-layer selector are not served yet")
-    return problems
+    """Why replay forwards cannot run on this server; empty when they can."""
+    c = Launch(args, method, device)
+    return [r.say(c) for r in REPLAY if r.when(c)]
 
 
 def replay_prune_problem(args: argparse.Namespace, method: Any, device: str, policy: str) -> str | None:
@@ -345,164 +549,11 @@ def replay_prune_problem(args: argparse.Namespace, method: Any, device: str, pol
 
 
 def unsupported_combinations(args: argparse.Namespace, method: Any, device: str) -> list[str]:
-    """What sgl_sparse cannot serve yet, as messages for argparse errors (file:line refer to sglang/srt/ of
-    SGLang 0.5.17)."""
-    from sgl_sparse.contract import served_hooks_problem
-
-    problems = []
-    if (why := served_hooks_problem(method)) is not None:
-        problems.append(f"--sparse-method {method.name}: {why}")
-    if method.selector is not None and method.evicts and device != "cpu":
-        problems.append(f"--sparse-method {method.name}: eviction with per-layer selection (each layer reads its "
-                        "own kept set) serves on --device cpu only for now: the GPU selection path plans one list "
-                        "length per request from its sequence length, and per-layer sets differ in size")
-    elif (method.selector is not None and device != "cpu" and method.name not in GPU_VALIDATED_SELECTION
-            and os.environ.get(GPU_SELECTION_ENV) != "1"):
-        problems.append(f"--sparse-method {method.name}: its GPU decode path (page selection read through "
-                        "FlashInfer) has not passed the GPU tests yet; it serves on --device cpu for now "
-                        f"({GPU_SELECTION_ENV}=1 starts it anyway, for those tests)")
-    if method.runs_replays:
-        problems += [f"--sparse-method {method.name}: {why}" for why in replay_problems(args, method, device)]
-    if args.enable_hierarchical_cache:
-        problems.append("--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet")
-    if args.enable_session_radix_cache or args.enable_streaming_session:
-        problems.append("session radix caches / streaming sessions are not supported with sgl_sparse yet")
-    if args.speculative_algorithm:
-        problems.append(f"--speculative-algorithm {args.speculative_algorithm}: speculative decoding is not "
-                        "supported with sgl_sparse: SGLang picks draft attention backends by name "
-                        "(speculative/draft_utils.py L44-58) and has none for 'sgl_sparse', and its draft and "
-                        "verify paths build KV index lists from raw req_to_token rows, which hold sentinel slots "
-                        "after eviction")
-    if (args.pp_size or 1) > 1:
-        problems.append(f"--pp-size {args.pp_size}: pipeline parallelism is not supported with sgl_sparse: a "
-                        "stage holds only its own layers, while the eviction step and observation windows work "
-                        "on all layers in one process")
-    if (args.dcp_size or 1) > 1:
-        problems.append(f"--dcp-size {args.dcp_size}: decode context parallelism is not supported with "
-                        "sgl_sparse: it builds per-rank KV index lists from raw req_to_token rows "
-                        "(layers/attention/triton_backend.py L356-384), bypassing our compaction")
-    if args.disaggregation_mode not in (None, "null"):
-        problems.append(f"--disaggregation-mode {args.disaggregation_mode}: PD disaggregation is not supported "
-                        "with sgl_sparse: KV transfer sends req_to_token rows as slot ids, which hold sentinel "
-                        "slots after eviction, and the method state stays on the prefill server")
-    if args.enable_dp_attention:
-        problems.append("--enable-dp-attention: DP attention is not supported with sgl_sparse yet (untested: "
-                        "attention-DP ranks run idle and padded batches our runtime was never checked against)")
-    if args.enable_mis:
-        problems.append("--enable-mis: multi-item scoring is not supported with sgl_sparse: it needs SGLang's "
-                        "flashinfer backend by name (server_args.py L4600-4604) and masks by logical positions "
-                        "(layers/attention/flashinfer_backend.py L559-689)")
-    kv_dtype = str(args.kv_cache_dtype or "auto")
-    if "fp4" in kv_dtype:
-        problems.append(f"--kv-cache-dtype {kv_dtype}: FP4 KV is not supported with sgl_sparse: FlashInfer's "
-                        "FP4 dequant workspaces read raw req_to_token rows (layers/attention/flashinfer_backend.py "
-                        "L1269, L1429; mem_cache/memory_pool.py L2557-2679)")
-    elif kv_dtype == "mxfp8":
-        problems.append("--kv-cache-dtype mxfp8: only SGLang's fa4 backend reads MXFP8 KV (its block scales); "
-                        "sgl_sparse wraps flashinfer, triton or torch_native")
-    elif kv_dtype.startswith("fp8") and method.observation_window() > 0:
-        problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its scores read the raw FP8 keys and "
-                        "ignore k_scale (sgl_sparse/kernels/window_scores.py); use the model dtype or a method "
-                        "without an observation window")
-    elif kv_dtype.startswith("fp8") and (method.selector is not None
-                                         or method.runs_replays):
-        problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: its "
-                        + ("page summaries and scores are kept in the KV dtype and read the raw FP8 keys"
-                           if method.selector is not None else "replay scores read the raw FP8 keys")
-                        + " (k_scale ignored); use the model dtype, or fp8_kv (our FP8 layout, per-token scales)")
-    if method.store is not None:
-        if device != "cpu" and not method.store.gpu_kernels:
-            problems.append(f"--sparse-method {method.name}: its GPU kernels are not written yet (its layout runs "
-                            "in plain torch, which cannot run inside CUDA graphs); it serves on --device cpu")
-        elif (device != "cpu" and (layout := getattr(method, "quantization", method).name) not in GPU_VALIDATED_STORES
-              and os.environ.get(GPU_STORE_ENV) != "1"):
-            why = GPU_STORE_STATUS.get(layout, "its GPU kernels have not passed the GPU tests yet")
-            problems.append(f"--sparse-method {method.name}: {why}; it serves on --device cpu for now "
-                            f"({GPU_STORE_ENV}=1 starts it anyway, for tests and benchmarks)")
-        if kv_dtype != "auto":
-            problems.append(f"--kv-cache-dtype {kv_dtype} with {method.name}: the method owns the KV layout "
-                            "(its codes and scales); drop the flag")
-        prefill = requested_graph_backend(args, "prefill")
-        if device != "cpu" and prefill not in (None, DISABLED):
-            problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: its extend attention runs "
-                            "eagerly (the launcher turns prefill CUDA graphs off for it); drop the flag")
-    if (args.tokenizer_worker_num or 1) > 1:
-        problems.append(f"--tokenizer-worker-num {args.tokenizer_worker_num}: each extra tokenizer worker re-imports "
-                        "SGLang's HTTP app (entrypoints/http_server.py L2647-2660) without sgl_sparse's routes "
-                        "(/v1/prefix_cache/*); use 1")
-    if args.enable_hisparse:
-        problems.append("--enable-hisparse: SGLang's hierarchical sparse attention manages its own KV layout and "
-                        "index lists; it cannot be combined with sgl_sparse's backends")
-    if args.enable_pdmux:
-        problems.append("--enable-pdmux: PD multiplexing builds its own attention backend groups per stream, "
-                        "around our backend and runtime; not supported with sgl_sparse")
-    if args.enable_two_batch_overlap or args.enable_single_batch_overlap:
-        problems.append("--enable-two-batch-overlap / --enable-single-batch-overlap: micro-batch overlap splits "
-                        "a forward into parts our per-step runtime does not see; not supported with sgl_sparse")
-    if args.enable_lmcache or args.enable_flexkv:
-        problems.append("--enable-lmcache / --enable-flexkv: SGLang builds these in place of its radix tree, and "
-                        "sgl_sparse's tree (--radix-cache-backend sgl_sparse) is built instead, so the external KV "
-                        "store would be silently off; not supported with sgl_sparse")
-    if args.enable_deterministic_inference or args.rl_on_policy_target:
-        problems.append("--enable-deterministic-inference / --rl-on-policy-target: SGLang's batch-invariant "
-                        "kernels are chosen by attention backend name (fa3, flashinfer, triton), not "
-                        "sgl_sparse's; not supported with sgl_sparse")
-    if args.enable_torch_compile:
-        problems.append("--enable-torch-compile: torch.compile would trace sgl_sparse's decode-step Python "
-                        "(compaction, selection) on CUDA, which has not been tested, and on CPU SGLang's compiled "
-                        "graph runner needs backend hooks ours lack; not supported with sgl_sparse yet")
-    if getattr(args, "smg_grpc_mode", False) or getattr(args, "grpc_mode", False):
-        problems.append("--grpc-mode / --smg-grpc-mode: the gRPC servicer replaces SGLang's HTTP server and "
-                        "tokenizer manager, so sgl_sparse's routes (/v1/prefix_cache/*), request validation and "
-                        "meta_info would be missing; serve over HTTP")
-    if (args.attn_cp_size or 1) > 1 or args.enable_prefill_cp:
-        problems.append("--attn-cp-size / --enable-prefill-cp: context parallelism writes prefill K/V through "
-                        "SGLang's all-gather (set_kv_buffer), past sgl_sparse's write path (selection summaries, "
-                        "eviction capture, method-owned layouts); not supported with sgl_sparse")
-    if getattr(args, "dllm_algorithm", None):
-        problems.append(f"--dllm-algorithm {args.dllm_algorithm}: diffusion LLM decoding replaces the attention "
-                        "backend with SGLang's own and changes the page size; not supported with sgl_sparse")
-    if str(getattr(args, "kv_canary", "none") or "none") != "none":
-        problems.append(f"--kv-canary {args.kv_canary}: the canary walks SGLang's own radix tree classes and reads "
-                        "req_to_token rows, which hold sentinel slots after eviction; not supported with sgl_sparse")
-    if method.evicts:
-        if getattr(args, "kv_events_config", None):
-            problems.append(f"--kv-events-config with {method.name}: the events would report evicted positions "
-                            "as still stored (a node keeps its whole key when the method frees some of its "
-                            "slots), misleading a KV-aware router; serve events with a method that does not evict")
-        if getattr(args, "strip_thinking_cache", False):
-            problems.append(f"--strip-thinking-cache with {method.name}: SGLang then frees the output part of "
-                            "the row itself, raw (mem_cache/common.py L178-201), which holds sentinel slots after "
-                            "eviction")
-        if (args.num_continuous_decode_steps or 1) > 1:
-            problems.append(f"--num-continuous-decode-steps {args.num_continuous_decode_steps} with {method.name}: "
-                            "the eviction step and its host counters run once per scheduled batch; use 1")
-    if (method.evicts and (args.tp_size or 1) > 1 and device != "cpu"
-            and os.environ.get(GPU_TP_ENV) != "1"):
-        # Every rank sums its scores over the TP group before selecting (integration/tp.py), tested with two
-        # gloo ranks on CPU (tests/test_tp_eviction.py); no multi-GPU server has run it yet.
-        problems.append(f"--tp-size {args.tp_size} with {method.name}: eviction under tensor parallelism (scores "
-                        "summed over the TP group, so every rank keeps the same tokens) has not run on GPUs yet; "
-                        f"{GPU_TP_ENV}=1 starts it anyway, for the two-GPU tests (docs/parallelism.md)")
-    if device == "cpu":
-        for phase in ("decode", "prefill"):
-            backend = requested_graph_backend(args, phase)
-            if backend not in (None, DISABLED):
-                problems.append(f"{phase} CUDA graph backend {backend} on CPU: CUDA graphs cannot run on CPU; "
-                                f"drop the flag (the launcher turns CUDA graphs off on CPU)")
-    else:
-        if method.observation_window() > 0 and method.observes_decode() and (
-                requested_graph_backend(args, "decode") != DISABLED):
-            problems.append(f"{method.name} observes decode queries (snapkv's decode_interval > 0, h2o's "
-                            "evict_interval > 0, rkv and skipkv always), collected in Python, which decode CUDA "
-                            "graphs would skip: add --cuda-graph-backend-decode disabled (or, for snapkv and h2o, "
-                            "set that field to 0)")
-        prefill = requested_graph_backend(args, "prefill")
-        if method.observation_window() > 0 and prefill not in (None, DISABLED):
-            problems.append(f"prefill CUDA graph backend {prefill} with {method.name}: a replayed prefill graph "
-                            "has no request ids, so the method cannot capture its window queries; drop the flag "
-                            "(the launcher turns prefill CUDA graphs off for it)")
-    return problems
+    """What sgl_sparse cannot serve (:data:`UNSUPPORTED`), as messages for argparse errors, in table order. The
+    combinations of :data:`UNVERIFIED` start with ``--sparse-allow-unverified``."""
+    c = Launch(args, method, device)
+    return [check.say(c) for check in UNSUPPORTED
+            if check.when(c) and not (c.unverified_allowed and any(check is u for u in UNVERIFIED))]
 
 
 def scored_prune_problem(args: argparse.Namespace, device: str) -> str | None:
@@ -537,11 +588,11 @@ def main(argv: list[str] | None = None) -> None:
     handoff.publish(hand)  # before ServerArgs: its __post_init__ and the spawned children read it
     from sglang.srt.entrypoints.http_server import app
 
-    from sgl_sparse.integration import prune_api
+    from sgl_sparse.integration import prune_route
 
     # Prefix-Cache Pruning: our routes on SGLang's app and their communicator, before the TokenizerManager exists.
-    prune_api.register_communicator()
-    prune_api.install_routes(app)
+    prune_route.register_communicator()
+    prune_route.install_routes(app)
 
     from sglang.launch_server import run_server
     from sglang.srt.server_args import ServerArgs

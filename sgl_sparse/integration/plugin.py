@@ -32,9 +32,9 @@ def _is_cpu_server() -> bool:
 
 
 def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildContext
-    from sgl_sparse.contract import pool_page_size
     from sgl_sparse.integration.runtime import get_runtime
     from sgl_sparse.radix.tree import SparseRadixCache
+    from sgl_sparse.rules import pool_page_size
 
     unsupported = {
         "hybrid SWA models": ctx.is_hybrid_swa,
@@ -211,11 +211,11 @@ def register() -> None:
     HookRegistry.register(per_request.ADMIT_TARGET, per_request.before_add_request_to_queue, HookType.BEFORE)
     for target in per_request.OPENAI_RESPONSE_TARGETS:  # and in a non-streaming OpenAI response's metadata
         HookRegistry.register(target, per_request.after_build_openai_response, HookType.AFTER)
-    from sgl_sparse.integration import prune_api
+    from sgl_sparse.integration import prune_route
 
     # Prefix-Cache Pruning's control request, handled by each scheduler between batches.
-    HookRegistry.register(prune_api.DISPATCHER_TARGET, prune_api.after_init_request_dispatcher, HookType.AFTER)
-    HookRegistry.register(prune_api.CHAT_CONVERT_TARGET, prune_api.after_convert_chat_request, HookType.AFTER)
+    HookRegistry.register(prune_route.DISPATCHER_TARGET, prune_route.after_init_request_dispatcher, HookType.AFTER)
+    HookRegistry.register(prune_route.CHAT_CONVERT_TARGET, prune_route.after_convert_chat_request, HookType.AFTER)
     if _is_cpu_server():
         from sgl_sparse.integration.cpu_support import register_cpu_support
 

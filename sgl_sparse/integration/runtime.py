@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod, served_hooks_problem
+from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
@@ -36,7 +36,7 @@ from sgl_sparse.integration.metrics import Counters
 from sgl_sparse.integration.step import Deferred, StepPlanner
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
-from sgl_sparse.prune_keep import KVZIP_GLOBAL, SNAPKV_WINDOW
+from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW
 from sgl_sparse.request import SparseRequest, attach, match_view, record_of
 from sgl_sparse.request_methods import (
     EVICTION,
@@ -47,6 +47,7 @@ from sgl_sparse.request_methods import (
     parse_prune_param,
     prune_problem,
 )
+from sgl_sparse.rules import served_hooks_problem
 from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)
@@ -230,7 +231,7 @@ class SparseRuntime:
     def finish(self, req: Any) -> Any:
         """The request finished, was aborted or retracted (tree callback): its kept set and payload for
         the tree; its record drops what its run held."""
-        from sgl_sparse.radix.tree import FinishedState
+        from sgl_sparse.radix.records import FinishedState
 
         self.tracked.pop(req.rid, None)
         rec = record_of(req)

@@ -26,21 +26,16 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo, check_keep_plan, in_ranges
+from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.metrics import Counters
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce, scores_max_over_ranks
-from sgl_sparse.prune_keep import (
-    KVZIP_GLOBAL,
-    SNAPKV_WINDOW,
-    PruneSpec,
-    PruneUnscored,
-    ReplayInputs,
-    request_prune_leaves,
-)
+from sgl_sparse.prune.keep import PruneUnscored, ReplayInputs, request_prune_leaves
+from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec
 from sgl_sparse.request import PRUNE_REPORT, SparseRequest, record_of
+from sgl_sparse.rules import check_keep_plan, in_ranges
 from sgl_sparse.slots import to_device, write_sentinels
 
 logger = logging.getLogger(__name__)

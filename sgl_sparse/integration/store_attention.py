@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import KVStore, attend
+from sgl_sparse.contract import KVStore
 from sgl_sparse.slots import SENTINEL_SLOT
+from sgl_sparse.store_reads import attend
 
 LN2 = math.log(2.0)
 
@@ -86,7 +87,7 @@ def raw_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: t
 # The most prefix tokens one extend step reads dequantized (a store's ``dequantize_prefix``): the transient K/V
 # buffer of one layer's call is this x 4 bytes x KV heads x head dim (1 GiB for Llama-3-8B's 8 x 128), outside
 # SGLang's KV budget (it comes from the activations' share), plus the store's own temporaries (one piece of
-# contract.READ_PIECE slots at a time by default). A step over more reads its prefix through the store's kernel.
+# store_reads.READ_PIECE slots at a time by default). A step over more reads its prefix through the store's kernel.
 DEQUANTIZE_MAX_TOKENS = 262_144
 
 

@@ -4,10 +4,11 @@ Under ``--tp-size N`` every TP rank runs its own scheduler, prefix tree and allo
 and SGLang keeps them in lock-step only by running the same decisions on the same inputs (no per-step sync of
 allocator or tree state; docs/parallelism.md). Each rank's attention holds its own shard of the heads, so the
 window scores a rank computes cover its heads only: kept sets picked from them would differ between ranks,
-their free counts and admissions would diverge, and the next collective of the model would hang. The methods
-therefore sum their per-position scores over the TP group (:meth:`ObservationWindow.reduce_heads`) through
-the reducer this module hands to every observation window; scores that are maxima over heads (KVzip's replay
-forwards, a prune's ``kvzip_global``) take their maximum over the ranks instead (``StepInfo.max_over_ranks``).
+their free counts and admissions would diverge, and the next collective of the model would hang. The scored-eviction
+base (:class:`sgl_sparse.methods.eviction.base.ScoredEviction`) therefore sums its methods' per-position scores over
+the TP group through the reducer this module hands to every observation window; scores that are maxima over heads
+(KVzip's replay forwards, a prune's ``kvzip_global``) take their maximum over the ranks instead
+(``StepInfo.max_over_ranks``).
 """
 
 from __future__ import annotations

@@ -119,9 +119,8 @@ def _decode_kernel(q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool
         ks = tl.load(k_scale + slot * stride_ss + h, mask=ok, other=0.0)
         vs = tl.load(v_scale + slot * stride_ss + h, mask=ok, other=0.0)
         # As the extend kernel: raw E4M3 codes (exact in bf16 and fp16) into dots in the model dtype on the
-        # GPU, the key scale on the logits and the value scale on the probabilities, fp32 accumulation. The
-        # first version decoded to fp32 and scaled every value element (TF32 dots): 976 us a layer at 6 x 130K
-        # on the H200, 39% of its HBM floor (benchmarks/quant_decode.py, 2026-12-03).
+        # GPU, the key scale on the logits and the value scale on the probabilities, fp32 accumulation. Decoding
+        # to fp32 and scaling every value element (TF32 dots) reads far below the HBM floor.
         s = tl.dot(qk, tl.trans(_codes16(kc, NATIVE))) * (ks * scale)[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
         m, den, acc = online_step_weighted(m, den, acc, s, _decode_codes(vc, NATIVE).to(qv.dtype), vs)
@@ -152,9 +151,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, k_scale, v_codes, v_scale, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), req_to_token.stride(0),
-        # 128 positions an iteration and 2 warps on the GPU: timed on the H200 (benchmarks/quant_decode.py
-        # --fp8-blocks, 2026-12-03, per layer at 6 x 130K): 686 us, against 811 at 64 and 4 warps (the earlier
-        # default), 777 at 128 and 4, 691 at 64 and 2, 1,244 at 1 warp, 2,816 at 256 positions.
+        # 128 positions an iteration and 2 warps on the GPU: the fastest of the shapes that
+        # benchmarks/quant_decode.py --fp8-blocks times (64-256 positions, 1-4 warps).
         scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=block or (128 if q.is_cuda else 16),
         NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 2, **({"num_stages": stages} if stages else {}))
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)

@@ -1,8 +1,6 @@
 """Decode and extend attention over KIVI's layout (``methods/quantization/kivi.py``), dequantized in registers.
 
-Served on CUDA only with the launcher's opt-in (``SGLSPARSE_GPU_QUANT=1``) until the decode beats reading the same
-KV in bf16 (history below). Layout, per
-layer: K and V codes ``[slots, Hkv, W]`` uint8, chunk-major (``kernels/quant.py::pack_chunks``, read through
+Layout, per layer: K and V codes ``[slots, Hkv, W]`` uint8, chunk-major (``kernels/quant.py::pack_chunks``, read through
 ``kernels/chunks.py``): ``W = D * bits / 8`` bytes a token and head, ``P = 8 / bits`` chunks, byte ``j`` holding
 channel ``c * W + j`` in its ``c``-th lane; K scale and zero ``[pages, Hkv, D]`` (one page = one key group),
 V scale and zero ``[slots, Hkv, D / GS]``, fp16; the residual ``[rows, GS, Hkv, D]`` holds each request's
@@ -29,25 +27,20 @@ by the last split. The queries are read once, as ``P`` chunks ``[G, W]`` (scaled
   review's CPU emulation at 131K positions, values of std 0.01: 5e-2 of the output's largest value, against
   3e-3 in bf16).
 
-History (``benchmarks/quant_decode.py`` on the H200, per layer at 6 x 130K, Llama-3-8B heads, against the pools'
-HBM floors of 232 us at 4 bits and 139 at 2, and bf16's 743 us, which reads twice KIVI-4's bytes): a bit-plane
-layout (``bits`` planes of ``D / 8`` bytes) took 3,340 and 2,725 us, ALU-bound at ~4 integer ops per bit and
-element plus a reshape a page; chunk-major codes taken as fp32 (an AND and a float add an element, TF32 dots)
-1,691 and 1,027 us; the 16-bit codes above 1,255 and 1,001 us, and 1,024 and 887 with 4 pages an iteration
-(2026-12-03, tenth session; values in fp16 then, bf16 since, not re-timed), equal to the torch path within
-rounding. ``benchmarks/sass_counts.py`` (compiled
-for sm_90 without a GPU): 7.7 SASS instructions an element in the loop at 1 page an iteration, 6.5 at 4, of which
-unpacking is ~1; the rest is the per-block cost of tiles of 4 query rows (shared-memory layout conversions, index
-arithmetic, the softmax, a p' for each value piece): still above bf16's floor.
+Why this layout: bit-planes (``bits`` planes of ``D / 8`` bytes) were ALU-bound at ~4 integer ops per bit and
+element plus a reshape a page, and chunk-major codes taken as fp32 (an AND and a float add an element, TF32 dots)
+cost more instructions than the 16-bit codes above; stacking several pages an iteration cuts the per-page cost of
+the thin query tiles (shared-memory layout conversions, index arithmetic, the softmax, a ``p'`` per value piece),
+which dominates over unpacking (~1 instruction an element, ``benchmarks/sass_counts.py``). Its speed against bf16
+is in BENCHMARKS.md.
 
 Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
 the model dtype (``[prefix tokens, Hkv, D]`` for K and V, a chunk at a time, at most ``WS_TOKENS`` prefix
 tokens a pass: a 130K prefix takes 0.5 GB a layer), then blocks of ``BLOCK_M`` new tokens of one request x KV
 head (the group's query heads as rows of one tile) attend over it with the tensor cores in that dtype; output
 and natural log-sum-exp, merged by the caller with the new tokens' own attention. Why a workspace: an extend
-tile that dequantized the prefix itself (the first version) did so once per block of new tokens, i.e.
-1,024 times for a 16K chunk, and ran at ~4 TFLOP/s on the H200 (a 130K prompt took minutes to prefill,
-BENCHMARKS.md 2026-12-03); the workspace dequantizes each prefix token once per layer and chunk. The
+tile that dequantized the prefix itself would do so once per block of new tokens, i.e. 1,024 times for a 16K
+chunk; the workspace dequantizes each prefix token once per layer and chunk. The
 store's torch path is the reference of both kernels.
 """
 
@@ -86,11 +79,9 @@ from sgl_sparse.kernels.splits import (
 )
 
 # Decode: positions an iteration where a page has >= 16 slots, in whole pages (2 or more stack their key scales,
-# _logits_stacked). Timed on the H200 at 32-slot pages (benchmarks/quant_decode.py --kivi-pages, 2026-12-03, per layer
-# at 6 x 130K, KIVI-4 / KIVI-2, values in fp16 then): 1 page 1,255 / 1,007 us; 2 pages 1,129 / 1,661; 4 pages
-# (128 positions) 1,024 / 887; 8 pages 1,360 / 1,145, all at 2 warps (4 warps slower in every case, 1 warp faster
-# only for KIVI-2 at 4 pages: 860). Other page sizes keep the 128 positions: 64- and 128-slot pages as 2 and 1 (4
-# of them would spill, 648 and 7,328 bytes of stack at 2 warps, benchmarks/sass_counts.py --page).
+# _logits_stacked). 128 positions (4 pages of 32 slots) at 2 warps was the fastest choice at 32-slot pages
+# (benchmarks/quant_decode.py --kivi-pages times the others). Other page sizes keep the 128 positions: 64- and
+# 128-slot pages as 2 and 1 (4 of them would spill to the stack, benchmarks/sass_counts.py --page).
 BLOCK_POSITIONS = 128
 WS_TOKENS = 1 << 18  # prefix tokens dequantized per pass (K and V: 1 GB at 8 KV heads x 128 in bf16)
 DEQUANT_BLOCK = 64
@@ -376,8 +367,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     ppi = max(1, 16 // group, pages or (BLOCK_POSITIONS // group if group >= 16 else 1))
     assert ppi & (ppi - 1) == 0, "pages an iteration: a power of two"
     block = ppi * group
-    # One page an iteration takes _logits' single-page path: stacking a single page compiles to ~13% more
-    # instructions (benchmarks/sass_counts.py: 8.9 against 7.9 an element at 32-slot pages).
+    # One page an iteration takes _logits' single-page path: stacking a single page compiles to more instructions
+    # (benchmarks/sass_counts.py).
     stack = group >= 16 and ppi > 1
     _decode_kernel[(bs * hkv, splits)](
         q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
@@ -391,7 +382,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         STACK=stack,
         # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
         # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 2 too
-        # (timed, see BLOCK_POSITIONS: 4 warps were slower at 2 and 4 pages); 8 for a single 128-slot page. Two
+        # (see BLOCK_POSITIONS: 4 warps are slower at 2 and 4 pages); 8 for a single 128-slot page. Two
         # stages: the next page's slot and codes can be in flight while this one is computed.
         num_warps=warps or (2 if stack else max(2, block // 16)), num_stages=2)
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)

@@ -2,10 +2,8 @@
 token fills quantized into the pool.
 
 Why: the torch form (``KIVIStore.write(decode=True)``) quantizes every row's whole residual at every step, so
-that no host sync decides which rows filled a page, in a few dozen small kernels a layer. Served at 130K x 6 on
-an H200 KIVI's step spent ~7 ms (16%) beyond its attention kernels and vanilla's own non-attention work
-(BENCHMARKS.md, fifteenth session; inferred, not profiled), most likely this write, and it grows with the batch.
-Here one program per (row, KV head) writes its token and returns unless the token
+that no host sync decides which rows filled a page, in a few dozen small kernels a layer, a cost that grows
+with the batch. Here one program per (row, KV head) writes its token and returns unless the token
 is its page's last (``loc % GS == GS - 1``, read on the device: CUDA-graph safe); the few that fill a page
 quantize ``GS`` x ``D`` values.
 

@@ -17,9 +17,9 @@ from sgl_sparse.kernels.pages import MMA_SCORE_DTYPES
 INF = float("inf")
 # Programs per request, so that a batch of a few 130K-token requests still fills the GPU: each program
 # loops over every PROGRAMS-th block of its row's real tokens (the loop bound comes from seq_lens, so a
-# graph captured at full width does no work past a row's length). A fixed 64 a row read K at 0.52 TB/s
-# for one 130K request and 1.5 TB/s for six on the H200 (2026-12-03, benchmarks/selection_overhead.py:
-# 384 programs of 32 dependent block loads each hide too little latency); ~2,048 programs in all, at
+# graph captured at full width does no work past a row's length). A fixed 64 a row reads K far below
+# bandwidth for one or a few long requests (programs of many dependent block loads hide too little
+# latency); ~2,048 programs in all, at
 # least 64 a row, leave each a few blocks at 130K. The grid depends on the batch size only, which a
 # CUDA graph fixes anyway.
 MIN_PROGRAMS_PER_ROW = 64
@@ -108,8 +108,8 @@ def score_tokens(q: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Ten
     """``out[i, t]`` (``[bs, W]`` float32) for ``t < seq_lens[i]``; entries past a row's length are not
     written. ``q`` ``[bs, Hq, D]``, ``k_cache`` ``[slots, Hkv, D]``. ``mma``: the tensor-core kernel
     (:func:`_score_tokens_kernel_mma`, the same logits summed in another order); ``None`` (the default) takes it
-    for a float K cache: on the H200 it scores 6 x 130K in 448 us against the CUDA-core kernel's 817, same
-    selection (benchmarks/selection_overhead.py, 2026-12-03)."""
+    for a float K cache: faster than the CUDA-core kernel at long rows, same selection
+    (benchmarks/selection_overhead.py)."""
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
     if bs == 0:

@@ -177,8 +177,7 @@ def select_pages_triton(scores: torch.Tensor, num_pages: int, counts: torch.Tens
     ``k``-th largest score ``t`` is found by bisection on the scores' int32 keys (ordered like the floats):
     each pass counts the entries ``>= mid`` (at most 32 passes; it stops early once exactly ``k`` are),
     over a row held in registers up to ``SELECT_MAX_BLOCK`` entries, re-read in chunks past it. A radix
-    select (four 256-bin histogram passes of one key byte) was slower on the H200: 29.2 us against 18.7 at
-    Quest's 5 x 130K rows, 8,192 pages wide (benchmarks/results/2026-12-03-device-e). The
+    select (four 256-bin histogram passes of one key byte) is slower at Quest's long rows. The
     entries ``> t`` and the first ties ``== t`` are then written in position order by a running prefix
     count, so no sort is needed. ``-inf`` entries are never selected (as :func:`select_pages` maps them to
     the unused value). Static shapes, no host sync (CUDA-graph safe)."""
@@ -198,8 +197,8 @@ def row_blocks(width: int) -> dict[str, int | bool]:
     """The bisection kernels' launch shape for rows ``width`` wide (``BLOCK``, ``ONE_BLOCK``, ``TAIL``,
     ``num_warps``). In registers up to ``SELECT_MAX_BLOCK``: the largest power of two within the width, and the
     rest as a tail block. A row of 8,193 pages (SGLang's req_to_token is context + 4 wide: 131,076 / 16) otherwise
-    took a 16,384-entry block: Quest's select ran 45 us a layer in a server's profile against 18.7 for 8,192 pages
-    in benchmarks/selection_overhead.py (2026-12-03). Wider rows: ``SELECT_CHUNK`` pieces re-read on every pass."""
+    takes a 16,384-entry block, about twice as slow as 8,192 pages (benchmarks/selection_overhead.py). Wider
+    rows: ``SELECT_CHUNK`` pieces re-read on every pass."""
     one_block = width <= SELECT_MAX_BLOCK
     block = 1 << (width.bit_length() - 1) if one_block else SELECT_CHUNK
     tail = triton.next_power_of_2(width - block) if one_block and width > block else 0

@@ -55,7 +55,7 @@ def asym_quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, t
     hi = xf.amax(dim=dim, keepdim=True)
     # A 0-dim device tensor, not a Python number: CUDA's division by a CPU scalar multiplies by its reciprocal,
     # one ulp off IEEE division at times, which flips a code at a near-tie against KIVI's decode-write kernel
-    # (kernels/kivi_write.py divides exactly); caught by tests/gpu/test_gpu_kivi.py on the H200.
+    # (kernels/kivi_write.py divides exactly); tests/gpu/test_gpu_kivi.py catches it.
     scale = (hi - lo) / hi.new_full((), 2**bits - 1)
     codes = torch.round((xf - lo) / torch.where(scale > 0, scale, torch.ones_like(scale)))
     return codes.clamp(0, 2**bits - 1).to(torch.uint8), scale, lo

@@ -33,8 +33,8 @@ from sgl_sparse.kernels.pages import MMA_SCORE_DTYPES, page_counts
 
 BLOCK_PAGES = 64  # pages per block a scoring program scores at once
 # Scoring programs per (request, KV head), each looping over its share of page blocks: ~2,048 in all, 16-128
-# a row (a fixed 16 gave 128 programs for one 130K request, which scored at 30% of bandwidth on the H200:
-# 25.5 us a layer against 7.7 at the floor, 2026-12-03). Depends on the batch size only (fixed in a graph).
+# a row (a fixed 16 gives one long request too few programs to reach memory bandwidth). Depends on the batch
+# size only (fixed in a graph).
 MIN_PROGRAMS_PER_ROW = 16
 PROGRAMS_PER_ROW = 128  # at most
 TARGET_PROGRAMS = 2048
@@ -80,7 +80,7 @@ def update_decode_summaries(kmin: torch.Tensor, kmax: torch.Tensor, loc: torch.T
     """:func:`update_page_summaries` for a decode step's write, whose slots lie in distinct pages (one new token
     per request; CUDA-graph padding rows all write SGLang's padding page 0, never scored, so their race there
     is harmless): one Triton program per (token, KV head) updates its page in place. The general path (a reset,
-    two index fills and two ``scatter_reduce``) took ~30 us a layer for 5 tokens on the H200, 2026-12-03."""
+    two index fills and two ``scatter_reduce``) is several kernels for a handful of tokens."""
     n = loc.numel()
     if n == 0:
         return
@@ -195,8 +195,7 @@ def score_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_to_
     """Page scores ``[bs * Hkv, max_pages]`` (fp32, written into ``scores``) of a decode batch: ``q``
     ``[bs, Hq, D]``, ``seq_lens`` ``[bs]`` including this step's token. ``mma``: the tensor-core kernel
     (:func:`_score_kernel_mma`; same bounds, summed in another order); ``None`` (the default) takes it for float
-    summaries: on the H200 it scores 5 x 130K in 46.6 us against the CUDA-core kernel's 70.1, same selection
-    (benchmarks/selection_overhead.py, 2026-12-03)."""
+    summaries: faster than the CUDA-core kernel at long rows, same selection (benchmarks/selection_overhead.py)."""
     bs, hq, d = q.shape
     hkv = kmin.shape[1]
     max_pages = scores.shape[1]

@@ -1,6 +1,6 @@
 """RetroInfer (Chen et al., 2025; microsoft/RetrievalAttention): clustered keys, exact + estimated decode.
 
-What the original does is written down in docs/method-notes/retroinfer.md. Here it is laid out for a
+What the original does is written down in docs/methods/retroinfer.md. Here it is laid out for a
 batched, CUDA-graph-safe decode over SGLang's paged KV pool (page size ``P``, the average cluster size):
 
 * **Segments.** A request's keys from ``base`` (the first page boundary at or past the sink tokens) on

@@ -25,22 +25,16 @@ the query's sum: ``(S q) . (2 bit - 1)``.
 
 Why: on the bit-plane layout this replaced (``bits`` planes of ``D / 8`` bytes), a code was gathered bit by bit,
 each bit's byte loaded once per channel: ~4 integer ops and a load per bit and element (16 and 4 at 4 bits), then
-its level loaded through a 64-bit address. ``benchmarks/quant_decode.py`` on the H200 (2026-12-03, per layer at 6 x
-130K, Llama-3-8B heads): TurboQuant-4 17,854 us, against its pool's HBM floor of 197 us and bf16's 743 us. Per
-element now: a shift and a mask (none for the last chunk), the byte's extraction shared by its ``P`` codes, and one
-shuffle: ~2 integer ops and a shuffle at 4 bits (was ~18 integer ops and 5 loads). In the compiled loop
-(``benchmarks/sass_counts.py``: Triton 3.6 for sm_90, compiled without a GPU; 32 positions of Llama-3-8B heads;
-SASS instructions of the loop body x threads / elements): 8.9 an element at 4 and 3 bits, 9.7 at 2, 11.0 at 4 with
-QJL, against 27.8, 23.2, 18.4 and 33.2 for the bit-plane kernel (integer: 5.0 against 21.4 at 4 bits; global
-memory: 0.2 against 3.2). Timed on the H200 (2026-12-03, same script and shape): 1,539 us at 4 bits, 11.6x
-faster, equal to the torch path within rounding, still above bf16's 743 us (13% of the pool's floor).
+its level loaded through a 64-bit address: ~18 integer ops and 5 loads an element at 4 bits. Per element now: a
+shift and a mask (none for the last chunk), the byte's extraction shared by its ``P`` codes, and one shuffle: ~2
+integer ops and a shuffle at 4 bits, about a third of the bit-plane kernel's SASS instructions an element
+(``benchmarks/sass_counts.py`` counts them; the speed against bf16 is in BENCHMARKS.md).
 
 Extend (:func:`prefix_attention`): the step's cached prefixes are decoded once per layer into an fp32 workspace
 in the rotated basis (keys, values and QJL's scaled signs; at most ``WS_TOKENS`` prefix tokens a pass), then
 blocks of ``BLOCK_M`` new tokens of one request x KV head attend over it; output and natural log-sum-exp, which
 the caller merges with the new tokens' own attention. Decoding inside each extend tile instead (the first
-version) repeats the codebook lookups of the whole prefix once per block of new tokens, as KIVI's did
-(BENCHMARKS.md, 2026-12-03).
+version) repeats the codebook lookups of the whole prefix once per block of new tokens.
 The store's torch path (``TurboQuantStore.row_attention``) is the reference of both: the kernels
 decode in fp32 (their dots in TF32 on the GPU, Triton's default for fp32) where the torch path rounds each
 dequantized key and value to the model dtype, so the two agree to that dtype's precision (exactly, up to

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, SparseMethod
 from sgl_sparse.registry import register_method
 
 
@@ -23,4 +23,3 @@ class Dense(SparseMethod[DenseConfig]):
     name = "dense"
     family = Family.DENSE
     config_cls = DenseConfig
-    prefix_reuse = PrefixReuse.RADIX

@@ -63,7 +63,7 @@ def fit_example(task: str, seed: int, tokenizer: Any, tokens: int) -> Example:
 
 
 def _generate(url: str, ids: list[int], max_new_tokens: int) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
+    body: dict[str, Any] = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
     r = requests.post(f"{url}/generate", json=body, timeout=600)
     r.raise_for_status()
     return r.json()

@@ -3,14 +3,14 @@
 A node value holds one KV slot per logical token; a position whose KV was evicted holds
 ``SENTINEL_SLOT`` (a *hole*). Versus the stock ``RadixCache``:
 
-* every size (evictable, protected, total) counts *physical* slots (``node.phys``), so SGLang's
+* every size (evictable, protected, total) counts *physical* slots (``NodeRecord.phys``), so SGLang's
   strict idle leak check ``available + evictable + protected == total`` holds; every free skips holes;
 * keys are namespaced by the method fingerprint (compacted KV of one config is never matched under
   another);
 * with an evicting method a request's KV enters the tree only when it finishes, and Chain Cache is
   **copy-on-write** (docs/architecture.md, "Chain Cache"):
 
-  - holes are known on the host (``node.holes``, sorted relative positions): no device sync to
+  - holes are known on the host (``NodeRecord.holes``, sorted relative positions): no device sync to
     count, split, match or evict;
   - a finishing request compacts in place only the nodes *exclusive* to its path (unlocked, no other
     branch below them); nodes shared with other branches keep their KV;
@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import heapq
 import time
+from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -54,115 +56,37 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_sparse.contract import SparseMethod, TreePayload
-from sgl_sparse.radix.prune import evict_side_branches, void_continuations
-from sgl_sparse.request import VIEW_ATTR, match_view, set_match_view  # noqa: F401  (VIEW_ATTR: radix/prune.py's)
+from sgl_sparse.contract import SparseMethod
+from sgl_sparse.radix.records import (
+    EMPTY,
+    VIEW_ATTR,
+    ChainRecord,
+    FinishedState,
+    MatchView,
+    PathView,
+    attach,
+    descendants,
+    find_record,
+    holes_of,
+    mark_sparse,
+    node_record,
+    path_holes,
+    path_starts,
+    set_holes,
+    sparse_start,
+    void_continuations,
+    void_records,
+)
+from sgl_sparse.request import match_view, set_match_view
 from sgl_sparse.slots import complement, live_slots, retained_positions, to_device, write_sentinels
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class ChainRecord:
-    """What a finished request of an evicting method left for its continuations: the sorted logical
-    positions (CPU int64) it kept of its ``end`` tokens, and its method's :class:`TreePayload`.
-
-    ``since``: the shortest match that may resume from it without reaching ``end``: the finished
-    request's whole prompt (so only its own conversation qualifies, never another one that shares a
-    system prompt) and its last eviction (``RequestState.tail_start``: from there on it only
-    appended, so ``kept`` cut at any ``d >= since`` is the state it had at length ``d``), less a
-    trailing generation prompt (``SparseRadixCache._resume_since``: the one cut that is not exactly
-    such a state; the kept positions before it were scored with it in the window). ``end`` when
-    unknown."""
-
-    end: int
-    kept: torch.Tensor
-    payload: TreePayload | None = None
-    since: int | None = None
-    # The finished request's prompt length (None: a prune's record). A request resumes inside the tail only when its
-    # own prompt runs past it: the same prompt sent again (another user's first question) is not a continuation.
-    prompt_len: int | None = None
-    _hide_dev: torch.Tensor | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.since is None or not 0 <= self.since <= self.end:
-            self.since = self.end
-
-    def hide_on(self, device: torch.device) -> torch.Tensor:
-        """Positions of ``[0, end)`` outside the kept set, cached on the device (built once)."""
-        if self._hide_dev is None or self._hide_dev.device != device:
-            self._hide_dev = to_device(complement(self.kept, self.end), device)
-        return self._hide_dev
-
-
-@dataclass(frozen=True)
-class MatchView:
-    """What a request's match gives it (stashed on the request, read by the runtime at its first
-    step): ``length`` usable logical tokens of which ``kept`` (sorted CPU positions) hold visible KV,
-    the record whose continuation it is (``None``: a dense prefix, ``kept`` is all of it), and the
-    payload to restore (the record's when the match reaches its end; a payload describes the
-    finished request at ``end``, so a continuation from inside its tail gets none)."""
-
-    length: int
-    kept: torch.Tensor
-    record: ChainRecord | None
-    payload: TreePayload | None = None
-
-
-@dataclass(frozen=True)
-class FinishedState:
-    """What the runtime reports for a finishing request: its kept positions (sorted, CPU), payload, the
-    logical length at its last eviction (``RequestState.tail_start``), and, when its own prune asked for it,
-    the position after which the idle branches off its path are evicted before its hidden KV is freed."""
-
-    kept: torch.Tensor
-    payload: TreePayload | None = None
-    tail_start: int | None = None
-    evict_branches_after: int | None = None
-    # Its own prune hid positions: the sequence's cached continuations (below its end, e.g. the turn's reply when
-    # the route's snapkv_global prunes a cached turn through a request) are compacted and their records dropped
-    # as a route prune does, not shielded by copy-on-write.
-    pruned: bool = False
-    # RequestState.sparse_from: K/V from this logical position on were computed under a sparse view.
-    sparse_from: int | None = None
-    # RequestState.logical_len: the positions its steps saw. SGLang may hand one more: under overlap scheduling
-    # the forward launched before a request's finish was seen wrote its last token's K/V, a forward whose step
-    # the runtime skips (integration/step.py); that position is freed, not cached, as without overlap.
-    logical_len: int | None = None
-
-
-def _mark_sparse(path: list[TreeNode], sparse_from: int) -> None:
-    """Mark the nodes of a finished sequence whose K/V (from logical position ``sparse_from`` on) its request
-    computed under a sparse view: ``node.sparse_at``, the first such position relative to the node."""
-    start = 0
-    for node in path:
-        end = start + len(node.key)
-        if end > sparse_from:
-            at = max(0, sparse_from - start)
-            old = getattr(node, "sparse_at", None)
-            node.sparse_at = at if old is None else min(old, at)
-        start = end
-
-
-def _sparse_start(path: list[TreeNode], starts: list[int], pos: int) -> int:
-    """The first logical position of ``path`` whose K/V was computed under a sparse view, else ``pos``."""
-    for node, s in zip(path, starts):
-        at = getattr(node, "sparse_at", None)
-        if at is not None:
-            return min(pos, s + at)
-    return pos
-
-
-def _holes(node: TreeNode) -> torch.Tensor:
-    return getattr(node, "holes", _EMPTY)
-
-
-def _set_holes(node: TreeNode, holes: torch.Tensor) -> None:
-    node.holes = holes
-    node.phys = len(node.key) - int(holes.numel())
 
 
 class SparseRadixCache(RadixCache):
+    """SGLang's ``RadixCache`` with Chain Cache (module docstring). Besides SGLang's interface, its public API
+    for Prefix-Cache Pruning (:mod:`sgl_sparse.prune.tree_ops`): :meth:`view_of` (what a sequence's match
+    serves), :meth:`path_to`, :meth:`node_ending_at`, :meth:`compact_exclusive`, :meth:`evict_side_branches`
+    and :meth:`drop_leaf`; the per-node state is a :class:`~sgl_sparse.radix.records.NodeRecord`."""
+
     def __init__(self, params: CacheInitParams, method: SparseMethod[Any], fingerprint: str,
                  on_finish: Callable[[Any], FinishedState | None] | None = None,
                  evicts_for: Callable[[Any], bool] | None = None, evicting: bool | None = None,
@@ -208,7 +132,7 @@ class SparseRadixCache(RadixCache):
         if not self.evicting or self.disable:
             return False
         res = super().match_prefix(MatchPrefixParams(key=self._ns(RadixKey(token_ids, req.extra_key))))
-        return any(_holes(node).numel() for node in self._path(res.last_device_node))
+        return any(holes_of(node).numel() for node in self.path_to(res.last_device_node))
 
     # -- namespace -------------------------------------------------------------------------------
     def _ns(self, key: RadixKey) -> RadixKey:
@@ -228,37 +152,32 @@ class SparseRadixCache(RadixCache):
     # -- physical sizes (host-side: no device sync) -----------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.root_node.phys = 0
-        self.root_node.holes = _EMPTY
+        attach(self.root_node)
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
-        holes = _holes(child)
+        rec = node_record(child)
+        holes, at = rec.holes, rec.sparse_at
         new_node = super()._split_node(key, child, split_len)
-        _set_holes(new_node, holes[holes < split_len])
-        _set_holes(child, holes[holes >= split_len] - split_len)
-        new_node.chain = None  # a record stays with the node that ends its sequence (the child)
-        at = getattr(child, "sparse_at", None)
-        new_node.sparse_at = at if at is not None and at < split_len else None
-        child.sparse_at = None if at is None else max(0, at - split_len)
+        # A chain record stays with the node that ends its sequence (the child).
+        attach(new_node, holes[holes < split_len], at if at is not None and at < split_len else None)
+        set_holes(child, holes[holes >= split_len] - split_len)
+        rec.sparse_at = None if at is None else max(0, at - split_len)
         return new_node
 
     def _insert_helper(self, node: TreeNode, key: RadixKey, value: torch.Tensor, priority: int = 0,
                        chunked: bool = False) -> tuple[int, TreeNode]:
         remaining = len(key)
         prefix_len, last = super()._insert_helper(node, key, value, priority, chunked)
-        if not hasattr(last, "phys"):  # a new leaf: the stock code counted len(key) slots
+        if find_record(last) is None:  # a new leaf: the stock code counted len(key) slots
             start = self._insert_len - (remaining - prefix_len)
             h = self._insert_holes
-            rel = _EMPTY if h is None else h[(h >= start) & (h < start + len(last.key))] - start
-            _set_holes(last, rel)
-            last.chain = None
-            last.sparse_at = None
-            self.evictable_size_ -= len(last.key) - last.phys
+            rel = EMPTY if h is None else h[(h >= start) & (h < start + len(last.key))] - start
+            self.evictable_size_ -= len(last.key) - attach(last, rel).phys
         return prefix_len, last
 
     def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)
-        self.evictable_size_ += len(node.key) - node.phys
+        self.evictable_size_ += len(node.key) - node_record(node).phys
 
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
         if self.disable:
@@ -266,9 +185,10 @@ class SparseRadixCache(RadixCache):
         delta = 0
         while node != self.root_node:
             if node.lock_ref == 0:
-                self.evictable_size_ -= node.phys
-                self.protected_size_ += node.phys
-                delta -= node.phys
+                phys = node_record(node).phys
+                self.evictable_size_ -= phys
+                self.protected_size_ += phys
+                delta -= phys
             node.lock_ref += 1
             self._update_leaf_status(node)
             node = node.parent
@@ -280,16 +200,17 @@ class SparseRadixCache(RadixCache):
         delta = 0
         while node != self.root_node:
             if node.lock_ref == 1:
-                self.evictable_size_ += node.phys
-                self.protected_size_ -= node.phys
-                delta += node.phys
+                phys = node_record(node).phys
+                self.evictable_size_ += phys
+                self.protected_size_ -= phys
+                delta += phys
             node.lock_ref -= 1
             self._update_leaf_status(node)
             node = node.parent
         return DecLockRefResult(delta=delta)
 
     def _live_value(self, node: TreeNode) -> torch.Tensor:
-        holes = _holes(node)
+        holes = holes_of(node)
         if holes.numel() == 0:
             return node.value
         return node.value[to_device(complement(holes, len(node.key)), node.value.device)]
@@ -303,25 +224,31 @@ class SparseRadixCache(RadixCache):
         num_evicted = 0
         while num_evicted < params.num_tokens and heap:
             _, x = heapq.heappop(heap)
-            self.token_to_kv_pool_allocator.free(self._live_value(x))
-            num_evicted += x.phys
-            self._delete_leaf(x)
+            num_evicted += self.drop_leaf(x)
             if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(x.parent), x.parent))
-            self._record_remove_event(x)
         self.update_eviction_metrics(num_evicted, start_time)
         return EvictResult(num_tokens_evicted=num_evicted)
+
+    def drop_leaf(self, node: TreeNode) -> int:
+        """Evict the unlocked leaf ``node``: its live slots go back to the pool. Returns how many."""
+        self.token_to_kv_pool_allocator.free(self._live_value(node))
+        freed = node_record(node).phys
+        self._delete_leaf(node)
+        self._record_remove_event(node)
+        return freed
 
     def _total_size_helper(self) -> int:
         total, stack = 0, [self.root_node]
         while stack:
             node = stack.pop()
-            total += getattr(node, "phys", 0)
+            total += node_record(node).phys
             stack.extend(c for c in node.children.values() if not c.evicted)
         return total
 
     # -- what a match may see (evicting methods) ---------------------------------------------------
-    def _path(self, last: TreeNode) -> list[TreeNode]:
+    def path_to(self, last: TreeNode) -> list[TreeNode]:
+        """The nodes from the root (excluded) down to ``last``."""
         path = []
         while last is not None and last is not self.root_node:
             path.append(last)
@@ -331,16 +258,13 @@ class SparseRadixCache(RadixCache):
     def _chain_view(self, res: MatchResult, req: Any) -> MatchResult:
         """Cut the stock match to what this request may see (module docstring): the end of the
         deepest record on the path whose kept set is still fully resident, else the first hole."""
-        path = self._path(res.last_device_node)
-        starts, pos = [], 0
-        for node in path:
-            starts.append(pos)
-            pos += len(node.key)
-        holes = [_holes(n) + s for n, s in zip(path, starts) if _holes(n).numel()]
-        all_holes = torch.cat(holes) if holes else _EMPTY
+        path = self.path_to(res.last_device_node)
+        starts = path_starts(path)
+        pos = starts[-1] + len(path[-1].key) if path else 0
+        all_holes = path_holes(path, starts)
         record: ChainRecord | None = None
         for node in reversed(path):
-            rec = getattr(node, "chain", None)
+            rec = node_record(node).chain
             if rec is not None and not bool(torch.isin(rec.kept, all_holes).any()):
                 record = rec
                 break
@@ -351,7 +275,7 @@ class SparseRadixCache(RadixCache):
             length = int(all_holes.min()) if all_holes.numel() else pos
             # K/V computed under a finished request's sparse view is no dense prefix: where its hidden positions
             # lay in a prefix another path shares, nothing was freed and no hole stops the match there.
-            length = min(length, _sparse_start(path, starts, pos))
+            length = min(length, sparse_start(path, starts, pos))
             kept = torch.arange(length)
         # A hole or a record ends the view early, or the path has neither (a conversation whose method hid only
         # positions another branch shares, so none was freed: without this its next turn read them again, where
@@ -362,7 +286,7 @@ class SparseRadixCache(RadixCache):
             if inner is not None:
                 record, payload, length = inner, None, pos
                 kept = inner.kept[inner.kept < pos]
-        # (A probe of radix/prune.py, which asks what is cached, carries no prompt and gets the whole view.)
+        # (A probe of view_of, which asks what is cached, carries no prompt and gets the whole view.)
         if record is None and self._window_for is not None and hasattr(req, "origin_input_ids"):
             # A dense hit that covers the positions whose queries the request's method observes would hand it a
             # shorter window than computing its prompt gives, so its kept set, and answer, would depend on what
@@ -382,7 +306,7 @@ class SparseRadixCache(RadixCache):
             hide = record.hide_on(indices.device) if length == record.end else to_device(complement(kept, length),
                                                                                          indices.device)
             write_sentinels(indices, hide)
-        last = self._node_ending_at(path, starts, length)
+        last = self.node_ending_at(path, starts, length)
         return res._replace(device_indices=indices, last_device_node=last, last_host_node=last,
                             best_match_node=last)
 
@@ -397,7 +321,7 @@ class SparseRadixCache(RadixCache):
         while stack and seen < limit:
             child = stack.pop()
             seen += 1
-            rec = getattr(child, "chain", None)
+            rec = node_record(child).chain
             if (rec is not None and rec.since <= pos < rec.end and (best is None or rec.since > best.since)
                     and (prompt_len is None or rec.prompt_len is None or prompt_len > rec.prompt_len)):
                 if not bool(torch.isin(rec.kept[rec.kept < pos], holes).any()):
@@ -405,7 +329,7 @@ class SparseRadixCache(RadixCache):
             stack.extend(child.children.values())
         return best
 
-    def _node_ending_at(self, path: list[TreeNode], starts: list[int], length: int) -> TreeNode:
+    def node_ending_at(self, path: list[TreeNode], starts: list[int], length: int) -> TreeNode:
         """The path node that ends at logical position ``length`` (splitting one if needed)."""
         if length == 0:
             return self.root_node
@@ -458,21 +382,21 @@ class SparseRadixCache(RadixCache):
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         if finished is not None and finished.evict_branches_after is not None:
-            # Its own prune's evict_branches (radix/prune.py's rule): stale branches (an agent's replies as generated)
+            # Its own prune's evict_branches (the route's rule): stale branches (an agent's replies as generated)
             # would otherwise keep the pruned KV resident for themselves; locked ones are left alone.
-            evict_side_branches(self, path, finished.evict_branches_after)
+            self.evict_side_branches(path, finished.evict_branches_after)
         if finished is not None and finished.sparse_from is not None:
-            _mark_sparse(path, finished.sparse_from)
+            mark_sparse(path, finished.sparse_from)
         own = finished is not None and finished.pruned
-        self._compact_exclusive(path, hidden, own_tail=own)
+        self.compact_exclusive(path, hidden, own_tail=own)
         if own and hidden.numel():
             void_continuations(path[-1], hidden)
         if hidden.numel():
-            since = None  # unknown without the runtime's state: only a match through the end resumes
+            since = n  # unknown without the runtime's state: only a match through the end resumes
             if finished is not None and finished.tail_start is not None:
                 since = self._resume_since(req.origin_input_ids, finished.tail_start)
-            path[-1].chain = ChainRecord(n, kept.clone(), finished.payload if finished else None, since=since,
-                                         prompt_len=len(req.origin_input_ids))
+            node_record(path[-1]).chain = ChainRecord(n, kept.clone(), finished.payload if finished else None,
+                                                      since=since, prompt_len=len(req.origin_input_ids))
         # A request that hid nothing leaves an existing record of the same sequence in place: positions
         # past it were computed under that record's view.
 
@@ -520,32 +444,29 @@ class SparseRadixCache(RadixCache):
         for node in path:
             if pos >= prefix_len:
                 break
-            h = _holes(node)
+            h = holes_of(node)
             if h.numel():
                 cand = h + pos
                 take = cand[torch.isin(cand, kept) & (cand >= protected)]
                 if take.numel():
                     node.value[to_device(take - pos, node.value.device)] = row[to_device(take, row.device)].long()
-                    _set_holes(node, h[~torch.isin(h, take - pos)])
+                    set_holes(node, h[~torch.isin(h, take - pos)])
                     if node.lock_ref == 0:
                         self.evictable_size_ += int(take.numel())
                     else:
                         self.protected_size_ += int(take.numel())
                     moved.append(take)
             pos += len(node.key)
-        return torch.cat(moved) if moved else _EMPTY
+        return torch.cat(moved) if moved else EMPTY
 
-    def _compact_exclusive(self, path: list[TreeNode], hidden: torch.Tensor, own_tail: bool = False) -> None:
+    def compact_exclusive(self, path: list[TreeNode], hidden: torch.Tensor, own_tail: bool = False) -> None:
         """Free the KV the finished request hid, on the nodes only its path reaches (no lock, no other
         branch below them): bottom-up until the first shared node. ``own_tail``: the last node's children
         all extend the sequence (a prune of a cached sequence: every match through them continues it, so
         it sees the record at its end and never a hole), so they do not make the last node shared."""
         if not hidden.numel():
             return
-        starts, pos = [], 0
-        for node in path:
-            starts.append(pos)
-            pos += len(node.key)
+        starts = path_starts(path)
         below: TreeNode | None = None
         freed_abs: list[torch.Tensor] = []
         for node, s in zip(reversed(path), reversed(starts)):
@@ -558,23 +479,54 @@ class SparseRadixCache(RadixCache):
             h = hidden[(hidden >= s) & (hidden < s + len(node.key))] - s
             if not h.numel():
                 continue
-            new = h[~torch.isin(h, _holes(node))]
+            new = h[~torch.isin(h, holes_of(node))]
             if not new.numel():
                 continue
             idx = to_device(new, node.value.device)
             self.token_to_kv_pool_allocator.free(node.value[idx])
             write_sentinels(node.value, idx)
-            _set_holes(node, torch.cat([_holes(node), new]).sort().values)
+            set_holes(node, torch.cat([holes_of(node), new]).sort().values)
             self.evictable_size_ -= int(new.numel())
             freed_abs.append(new + s)
         # Records (of this conversation's earlier turns) that kept a position freed here are void:
         # drop them rather than test them at every match.
         if freed_abs:
-            gone = torch.cat(freed_abs)
-            for node in path:
-                rec = getattr(node, "chain", None)
-                if rec is not None and bool(torch.isin(rec.kept, gone).any()):
-                    node.chain = None
+            void_records(path, torch.cat(freed_abs))
+
+    def evict_side_branches(self, path: list[TreeNode], first: int) -> int:
+        """Evict the cached subtrees hanging off ``path``'s nodes that end after position ``first``, except below
+        its last node (those continue the sequence). A subtree a running request holds is left whole (its lock
+        reaches every node above it; on the route such a prune is ``blocked`` before this runs, at a request's
+        finish other requests may hold side branches). Returns the slots freed."""
+        on_path = {id(node) for node in path}
+        freed, end = 0, 0
+        for node in path[:-1]:
+            end += len(node.key)
+            if end <= first:
+                continue
+            for child in [c for c in node.children.values() if id(c) not in on_path]:
+                freed += self._evict_subtree(child)
+        return freed
+
+    def _evict_subtree(self, top: TreeNode) -> int:
+        order = [top, *descendants(top)]  # pre-order: every node before its descendants
+        if any(node.lock_ref > 0 for node in order):
+            return 0  # a running request reads it (a request finishing beside it): never free that
+        # Leaves first, as the pool's LRU evicts.
+        return sum(self.drop_leaf(node) for node in reversed(order))
+
+    def view_of(self, token_ids: list[int], extra_key: str | None) -> PathView:
+        """The visible match of ``token_ids`` in ``extra_key``'s namespace (what a request of that sequence
+        would get), without locking anything."""
+        probe = SimpleNamespace()
+        # SGLang's tree keys are array('q') (its match asserts both sides have one type).
+        res = self.match_prefix(MatchPrefixParams(key=RadixKey(array("q", token_ids), extra_key), req=probe))
+        view: MatchView | None = getattr(probe, VIEW_ATTR, None)
+        length = int(len(res.device_indices))
+        kept = view.kept if view is not None and view.length == length else torch.arange(length)
+        nodes = self.path_to(res.last_device_node)
+        return PathView(length, kept, res.device_indices, nodes, path_starts(nodes),
+                        view.record if view is not None else None)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
         if not self.disable and not self._chain_cached(req, req.get_fill_ids()):

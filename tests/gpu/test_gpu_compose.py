@@ -1,7 +1,6 @@
 """An eviction method over a quantized pool on the GPU (``snapkv+fp8_kv``): the store's decode reads FlashInfer's
 compacted decode lists as rows (``store_attention.flat_rows``), built by our index launcher from the live counts
-and replayed by CUDA graphs, where the CPU server sorts each row per step. Passed on an H200 (2026-12-04), so a
-composition needs only its store's ``SGLSPARSE_GPU_QUANT=1``.
+and replayed by CUDA graphs, where the CPU server sorts each row per step.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from gpu_common import SELECTION_LENS, assert_idle_and_sound, assert_same_tokens
 from sgl_sparse.server_process import ServerProcess, running
 
 pytestmark = pytest.mark.gpu
-ENV = {"SGLSPARSE_GPU_QUANT": "1"}
+SYNC = {"SGLSPARSE_SYNC_DEBUG": "error"}
 COVERING = {"snapkv": {"budget": 16384}}  # above every prompt + output here: nothing is evicted
 SMALL = {"snapkv": {"budget": 1024}}
 
@@ -22,10 +21,10 @@ SMALL = {"snapkv": {"budget": 1024}}
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
     procs = {
-        "fp8": ours("compose-fp8", "fp8_kv", env=ENV),
-        "covering": ours("compose-covering", "snapkv+fp8_kv", COVERING, env={**ENV, "SGLSPARSE_SYNC_DEBUG": "error"}),
-        "small": ours("compose-small", "snapkv+fp8_kv", SMALL, env={**ENV, "SGLSPARSE_SYNC_DEBUG": "error"}),
-        "small-eager": ours("compose-small-eager", "snapkv+fp8_kv", SMALL, extra=["--disable-cuda-graph"], env=ENV),
+        "fp8": ours("compose-fp8", "fp8_kv"),
+        "covering": ours("compose-covering", "snapkv+fp8_kv", COVERING, env=SYNC),
+        "small": ours("compose-small", "snapkv+fp8_kv", SMALL, env=SYNC),
+        "small-eager": ours("compose-small-eager", "snapkv+fp8_kv", SMALL, extra=["--disable-cuda-graph"]),
     }
     with running(*procs.values()):
         yield procs

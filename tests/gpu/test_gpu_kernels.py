@@ -13,7 +13,7 @@ import torch
 from sgl_sparse.integration.syncs import sync_debug
 from sgl_sparse.kernels.compact import compact_kv_indices_reference, fill_compact_kv_indices
 from sgl_sparse.kernels.window_scores import window_scores_per_head
-from sgl_sparse.methods.eviction.snapkv import per_head_scores_torch
+from sgl_sparse.methods.eviction.base import per_head_scores_torch
 from sgl_sparse.slots import SENTINEL_SLOT, write_sentinels
 
 DEV = "cuda"

@@ -44,18 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import (
-    Family,
-    KeepPlan,
-    ObservationWindow,
-    PrefixReuse,
-    RequestState,
-    SparseMethod,
-    StepInfo,
-    TreePayload,
-)
-from sgl_sparse.methods.eviction.base import topk_keep
-from sgl_sparse.methods.eviction.snapkv import window_scores
+from sgl_sparse.contract import KeepPlan, ObservationWindow, RequestState, StepInfo, TreePayload
+from sgl_sparse.methods.eviction.base import Budget, ScoredEviction, compacts_now, last_queries, observation_scores
 from sgl_sparse.registry import register_method
 from sgl_sparse.slots import to_device
 
@@ -83,12 +73,12 @@ class H2OConfig(MethodConfig):
 
 
 @register_method
-class H2O(SparseMethod[H2OConfig]):
+class H2O(ScoredEviction[H2OConfig]):
+    """Scores as the base does, but accumulates them: each observation adds its queries' scores (over every head)
+    to the request's table, and a compaction keeps by the table."""
+
     name = "h2o"
-    family = Family.EVICTION
     config_cls = H2OConfig
-    evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def observation_window(self) -> int:
         return self.config.window_size
@@ -118,12 +108,7 @@ class H2O(SparseMethod[H2OConfig]):
         state.extra[SCORES] = scores[:n][to_device(stay, scores.device)]
 
     def _evicts_now(self, state: RequestState, step: StepInfo) -> bool:
-        if state.num_kept <= self.config.budget:
-            return False
-        if step.is_prefill:
-            return step.final_prefill
-        di = self.config.evict_interval
-        return di > 0 and step.decoded_tokens % di == 0
+        return compacts_now(state, step, self.config.budget, self.config.evict_interval)
 
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
         if step.is_prefill:
@@ -134,34 +119,27 @@ class H2O(SparseMethod[H2OConfig]):
         unscored = state.logical_len - state.extra.get(SCORED, 0)
         return unscored >= self.config.window_size or (unscored > 0 and self._evicts_now(state, step))
 
-    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
-        n_w = window.q_pos.numel()
-        new = min(n_w, state.logical_len - state.extra.get(SCORED, 0))  # queries not scored yet
-        state.extra[SCORED] = state.logical_len
+    def budget(self) -> Budget:
+        return Budget(self.config.budget, 0, self.config.recent_tokens)
+
+    def score(self, state: RequestState, window: ObservationWindow) -> torch.Tensor:
+        new = min(window.q_pos.numel(), state.logical_len - state.extra.get(SCORED, 0))  # queries not scored yet
         if new <= 0:
-            return
-        total: torch.Tensor | None = None
-        on_device: tuple[torch.Tensor, ...] | None = None  # copied once, not per layer
-        for layer in range(window.num_layers):
-            buf = window.key_buffer(layer)
-            if on_device is None:
-                on_device = (window.key_rows.to(buf.device), window.q_pos[-new:].to(buf.device),
-                             window.k_pos.to(buf.device))
-            s = window_scores(window.queries[layer][-new:], buf, *on_device, window.scale, 1, "avgpool")
-            total = s if total is None else total + s
-        assert total is not None
-        # Under TP this rank scored its own heads; the table must hold the sum over all of them on every rank,
-        # so each observation's increment is summed over the ranks (the sum of the sums is the total's sum).
-        total = window.reduce_heads(total)
-        state.extra[SCORES] = _aligned(state.extra.get(SCORES), total.numel(), total.device) + total
+            return torch.zeros(window.k_pos.numel(), dtype=torch.float32, device=window.key_buffer(0).device)
+        return observation_scores(last_queries(window, new), 1, "avgpool")
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
+        scored = self.scores(state)
+        if scored is not None:
+            # Each observation's increment, summed over every head, joins the table: it holds the sum over all.
+            total = scored[1]
+            state.extra[SCORES] = _aligned(state.extra.get(SCORES), total.numel(), total.device) + total
+            state.extra[SCORED] = state.logical_len
         if not self._evicts_now(state, step):
             return None
-        kept, cfg = state.kept, self.config
+        kept = state.kept
         scores = _aligned(state.extra.get(SCORES), kept.numel(), torch.device("cpu"))
-        host = scores.float().cpu()  # the one host copy per eviction
-        keep = topk_keep(torch.arange(kept.numel()), host, cfg.budget, 0, cfg.recent_tokens)
+        keep = self.keep_set(torch.arange(kept.numel()), scores.float())  # the one host copy per eviction
         state.extra[SCORES] = scores[to_device(keep, scores.device)]  # retained order, as the plan reorders
         return KeepPlan(kept[keep])
 

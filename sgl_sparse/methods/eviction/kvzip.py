@@ -56,7 +56,6 @@ from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import (
     Family,
     KeepPlan,
-    PrefixReuse,
     Replay,
     ReplayLayer,
     RequestState,
@@ -223,7 +222,6 @@ class KVzip(SparseMethod[KVzipConfig]):
     family = Family.EVICTION
     config_cls = KVzipConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def __init__(self, config: KVzipConfig) -> None:
         super().__init__(config)

@@ -49,24 +49,20 @@ import torch
 
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import (
-    Family,
     KeepPlan,
     KVGeometry,
     ObservationWindow,
     PageSelector,
-    PrefixReuse,
     RequestState,
-    SparseMethod,
     StepInfo,
     TreePayload,
 )
-from sgl_sparse.methods.eviction.base import topk_keep
-from sgl_sparse.methods.eviction.snapkv import POOLINGS, window_scores
+from sgl_sparse.methods.eviction.base import POOLINGS, Budget, ScoredEviction, topk_keep, window_scores
 from sgl_sparse.registry import register_method
 from sgl_sparse.slots import SENTINEL_SLOT
 
 LAYERS = "pyramidkv_layers"  # state.extra / payload: [L, m] bool, layer l keeps state.kept[i] (i < m; later: all)
-SCORED = "pyramidkv_scored"  # state.extra: this step's per-layer (positions, scores) and budgets
+SCORED = "pyramidkv_scored"  # state.extra: this step's per-layer candidates and budgets
 UNUSED = 2**62  # a selection entry past every row's length
 
 
@@ -214,12 +210,12 @@ class LayerKeepSelector(PageSelector):
 
 
 @register_method
-class PyramidKV(SparseMethod[PyramidKVConfig]):
+class PyramidKV(ScoredEviction[PyramidKVConfig]):
+    """Scores as the base does, each layer over its own candidates (one reduction for all of them), and keeps per
+    layer by its own budget (:meth:`select_layers`)."""
+
     name = "pyramidkv"
-    family = Family.EVICTION
     config_cls = PyramidKVConfig
-    evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     def __init__(self, config: PyramidKVConfig) -> None:
         super().__init__(config)
@@ -287,7 +283,13 @@ class PyramidKV(SparseMethod[PyramidKVConfig]):
         di = self.config.decode_interval
         return not step.is_prefill and di > 0 and step.decoded_tokens % di == 0 and self._over_budget(state)
 
-    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
+    def budget(self) -> Budget:
+        """The mean layer's; each layer keeps its own (:func:`layer_budgets`)."""
+        return Budget(self.config.budget, self.config.sink_tokens, self.config.window_size)
+
+    def score(self, state: RequestState, window: ObservationWindow) -> torch.Tensor:
+        """Every layer's scores of its own candidates, one after the other (the candidate counts are replicated,
+        so under TP the split of the reduced scores is too)."""
         cfg = self.config
         masks = self.layer_masks(state, window.num_layers)
         budgets = layer_budgets(state.logical_len, window.num_layers, cfg.budget, cfg.fixed, cfg.beta,
@@ -300,16 +302,18 @@ class PyramidKV(SparseMethod[PyramidKVConfig]):
             scores.append(window_scores(window.queries[layer], buf, rows.to(buf.device), window.q_pos.to(buf.device),
                                         k_pos.to(buf.device), window.scale, cfg.kernel_size, cfg.pooling))
             positions.append(k_pos.cpu())
-        # Under TP this rank scored its own heads: every layer's scores summed over all of them, in one
-        # all-reduce for the whole request (the layers' candidate counts are replicated, so the split is too).
-        summed = window.reduce_heads(torch.cat(scores)).cpu().split([s.numel() for s in scores])
-        state.extra[SCORED] = (list(zip(positions, summed, strict=True)), budgets)
+        state.extra[SCORED] = (positions, budgets)
+        return torch.cat(scores)
 
-    def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
-        pending = state.extra.pop(SCORED, None)
-        if pending is None:
-            return None
-        scored, budgets = pending
+    def keep(self, state: RequestState, positions: torch.Tensor, scores: torch.Tensor) -> KeepPlan | None:
+        candidates, budgets = state.extra.pop(SCORED)
+        summed = torch.split(scores.cpu(), [c.numel() for c in candidates])
+        return self.select_layers(state, list(zip(candidates, summed, strict=True)), budgets)
+
+    def select_layers(self, state: RequestState, scored: list[tuple[torch.Tensor, torch.Tensor]],
+                      budgets: list[int]) -> KeepPlan | None:
+        """Each layer's keep set from its (candidates, scores over every head) and budget; the plan is their
+        union, and each layer's set goes to the selector."""
         cfg = self.config
         keeps = [topk_keep(pos, s, b, cfg.sink_tokens, cfg.window_size) for (pos, s), b in zip(scored, budgets,
                                                                                                    strict=True)]
@@ -332,7 +336,7 @@ class PyramidKV(SparseMethod[PyramidKVConfig]):
         return TreePayload({LAYERS: self.layer_masks(state, self._num_layers(state))})
 
     def stats(self) -> dict[str, Any]:
-        c = dict(self.counters)
+        c: dict[str, Any] = dict(self.counters)
         n = c["selections"]
         if n:
             # What the pool holds (the union) against what the layers read: a layer-sliced pool would hold the

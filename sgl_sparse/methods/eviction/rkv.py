@@ -48,19 +48,10 @@ import torch
 import torch.nn.functional as F
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import (
-    Family,
-    KeepPlan,
-    ObservationWindow,
-    PrefixReuse,
-    RequestState,
-    SparseMethod,
-    StepInfo,
-)
-from sgl_sparse.methods.eviction.base import topk_keep
+from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo
+from sgl_sparse.methods.eviction.base import Budget, ScoredEviction, compacts_now
 from sgl_sparse.registry import register_method
 
-SCORES = "rkv_scores"  # state.extra: (retained positions, score per position) from the last observation
 SIMILARITY_BLOCK_ELEMENTS = 1 << 24  # cosine entries per row block of the redundancy (64 MiB of fp32)
 
 
@@ -119,34 +110,25 @@ def redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
 def rkv_scores(window: ObservationWindow, window_size: int, kernel_size: int, mix_lambda: float,
                threshold: float) -> torch.Tensor:
     """Score of each retained position but the last ``window_size``: ``[n - window_size]`` (float32), the
-    per-head R-KV score averaged over KV heads and summed over layers."""
+    per-head R-KV score averaged over this rank's KV heads and summed over layers."""
     total: torch.Tensor | None = None
     past = window.k_pos.numel() - window_size
-    heads = 0
     for layer in range(window.num_layers):
         keys, _ = window.keys(layer)
         q = window.queries[layer].to(keys.device)
         imp = importance(q, keys[:past], window.scale, kernel_size)
         red = redundancy(keys, threshold)[:, :past]
-        heads = keys.shape[1]
         s = (imp * mix_lambda - red * (1.0 - mix_lambda)).mean(dim=0)
         total = s if total is None else total + s
     assert total is not None
-    if window.all_reduce is not None:
-        # TP: this rank averaged its own KV heads. The mean over every head is the sum over the ranks of
-        # (local mean x local heads), over the sum of the ranks' head counts: one all-reduce carries both.
-        both = window.reduce_heads(torch.cat([total * heads, total.new_tensor([float(heads)])]))
-        total = both[:-1] / both[-1]
     return total
 
 
 @register_method
-class RKV(SparseMethod[RKVConfig]):
+class RKV(ScoredEviction[RKVConfig]):
     name = "rkv"
-    family = Family.EVICTION
     config_cls = RKVConfig
-    evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
+    head_mean = True
 
     def observation_window(self) -> int:
         return self.config.window_size
@@ -155,23 +137,11 @@ class RKV(SparseMethod[RKVConfig]):
         return True
 
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
-        if state.num_kept <= self.config.budget:
-            return False
-        if step.is_prefill:
-            return step.final_prefill
-        return step.decoded_tokens % self.config.evict_interval == 0
+        return compacts_now(state, step, self.config.budget, self.config.evict_interval)
 
-    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
-        cfg = self.config
-        scores = rkv_scores(window, cfg.window_size, cfg.kernel_size, cfg.mix_lambda, cfg.similarity_threshold)
-        state.extra[SCORES] = (window.k_pos.cpu(), scores.cpu())
+    def budget(self) -> Budget:
+        return Budget(self.config.budget, 0, self.config.window_size)  # the observation tokens: kept regardless
 
-    def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
-        scored = state.extra.pop(SCORES, None)
-        if scored is None:
-            return None
-        positions, scores = scored
+    def score(self, state: RequestState, window: ObservationWindow) -> torch.Tensor:
         cfg = self.config
-        full = torch.cat([scores, scores.new_zeros(cfg.window_size)])  # observation tokens: kept regardless
-        keep = topk_keep(positions, full, cfg.budget, 0, cfg.window_size)
-        return KeepPlan(keep) if keep.numel() < positions.numel() else None
+        return rkv_scores(window, cfg.window_size, cfg.kernel_size, cfg.mix_lambda, cfg.similarity_threshold)

@@ -31,7 +31,7 @@ backend never sees. Keys are what an observation window already gives every laye
 own mean keys (as SparseEngine's fallback does for its segments). Caveat: keys are post-RoPE, so two copies of a
 sentence far apart differ by a rotation in their high-frequency channels; the mean over a sentence averages
 those channels out and the slow ones dominate, but distant restatements score lower than the paper's hidden
-states would (docs/method-notes/skipkv.md).
+states would (docs/methods/skipkv.md).
 
 When (SparseEngine's ``SkipKVRuntime``): decode only, every ``evict_interval`` decoded tokens once more than
 ``budget`` are retained, so at most ``budget + evict_interval`` are; a prompt over the budget stays whole until
@@ -54,21 +54,13 @@ import torch
 import torch.nn.functional as F
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import (
-    Family,
-    KeepPlan,
-    ObservationWindow,
-    PrefixReuse,
-    RequestState,
-    SparseMethod,
-    StepInfo,
-)
-from sgl_sparse.methods.eviction.base import topk_keep
+from sgl_sparse.contract import KeepPlan, ObservationWindow, RequestState, StepInfo
+from sgl_sparse.methods.eviction.base import Budget, ScoredEviction, compacts_now
 from sgl_sparse.methods.eviction.rkv import importance, redundancy
 from sgl_sparse.registry import register_method
 
 SENTENCES = "skipkv_sentences"  # state.extra: the request's _Sentences
-WINDOW = "skipkv_window"  # state.extra: this step's observation window, scored in on_step_end
+PENALIZED = "skipkv_penalized"  # state.extra: which positions this step's sentence penalty hit
 BOUNDARY_SUFFIXES = (".", "!", "?", "\n")  # a token whose text ends in one of these closes a sentence
 RKV_SIMILARITY_THRESHOLD = 0.5  # R-KV's own near-duplicate cosine for the token redundancy
 
@@ -179,9 +171,11 @@ def sentence_penalty(keys: torch.Tensor, positions: torch.Tensor, spans: Sequenc
 def skipkv_scores(window: ObservationWindow, spans: Sequence[tuple[int, int]],
                   cfg: SkipKVConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Score of each retained position ``[n]`` (float32, CPU; the observation window's tokens score 0, they are
-    kept as recent tokens): per layer ``importance - alpha * redundancy`` averaged over KV heads, minus
+    kept as recent tokens): per layer ``importance - alpha * redundancy`` averaged over this rank's KV heads, minus
     ``sentence_weight`` x the sentence penalty, summed over layers; and which positions some layer's sentence
-    penalty hit (``[n]`` bool, for the method's counters)."""
+    penalty hit (``[n]`` bool, for the method's counters). Under TP the base averages the totals over the ranks
+    weighted by their KV heads (exact for the head-mean terms); the sentence cosine is each rank's own heads', so
+    its term is then the ranks' average rather than the single-rank cosine, identical on every rank."""
     n = window.k_pos.numel()
     penalized = torch.zeros(n, dtype=torch.bool)
     past = n - cfg.window_size
@@ -200,23 +194,14 @@ def skipkv_scores(window: ObservationWindow, spans: Sequence[tuple[int, int]],
             s -= cfg.sentence_weight * penalty
             penalized |= penalty > 0
         total += s
-    if window.all_reduce is not None:
-        # TP: every rank must pick the same set, so the totals are averaged over the ranks weighted by their KV
-        # heads (as R-KV's: exact for the head-mean terms). The sentence cosine is each rank's own heads', so
-        # under TP its term is the ranks' average rather than the single-rank cosine; identical on every rank.
-        heads = window.key_buffer(0).shape[1] if window.num_layers else 0
-        both = window.reduce_heads(torch.cat([total * heads, total.new_tensor([float(heads)])]))
-        total = both[:-1] / both[-1]
     return total, penalized
 
 
 @register_method
-class SkipKV(SparseMethod[SkipKVConfig]):
+class SkipKV(ScoredEviction[SkipKVConfig]):
     name = "skipkv"
-    family = Family.EVICTION
     config_cls = SkipKVConfig
-    evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
+    head_mean = True
 
     def __init__(self, config: SkipKVConfig) -> None:
         super().__init__(config)
@@ -237,15 +222,13 @@ class SkipKV(SparseMethod[SkipKVConfig]):
         return True
 
     def wants_observation(self, state: RequestState, step: StepInfo) -> bool:
-        return (not step.is_prefill and state.num_kept > self.config.budget
-                and step.decoded_tokens % self.config.evict_interval == 0)
+        return compacts_now(state, step, self.config.budget, self.config.evict_interval, prompt=False)
 
-    def on_observation(self, state: RequestState, window: ObservationWindow) -> None:
-        # Scored in on_step_end, once this step's token has joined the segmentation (the runtime calls both in
-        # the same step, before any plan is applied, so the window's key rows are still the request's).
-        state.extra[WINDOW] = window
+    def budget(self) -> Budget:
+        return Budget(self.config.budget, self.config.sink_tokens, self.config.recent_tokens)
 
     def on_step_end(self, state: RequestState, step: StepInfo) -> KeepPlan | None:
+        # The step's tokens join the segmentation first; the base then scores this step's window (if any).
         cfg = self.config
         sentences: _Sentences = state.extra.setdefault(SENTENCES, _Sentences())
         if not step.is_prefill:
@@ -262,15 +245,21 @@ class SkipKV(SparseMethod[SkipKVConfig]):
                 cfg.sentence_max_tokens if bounded else cfg.segment_tokens,
                 cfg.sentence_min_tokens if bounded else 1, cfg.max_tracked_sentences)
             sentences.cursor += len(ids)
-        window: ObservationWindow | None = state.extra.pop(WINDOW, None)
-        if window is None:
-            return None
-        scores, penalized = skipkv_scores(window, sentences.spans, cfg)
-        keep = topk_keep(window.k_pos, scores, cfg.budget, cfg.sink_tokens, cfg.recent_tokens)
+        return super().on_step_end(state, step)
+
+    def score(self, state: RequestState, window: ObservationWindow) -> torch.Tensor:
+        scores, state.extra[PENALIZED] = skipkv_scores(window, state.extra[SENTENCES].spans, self.config)
+        return scores
+
+    def keep(self, state: RequestState, positions: torch.Tensor, scores: torch.Tensor) -> KeepPlan | None:
+        plan = super().keep(state, positions, scores)
+        penalized: torch.Tensor = state.extra.pop(PENALIZED)
+        cfg = self.config
         candidates = penalized[cfg.sink_tokens:penalized.numel() - cfg.recent_tokens]
         self.sentence_penalized_tokens_total += int(candidates.sum())
-        self.sentence_evicted_tokens_total += int((penalized & ~torch.isin(window.k_pos, keep)).sum())
-        return KeepPlan(keep) if keep.numel() < window.k_pos.numel() else None
+        if plan is not None:
+            self.sentence_evicted_tokens_total += int((penalized & ~torch.isin(positions, plan.keep)).sum())
+        return plan
 
     def stats(self) -> dict[str, int]:
         return {"sentences_closed_total": self.sentences_closed_total,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, KeepPlan, PrefixReuse, RequestState, SparseMethod, StepInfo
+from sgl_sparse.contract import Family, KeepPlan, RequestState, SparseMethod, StepInfo
 from sgl_sparse.methods.eviction.base import sink_recent_keep
 from sgl_sparse.registry import register_method
 
@@ -36,7 +36,6 @@ class StreamingLLM(SparseMethod[StreamingLLMConfig]):
     family = Family.EVICTION
     config_cls = StreamingLLMConfig
     evicts = True
-    prefix_reuse = PrefixReuse.CHAIN
 
     @property
     def budget(self) -> int:

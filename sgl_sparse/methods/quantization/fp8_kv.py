@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, KVStore, SparseMethod
 from sgl_sparse.kernels import fp8_attention, quant
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
@@ -112,7 +112,6 @@ class FP8KV(SparseMethod[FP8KVConfig]):
     name = "fp8_kv"
     family = Family.QUANTIZATION
     config_cls = FP8KVConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: FP8KVConfig) -> None:
         super().__init__(config)

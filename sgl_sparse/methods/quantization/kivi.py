@@ -22,8 +22,7 @@ groups):
 At 4 bits a Llama-3-8B layer costs 1,280 bytes per token (codes 1,024, scales 256) against bf16's 4,096:
 3.2x the tokens (2 bits: 768, 5.3x), plus the fixed residual (``--max-running-requests`` x 2 x 32 x 8 x
 128 x 2 bytes a layer). The torch path here serves the CPU server and is the kernels' reference; on CUDA
-decode and extend are Triton kernels (``kernels/kivi_attention.py``), behind the launcher's opt-in until
-they have run on a GPU.
+decode and extend are Triton kernels (``kernels/kivi_attention.py``), checked by tests/gpu/test_gpu_kivi.py.
 """
 
 from __future__ import annotations
@@ -33,10 +32,11 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod, attend
+from sgl_sparse.contract import Family, KVGeometry, KVStore, SparseMethod
 from sgl_sparse.kernels import fp8_attention, kivi_attention, kivi_write, quant
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
+from sgl_sparse.store_reads import attend
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ class KIVIConfig(QuantConfig):
 
 
 class KIVIStore(KVStore):
-    # Decode and extend run as Triton kernels on CUDA (kernels/kivi_attention.py); the launcher keeps them
-    # behind its opt-in until they have passed the GPU tests.
+    # Decode and extend run as Triton kernels on CUDA (kernels/kivi_attention.py).
     gpu_kernels = True
     slot_move_problem = ("a KIVI key belongs to its page's per-channel scale and zero and an open page to its "
                          "request's residual row: a single slot cannot be moved")
@@ -221,7 +220,9 @@ class KIVIStore(KVStore):
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         return attend(q, *self._row(layer_id, req_to_token, row, n), scale)
 
-    def _buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+    def _buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K and V codes, K scale and zero, V scale and zero, K and V residuals: the kernels' pool arguments."""
         return (self.k_codes[layer_id], self.v_codes[layer_id], self.k_scale[layer_id], self.k_zero[layer_id],
                 self.v_scale[layer_id], self.v_zero[layer_id], self.res_k[layer_id], self.res_v[layer_id])
 
@@ -262,7 +263,6 @@ class KIVI(SparseMethod[KIVIConfig]):
     name = "kivi"
     family = Family.QUANTIZATION
     config_cls = KIVIConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: KIVIConfig) -> None:
         super().__init__(config)

@@ -16,8 +16,8 @@ only at 1, 2 and 4 bits), so 3 bits cost 4 bits' bytes for a coarser codebook. A
 Llama-3-8B layer costs 1,088 bytes per token (3.76x bf16's tokens; QJL adds 160). Per-token, so no
 residual and no page constraint. The torch path here serves the CPU server and is the kernels' reference;
 on CUDA decode and extend are Triton kernels (``kernels/turboquant_attention.py``: queries rotated once,
-keys and values read as codebook levels in the rotated basis, the output rotated back once), behind the
-launcher's opt-in until they have run on a GPU.
+keys and values read as codebook levels in the rotated basis, the output rotated back once), checked by
+tests/gpu/test_gpu_turboquant.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import Family, KVGeometry, KVStore, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, KVStore, SparseMethod
 from sgl_sparse.kernels import fp8_attention, quant, turboquant_attention
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
@@ -55,8 +55,7 @@ class TurboQuantConfig(QuantConfig):
 
 
 class TurboQuantStore(KVStore):
-    # Decode and extend run as Triton kernels on CUDA (kernels/turboquant_attention.py); the launcher keeps them
-    # behind its opt-in until they have passed the GPU tests.
+    # Decode and extend run as Triton kernels on CUDA (kernels/turboquant_attention.py).
     gpu_kernels = True
 
     def __init__(self, config: TurboQuantConfig) -> None:
@@ -199,7 +198,6 @@ class TurboQuant(SparseMethod[TurboQuantConfig]):
     name = "turboquant"
     family = Family.QUANTIZATION
     config_cls = TurboQuantConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: TurboQuantConfig) -> None:
         super().__init__(config)

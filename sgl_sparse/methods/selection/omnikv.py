@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, PageSelector, SparseMethod
 from sgl_sparse.kernels import omnikv
 from sgl_sparse.kernels.pages import randomize_scores, select_pages
 from sgl_sparse.registry import register_method
@@ -129,7 +129,6 @@ class OmniKV(SparseMethod[OmniKVConfig]):
     name = "omnikv"
     family = Family.SELECTION
     config_cls = OmniKVConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: OmniKVConfig) -> None:
         super().__init__(config)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, PageSelector, SparseMethod
 from sgl_sparse.kernels import quest
 from sgl_sparse.kernels.pages import randomize_scores, select_pages, select_pages_triton
 from sgl_sparse.registry import register_method
@@ -61,9 +61,9 @@ class QuestSelector(PageSelector):
         self.kmin: dict[int, torch.Tensor] = {}
         self.kmax: dict[int, torch.Tensor] = {}
         self.use_triton = False
-        # The Triton threshold select (same lists as torch.topk + sort, tests/gpu/test_gpu_selection.py) took
-        # 17.5-20 us a layer on the H200 against 56-66 us for top-k + sort at 1-6 x 130K (2026-12-03,
-        # benchmarks/selection_overhead.py): on wherever the Triton scoring runs.
+        # The Triton threshold select (same lists as torch.topk + sort, tests/gpu/test_gpu_selection.py) is
+        # several times faster than top-k + sort at long rows (benchmarks/selection_overhead.py): on wherever
+        # the Triton scoring runs.
         self.triton_select = True
 
     def selects(self, layer_id: int) -> bool:
@@ -114,7 +114,6 @@ class Quest(SparseMethod[QuestConfig]):
     name = "quest"
     family = Family.SELECTION
     config_cls = QuestConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: QuestConfig) -> None:
         super().__init__(config)

@@ -9,7 +9,7 @@ request's clusters by the softmax of ``q . centroid`` summed over the query grou
 and reads everything else that is not clustered (sink, tail, segments not indexed) exactly, under one
 softmax. Requests shorter than ``min_index_tokens`` of clustered keys are read densely. Layout, math
 and the deviations from the original (segments clustered alone, 1,024 tokens, not 8K with a global
-assignment) are in :mod:`sgl_sparse.kernels.retroinfer` and docs/method-notes/retroinfer.md.
+assignment) are in :mod:`sgl_sparse.kernels.retroinfer` and docs/methods/retroinfer.md.
 
 Index validity is data on the device: each page holds a build stamp, cleared wherever K is written
 to it and set, for all pages of a segment, by the build that clustered it. A segment is used only
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparse.config import MethodConfig
-from sgl_sparse.contract import Family, KVGeometry, PageSelector, PrefixReuse, SelectorStep, SparseMethod
+from sgl_sparse.contract import Family, KVGeometry, PageSelector, SelectorStep, SparseMethod
 from sgl_sparse.kernels import retroinfer as ri
 from sgl_sparse.kernels.pages import randomize_scores
 from sgl_sparse.registry import register_method
@@ -115,7 +115,7 @@ class RetroInferSelector(PageSelector):
     def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
         if layer_id == self._first_layer and self.stamps is not None:
             # New content: no index covers the page any more. index_fill_ (not ``stamps[idx] = 0``, which copies
-            # the 0 from the host and fails inside a CUDA-graph capture: tests/gpu, 2026-12-03).
+            # the 0 from the host and fails inside a CUDA-graph capture, tests/gpu/test_gpu_retroinfer.py).
             self.stamps.index_fill_(0, loc.long() // self.page_size, 0)
 
     # -- decode -------------------------------------------------------------------------------------
@@ -134,6 +134,7 @@ class RetroInferSelector(PageSelector):
 
     def _valid(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, max_seg: int) -> torch.Tensor:
         """Segments whose pages all carry one build's stamp (``[bs, max_seg]`` int8)."""
+        assert self.stamps is not None, "allocated before the first forward"
         st = self.stamps[self._segment_pages(req_to_token, req_pool_indices, max_seg)]
         return ((st[:, :, 0] != 0) & (st == st[:, :, :1]).all(dim=2)).to(torch.int8)
 
@@ -186,16 +187,18 @@ class RetroInferSelector(PageSelector):
         pages = self._pages_of(step.req_to_token, rpi, seg_t)  # [n, C]
         # Build only over pages no build claims (a valid segment is left as it is; a segment mixing
         # claimed and new pages stays unindexed), and only once per segment in this call.
-        free = (self.stamps[pages] == 0).all(dim=1)
+        stamps = self.stamps
+        assert stamps is not None, "allocated before the first forward"
+        free = (stamps[pages] == 0).all(dim=1)
         for layer, store in self.stores.items():
             k, v = step.kv(layer)
             ri.build_segments(store, k, v, step.req_to_token, rpi, seg_t, lay, self.config.kmeans_iters,
                               write=free)
         # One stamp per segment, the same for two rows that build the very segment (shared pages):
         # its first page (a page sits at one logical position, so it starts one segment only).
-        cur = self.stamps[pages]
+        cur = stamps[pages]
         stamp = (pages[:, :1] + 1).to(torch.int32).expand_as(cur)
-        self.stamps[pages] = torch.where(free[:, None], stamp, cur)
+        stamps[pages] = torch.where(free[:, None], stamp, cur)
 
     def _pages_of(self, req_to_token: torch.Tensor, rows: torch.Tensor, segs: torch.Tensor) -> torch.Tensor:
         slots = ri.segment_slots(req_to_token, rows, segs, self.layout)
@@ -207,7 +210,6 @@ class RetroInfer(SparseMethod[RetroInferConfig]):
     name = "retroinfer"
     family = Family.SELECTION
     config_cls = RetroInferConfig
-    prefix_reuse = PrefixReuse.RADIX
 
     def __init__(self, config: RetroInferConfig) -> None:
         super().__init__(config)

@@ -2,83 +2,83 @@
 # One device session (nvidia-h200 or nvidia-h200-x2), each part detached: it outlives the command that
 # starts it; poll from later commands, each sent right after the previous one returns (the machine is
 # released 30 s after a command ends, and detached work dies with it). Run from the project root after
-# the bootstrap commands (benchmarks/device_site_parts.sh; benchmarks/README.md lists them).
+# the bootstrap commands (tools/device/device_site_parts.sh; tools/device/README.md lists them).
 #
-#   bash benchmarks/device_session.sh headline   the 130K headline on GPU HEADLINE_GPU (default 1 on a
+#   bash tools/device/device_session.sh headline   the 130K headline on GPU HEADLINE_GPU (default 1 on a
 #                                                two-GPU machine, else 0): vanilla, then sgl_sparse SnapKV 8192 at
 #                                                SPARSE_BATCH (default 28) requests, ~24 min. Nothing else
 #                                                may use that GPU meanwhile: a job beside it halves prefill.
-#   bash benchmarks/device_session.sh vanilla130k | dense130k | snapkv130k | snapkv130k6 | table130k
+#   bash tools/device/device_session.sh vanilla130k | dense130k | snapkv130k | snapkv130k6 | table130k
 #                                                the headline one server per step (vanilla x 6, ours dense
 #                                                x 6, SnapKV 8192 x SPARSE_BATCH, default 60, and x 6), so one
 #                                                vanilla run serves every comparison; table130k prints the table.
-#   bash benchmarks/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x
+#   bash tools/device/device_session.sh quest130k | omnikv130k | retroinfer130k   Quest / OmniKV / RetroInfer (default config) at 130K x
 #                                                SELECT_BATCH (default 5 for Quest and RetroInfer, what their pools
 #                                                fit, 6 for OmniKV), ours
 #                                                only (table130k adds them). quest130k6 | retroinfer130k6: at 6, with
 #                                                --mem-fraction-static SELECT_MEM (default 0.85) for ours: the memory
 #                                                their metadata adds, said beside the figure. On a fresh machine the first server of
 #                                                each compiles FlashInfer kernels for its wrappers (minutes).
-#   bash benchmarks/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6 | turboquant130k | turboquant130k6
+#   bash tools/device/device_session.sh fp8kv130k | fp8kv130k6 | kivi130k | kivi130k6 | turboquant130k | turboquant130k6
 #                                                fp8_kv / kivi (4-bit) / turboquant (4-bit) at 130K x QUANT_BATCH
 #                                                (default 11 / 19 / 22, what their 1.94x / 3.2x / 3.76x pools fit)
 #                                                and x 6, ours only (table130k adds them). QUANT_CONFIG: the
 #                                                method's --sparse-config (default {}), QUANT_TAG: a suffix for
 #                                                its files, e.g. QUANT_CONFIG='{"prefix_attention": "dequantize"}'
 #                                                QUANT_TAG=dequant.
-#   bash benchmarks/device_session.sh vanilla32k | quest32k | omnikv32k | retroinfer32k | table32k
+#   bash tools/device/device_session.sh vanilla32k | quest32k | omnikv32k | retroinfer32k | table32k
 #                                                32,768 in x 16: vanilla FlashInfer, then each selection method at its
 #                                                default config, one server a step; table32k prints them together.
-#   bash benchmarks/device_session.sh evict130k   EVICT_METHODS (default h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (6), default
+#   bash tools/device/device_session.sh evict130k   EVICT_METHODS (default h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (6), default
 #                                                configs, ours only, one server each; h2o/rkv/skipkv with decode CUDA graphs
 #                                                off (they observe decode queries; the launcher requires it). Run it
 #                                                through `queue` (its servers then start one after another).
-#   bash benchmarks/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
+#   bash tools/device/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
 #                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
 #                                                at the same batch (each ~6 min of prefill).
-#   bash benchmarks/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
+#   bash tools/device/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
 #                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor
 #                                                (QUANT_WARPS, QUANT_ARGS: tile sweeps, e.g. --kivi-pages 2 4).
-#   bash benchmarks/device_session.sh quantprefill  benchmarks/quant_prefill.py: one layer of a 16K chunk's attention over a
+#   bash tools/device/device_session.sh quantprefill  benchmarks/quant_prefill.py: one layer of a 16K chunk's attention over a
 #                                                quantized 114K prefix (FP8's kernel at several tiles, KIVI-4,
 #                                                TurboQuant-4, FP8 dequantized + FlashInfer) beside FlashInfer bf16
 #                                                (QUANT_PREFILL_ARGS), ~2 min.
-#   bash benchmarks/device_session.sh selection   benchmarks/selection_overhead.py: Quest's, OmniKV's and RetroInfer's
+#   bash tools/device/device_session.sh selection   benchmarks/selection_overhead.py: Quest's, OmniKV's and RetroInfer's
 #                                                selection cost per layer, stage by stage (SELECTION_ARGS: e.g.
 #                                                --tables retroinfer --shapes 5x130000 16x32768).
-#   bash benchmarks/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
+#   bash tools/device/device_session.sh streamingllm  StreamingLLM (default config) at 130K x STREAM_BATCH (default
 #                                                24), ours only, on HEADLINE_GPU (the vanilla row: headline's).
-#   bash benchmarks/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
+#   bash tools/device/device_session.sh floorref   vanilla at 8,448 in x FLOOR_BATCH (default 60): what vanilla
 #                                                reaches at SnapKV 8,192's per-request KV (its % of the floor).
-#   bash benchmarks/device_session.sh questdiag  profiled Quest decode steps (32,768 in x QDIAG_BATCH, default 5); summary in
+#   bash tools/device/device_session.sh questdiag  profiled Quest decode steps (32,768 in x QDIAG_BATCH, default 5); summary in
 #                                                /root/bench/questdiag-profile.txt (~3 min).
-#   bash benchmarks/device_session.sh diag       profiled decode steps, ours (SnapKV 8192 on 16K prompts) and vanilla
+#   bash tools/device/device_session.sh diag       profiled decode steps, ours (SnapKV 8192 on 16K prompts) and vanilla
 #                                                (8,448) x DIAG_BATCH (52), same live KV; summaries in
 #                                                /root/bench/diag-profile.txt (~6 min: run it as `queue diag`,
 #                                                it runs in the foreground otherwise).
-#   bash benchmarks/device_session.sh layout     benchmarks/attention_layout.py: FlashInfer decode over contiguous,
+#   bash tools/device/device_session.sh layout     benchmarks/attention_layout.py: FlashInfer decode over contiguous,
 #                                                SnapKV-like and random slot layouts (LAYOUT_BATCH, default 60).
-#   bash benchmarks/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
+#   bash tools/device/device_session.sh agent      bench_agent compare on bench_agent/configs/agent_overflow_h200
 #                                                .toml: vanilla FlashInfer, then AGENT_METHODS (METHOD or
 #                                                METHOD:CONFIG_JSON, no spaces; default snapkv:{"budget":8192} dense,
 #                                                AGENT_DENSE=0: without dense); each replay ~6 min, a summary per
 #                                                run as it ends. e.g. AGENT_METHODS="quest omnikv". AGENT_PRUNE_LAG=N:
 #                                                each method also replayed in pruning mode (tool results but the N
 #                                                most recent pruned after each turn), labelled NAME+prune; AGENT_PRUNE_ONLY=1: only in pruning mode.
-#   bash benchmarks/device_session.sh gputests   python3 -m pytest tests/gpu -v (test_gpu_eviction.py alone took ~9 min on
+#   bash tools/device/device_session.sh gputests   python3 -m pytest tests/gpu -v (test_gpu_eviction.py alone took ~9 min on
 #                                                a fresh machine, JIT included); GPU_TESTS="tests/gpu/a.py tests/gpu/b.py"
 #                                                runs only those.
-#   bash benchmarks/device_session.sh gpukernels  the kernel-level tests of GPU_TESTS only (no servers), ~2 min.
-#   bash benchmarks/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
-#   bash benchmarks/device_session.sh quality16ksel | quality16kquant | quality16kevict   quality-large at 16K for the
+#   bash tools/device/device_session.sh gpukernels  the kernel-level tests of GPU_TESTS only (no servers), ~2 min.
+#   bash tools/device/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
+#   bash tools/device/device_session.sh quality16ksel | quality16kquant | quality16kevict   quality-large at 16K for the
 #                                                selection methods (quest, omnikv, retroinfer) / the quantized pools
 #                                                (fp8_kv, kivi 4 and 2 bits, turboquant) / h2o, rkv, skipkv (not kvzip: no replay room at 16K; decode
 #                                                graphs off), default configs, each ~1 min a method. QUALITY_SERVER_ARGS:
 #                                                more server flags for `quality`.
-#   bash benchmarks/device_session.sh queue STEP...  the steps above one after another in one detached job
+#   bash tools/device/device_session.sh queue STEP...  the steps above one after another in one detached job
 #                                                (e.g. `queue gputests headline floorref`); its progress
 #                                                and each step's failure, if any, in /root/bench/queue.txt.
-#   bash benchmarks/device_session.sh train      the quality models side by side, each for TRAIN_S seconds
+#   bash tools/device/device_session.sh train      the quality models side by side, each for TRAIN_S seconds
 #                                                (default 1150): large on LARGE_GPU from LARGE_FROM (a
 #                                                carried model dir; from scratch when unset) at
 #                                                LARGE_CONTEXT (default 2048; past 2048 it draws prompts
@@ -90,15 +90,15 @@
 #                                                Every TASK_EVAL_EVERY steps (default 2000) each logs
 #                                                held-out exact match per task and saves its weights;
 #                                                STOP_AT=1.0 stops one once every task reaches it.
-#   bash benchmarks/device_session.sh quality DIR TOKENS...
+#   bash tools/device/device_session.sh quality DIR TOKENS...
 #                                                the suite through our server on GPU QUALITY_GPU (default
 #                                                0): QUALITY_METHODS (default dense), n=QUALITY_N (50), each
 #                                                size; /root/bench/quality-NAME[-QUALITY_TAG].*
-#   bash benchmarks/device_session.sh status     one line per part, the logs' tails; packs the logs into
+#   bash tools/device/device_session.sh status     one line per part, the logs' tails; packs the logs into
 #                                                $OUT/bench.tar.xz (so each poll brings them back).
-#   bash benchmarks/device_session.sh collect    packs results into $OUT as at most 8 files (the limit on
+#   bash tools/device/device_session.sh collect    packs results into $OUT as at most 8 files (the limit on
 #                                                what comes back): logs and JSON, then the models' files.
-#   bash benchmarks/device_session.sh wait [S]   waits up to S seconds (default 560) for training to end;
+#   bash tools/device/device_session.sh wait [S]   waits up to S seconds (default 560) for training to end;
 #                                                then collect if it has ended (so the weights come back in
 #                                                this same command: the machine may be gone by the next
 #                                                one), else status.
@@ -193,14 +193,14 @@ fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a qua
   turboquant130k6) m=turboquant b=6 ;;
   esac
   name="$1${QUANT_TAG:+-$QUANT_TAG}"  # QUANT_CONFIG: the method's --sparse-config (QUANT_TAG names its files)
-  SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$name.txt" python3 benchmarks/decode_throughput.py \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$name.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method "$m" --sparse-config "${QUANT_CONFIG:-{\}}" --log-dir "/root/bench/$name" --json "/root/bench/$name.json"
   ;;
 snapkvfp8130k)  # SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH (default 24; SnapKV alone:
   install        # snapkv130k at SPARSE_BATCH=24 beside it), ours only
   b="${COMPOSE_BATCH:-24}"
-  SGLSPARSE_GPU_QUANT=1 CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/snapkvfp8130k.txt" python3 benchmarks/decode_throughput.py \
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/snapkvfp8130k.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method snapkv+fp8_kv --sparse-config '{"snapkv": {"budget": 8192}}' --log-dir /root/bench/snapkvfp8130k \
       --json /root/bench/snapkvfp8130k.json
@@ -338,14 +338,14 @@ quality16kevict)  # quality-large at 16K: h2o, rkv, skipkv at their defaults (de
 quality16kquant)  # quality-large at 16K: fp8_kv, kivi 4 and 2 bits, turboquant 4 bits (~1 min a method)
   quant='fp8_kv kivi kivi:{"bits":2} turboquant'
   QUALITY_METHODS="${QUALITY_METHODS:-$quant}" QUALITY_TAG="${QUALITY_TAG:-quant}" \
-      SGLSPARSE_GPU_QUANT=1 QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
+      QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
 queue)  # queue STEP...: run the steps one after another, detached; progress in /root/bench/queue.txt
   shift
   install
   echo "$(date +%T) queue $*" >> /root/bench/queue.txt
   FOREGROUND=1 setsid nohup bash -c 'for s in "$@"; do echo "$(date +%T) begin $s" >> /root/bench/queue.txt
-      bash benchmarks/device_session.sh "$s"; echo "$(date +%T) end $s" >> /root/bench/queue.txt; done' \
+      bash tools/device/device_session.sh "$s"; echo "$(date +%T) end $s" >> /root/bench/queue.txt; done' \
       _ "$@" > /root/bench/queue.log 2>&1 < /dev/null &
   ;;
 train)

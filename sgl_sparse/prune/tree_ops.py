@@ -1,5 +1,5 @@
-"""Prefix-Cache Pruning on :class:`SparseRadixCache`: drop the KV of chosen logical ranges of a cached sequence
-while its token prefix still matches (docs/prefix-cache-pruning.md).
+"""Prefix-Cache Pruning on the Chain Cache tree (:class:`~sgl_sparse.radix.tree.SparseRadixCache`): drop the KV of
+chosen logical ranges of a cached sequence while its token prefix still matches (docs/prefix-cache-pruning.md).
 
 A prune is a Chain Cache decision taken from outside a request: the sequence's visible kept set loses the
 pruned positions and is stored as a :class:`ChainRecord` on the node that ends the sequence, exactly as a
@@ -20,66 +20,33 @@ prefills from the branch point); nothing another request reads changes.
 
 A **scored keep** (``keep_tokens`` > 0) keeps that many of the ranges' resident positions, one budget shared over
 their union, chosen by ``score`` (the pool's keys of those positions, summed over the TP group: the policies are
-sgl_sparse/prune_keep.py); the rest of the ranges is dropped as above. The kept positions stay resident (on shared
+:mod:`sgl_sparse.prune.keep`); the rest of the ranges is dropped as above. The kept positions stay resident (on shared
 nodes and exclusive ones alike), so a continuation reads them where they are.
 
 It runs in the scheduler between batches (a control request), identically on every TP rank. A path that a
 running request holds (``lock_ref > 0`` on a node the ranges touch) is ``blocked``: changing its view would
 change KV that request is reading, so nothing is done and the caller may retry.
+
+Written against the tree's public API (``view_of``, ``node_ending_at``, ``path_to``, ``evict_side_branches``,
+``compact_exclusive``) and its node records (:mod:`sgl_sparse.radix.records`); no SGLang import.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_sparse.prune_keep import select_keep
+from sgl_sparse.prune.keep import select_keep
+from sgl_sparse.radix.records import ChainRecord, node_record, void_continuations
 from sgl_sparse.slots import complement
 
 if TYPE_CHECKING:
     from sgl_sparse.radix.tree import SparseRadixCache
 
 COMPLETED, BLOCKED, FAILED = "completed", "blocked", "failed"
-
-
-@dataclass
-class PathView:
-    """What the tree serves for a token sequence: ``length`` visible logical tokens (a match), of which
-    ``kept`` hold resident KV, their slots (``slots[p]`` for a kept ``p``; on the pool's device), and the path of
-    nodes that holds them."""
-
-    length: int
-    kept: torch.Tensor
-    slots: torch.Tensor
-    nodes: list[Any] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    record: Any = None
-
-
-def view_of(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None) -> PathView:
-    """The visible match of ``token_ids`` in ``extra_key``'s namespace (what a request of that sequence
-    would get), without locking anything."""
-    probe = SimpleNamespace()
-    # SGLang's tree keys are array('q') (its match asserts both sides have one type).
-    res = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", token_ids), extra_key), req=probe))
-    from sgl_sparse.radix.tree import VIEW_ATTR
-
-    view = getattr(probe, VIEW_ATTR, None)
-    length = int(len(res.device_indices))
-    kept = view.kept if view is not None and view.length == length else torch.arange(length)
-    nodes = tree._path(res.last_device_node)
-    starts, pos = [], 0
-    for node in nodes:
-        starts.append(pos)
-        pos += len(node.key)
-    return PathView(length, kept, res.device_indices, nodes, starts, view.record if view is not None else None)
 
 
 @dataclass
@@ -111,7 +78,7 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, r
     if not tree.evicting:
         return PruneResult(FAILED, "this server reads SGLang's stock attention lists, which cannot skip pruned "
                                    "KV: start it with an eviction method or --sparse-request-methods eviction")
-    view = view_of(tree, token_ids, extra_key)
+    view = tree.view_of(token_ids, extra_key)
     end = max(r for _, r in ranges)
     if view.length < end:
         return PruneResult(FAILED, f"the tree serves only the first {view.length} of these tokens (never cached, "
@@ -141,77 +108,29 @@ def prune(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None, r
         keep = select_keep(cand, scores.cpu(), keep_tokens)
     hide = cand[~torch.isin(cand, keep)]
     kept = view.kept[~torch.isin(view.kept, hide)]
-    from sgl_sparse.radix.tree import ChainRecord
-
     # The record goes on the node that ends the sequence (split there if a longer branch runs through it).
-    last = tree._node_ending_at(view.nodes, view.starts, n)
-    path = tree._path(last)
-    evicted = evict_side_branches(tree, path, min(lo for lo, _ in ranges)) if evict_branches else 0
+    last = tree.node_ending_at(view.nodes, view.starts, n)
+    path = tree.path_to(last)
+    evicted = tree.evict_side_branches(path, min(lo for lo, _ in ranges)) if evict_branches else 0
     before = tree.token_to_kv_pool_allocator.available_size()
-    tree._compact_exclusive(path, complement(kept, n), own_tail=True)
+    tree.compact_exclusive(path, complement(kept, n), own_tail=True)
     freed = int(tree.token_to_kv_pool_allocator.available_size() - before)
     void_continuations(last, hide)
     # A payload describes a finished request's retained set; with positions removed it no longer does.
-    last.chain = ChainRecord(n, kept.clone(), None, since=n)
+    node_record(last).chain = ChainRecord(n, kept.clone(), None, since=n)
     return PruneResult(COMPLETED, matched_tokens=n, pruned_tokens=int(cand.numel()), kept_tokens=int(keep.numel()),
                        freed_slots=freed, resident_tokens=int(kept.numel()), evicted_branch_slots=evicted)
-
-
-def void_continuations(last: Any, hide: torch.Tensor) -> None:
-    """Drop the records below ``last`` (continuations of the pruned sequence cached before the prune, e.g. the turn's
-    own reply) whose kept set holds a pruned position. Where the prune freed that position the record is void anyway;
-    where a shared node kept its KV (another branch reads it), the record would still look whole, and a next turn
-    resuming from it (its match runs through ``last`` into that continuation) would read the pruned range again."""
-    stack = list(last.children.values())
-    while stack:
-        node = stack.pop()
-        rec = getattr(node, "chain", None)
-        if rec is not None and bool(torch.isin(rec.kept, hide).any()):
-            node.chain = None
-        stack.extend(node.children.values())
-
-
-def evict_side_branches(tree: SparseRadixCache, path: list[Any], first: int) -> int:
-    """Evict the cached subtrees hanging off ``path``'s nodes that end after position ``first``, except below
-    its last node (those continue the sequence). A subtree a running request holds is left whole (its lock
-    reaches every node above it; on the route such a prune is ``blocked`` before this runs, at a request's
-    finish other requests may hold side branches). Returns the slots freed."""
-    on_path = {id(node) for node in path}
-    freed, end = 0, 0
-    for node in path[:-1]:
-        end += len(node.key)
-        if end <= first:
-            continue
-        for child in [c for c in node.children.values() if id(c) not in on_path]:
-            freed += _evict_subtree(tree, child)
-    return freed
-
-
-def _evict_subtree(tree: SparseRadixCache, top: Any) -> int:
-    order, stack = [], [top]
-    while stack:  # pre-order: every node before its descendants
-        node = stack.pop()
-        if node.lock_ref > 0:
-            return 0  # a running request reads it (a request finishing beside it): never free that
-        order.append(node)
-        stack.extend(node.children.values())
-    freed = 0
-    for node in reversed(order):  # leaves first, as the pool's LRU evicts
-        tree.token_to_kv_pool_allocator.free(tree._live_value(node))
-        freed += int(node.phys)
-        tree._delete_leaf(node)
-        tree._record_remove_event(node)
-    return freed
 
 
 def inspect(tree: SparseRadixCache, token_ids: list[int], extra_key: str | None) -> dict[str, Any]:
     """The sequence's match as the tree serves it: visible, resident and hidden tokens (and the hidden positions as
     ``[start, end)`` runs), and its path of nodes."""
-    view = view_of(tree, token_ids, extra_key)
+    view = tree.view_of(token_ids, extra_key)
     nodes = []
     for node, s in zip(view.nodes, view.starts):
-        rec = getattr(node, "chain", None)
-        nodes.append({"start": s, "tokens": len(node.key), "resident": int(getattr(node, "phys", len(node.key))),
+        info = node_record(node)
+        rec = info.chain
+        nodes.append({"start": s, "tokens": len(node.key), "resident": info.phys,
                       "in_use": node.lock_ref > 0, "shared": len(node.children) > 1,
                       "record": None if rec is None else {"end": rec.end, "kept": int(rec.kept.numel()),
                                                          "since": rec.since}})

@@ -4,8 +4,8 @@
 # only; with both quality models shipped (~30 MB) they no longer do. This cuts them into byte ranges of
 # at most PART_MB (default 24) that travel one per command and are joined again on the GPU machine.
 #
-#   bash benchmarks/device_site_parts.sh split        # here, once: .device-site/site*.tar.xz -> .device-site/parts/
-#   bash benchmarks/device_site_parts.sh bootstrap    # there, in each command that carries a part:
+#   bash tools/device/device_site_parts.sh split        # here, once: .device-site/site*.tar.xz -> .device-site/parts/
+#   bash tools/device/device_site_parts.sh bootstrap    # there, in each command that carries a part:
 #                                                     # keeps the part in /root/parts, unpacks every archive
 #                                                     # whose parts have all arrived into /root/site
 #

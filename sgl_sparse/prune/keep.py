@@ -1,12 +1,10 @@
 """The scored keep of Prefix-Cache Pruning (docs/prefix-cache-pruning.md): which ``keep_tokens`` of a prune's ranges
-keep their KV. Pure torch (no SGLang import), tested against a plain reference; the server side
-(``sgl_sparse/integration/prune_api.py``) reads the keys from SGLang's KV pool, sums the scores over the TP group
-and hands them to the tree surgery (``sgl_sparse/radix/prune.py``).
+keep their KV. Pure torch (no SGLang import), tested against plain references; the route reads the keys from the KV
+pool (:func:`pool_scorer`), the TP group sums the scores, and the tree operation (:mod:`sgl_sparse.prune.tree_ops`)
+keeps the best of them.
 
-What a prune has to score with: the pool's K and V of every resident position. The queries of the forward passes
-that wrote them are gone, so SparseEngine's ``snapkv_global`` (attention of the sequence's last queries) and
-``kvzip_global`` (attention while the model reconstructs the context) cannot be computed at prune time without
-running the model again; neither is served. The policy served is query-agnostic:
+Between batches (``POST /v1/prefix_cache/prune``) a prune has the pool's K and V of every resident position, but
+not the queries of the forwards that wrote them, so it scores query-agnostically:
 
 * ``knorm``: KnormPress's score (NVIDIA kvpress ``knorm_press.py``; Devoto et al. 2024, "A Simple and Effective
   L2 Norm-Based Strategy for KV Cache Compression", arXiv 2406.11430): a key of low L2 norm draws high attention,
@@ -19,10 +17,10 @@ running the model again; neither is served. The policy served is query-agnostic:
 
 A request's own prune (``custom_params['sgl_sparse_prune']``, docs/prefix-cache-pruning.md "Per request") runs in
 the step that completes the prompt, where the prompt's last queries exist and the model can run again, so it
-serves two more policies:
+serves two more policies (the route serves them too, by sending the sequence as such a request):
 
 * ``snapkv_global``: SparseEngine's token-shared SnapKV (one mask per position): SnapKV's score
-  (:func:`sgl_sparse.methods.eviction.snapkv.observation_scores`, with SnapKV's defaults: the last 32 queries,
+  (:func:`sgl_sparse.methods.eviction.base.observation_scores`, with SnapKV's defaults: the last 32 queries,
   average pooling over 5 positions) of each retained key, the softmax over every retained key of the request,
   summed over heads and layers; the ``keep_tokens`` highest of the ranges' retained positions stay.
 * ``kvzip_global``: SparseEngine's token-shared KVzip: the ranges are reconstructed, chunk by chunk, by replay
@@ -37,134 +35,23 @@ Ties go to the earlier position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, in_ranges
-
-DROP, KNORM, SNAPKV_GLOBAL, KVZIP_GLOBAL = "drop", "knorm", "snapkv_global", "kvzip_global"
-POLICIES = (DROP, KNORM)  # POST /v1/prefix_cache/prune: between batches, no queries
-SCORED = (KNORM,)
-# A request's own prune: its prompt's last queries exist, and replays can run in its step.
-REQUEST_POLICIES = (DROP, KNORM, SNAPKV_GLOBAL, KVZIP_GLOBAL)
-REQUEST_SCORED = (SNAPKV_GLOBAL, KNORM, KVZIP_GLOBAL)  # the first: the default when something is kept
-# snapkv_global's window and pooling: SnapKV's defaults (its method's config, Li et al. 2024).
-SNAPKV_WINDOW, SNAPKV_KERNEL, SNAPKV_POOLING = 32, 5, "avgpool"
-
-
-class KeepError(ValueError):
-    """A ``keep_tokens`` / ``keep_ratio`` / ``policy`` that cannot serve; ``field`` names the body field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class RangeError(ValueError):
-    """A prune's ``ranges`` that cannot serve; ``field`` names the entry (``ranges`` or ``ranges[i]``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-def parse_ranges(value: Any, bound: int | None, bound_name: str) -> list[tuple[int, int]]:
-    """``[[start, end], ...]`` of logical positions -> sorted, merged ``[start, end)`` pairs, ``0 <= start < end <=
-    bound`` (``bound_name`` says what bounds them; no upper check when ``bound`` is ``None``). The one parser of the
-    route's body and a request's own prune; raises :class:`RangeError` naming the entry."""
-    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
-        raise RangeError("ranges", "expected a non-empty list of [start, end] pairs")
-    out = []
-    for i, r in enumerate(value):
-        if (not isinstance(r, Sequence) or isinstance(r, str) or len(r) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
-            raise RangeError(f"ranges[{i}]", f"expected [start, end] integers, got {r!r}")
-        lo, hi = r
-        if not 0 <= lo < hi <= (hi if bound is None else bound):
-            limit = "" if bound is None else f" <= {bound} ({bound_name})"
-            raise RangeError(f"ranges[{i}]", f"[{lo}, {hi}) must satisfy 0 <= start < end{limit}")
-        out.append((lo, hi))
-    out.sort()
-    merged = [out[0]]
-    for lo, hi in out[1:]:
-        if lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    return merged
-
-
-def parse_keep(body: Mapping[str, Any], size: int, page_size: int, policies: tuple[str, ...],
-               scored: tuple[str, ...], hints: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """``keep_tokens`` / ``keep_ratio`` / ``policy`` of a prune body over ranges whose union holds ``size`` tokens
-    -> ``(keep_tokens, policy)``. ``keep_ratio`` is taken over the union, rounded down to whole pages (SparseEngine's
-    agent harness keeps a fraction of the tool tokens; with ``roles`` the client does not know the ranges' size).
-    No policy: the first scored one when something is kept, else ``drop``. ``hints``: a sentence added to the error
-    for a known policy name this caller does not serve. Raises :class:`KeepError`."""
-    keep = body.get("keep_tokens", 0)
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-        raise KeepError("keep_tokens", f"expected an integer >= 0, got {keep!r}")
-    ratio = body.get("keep_ratio")
-    if ratio is not None:
-        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
-            raise KeepError("keep_ratio", f"expected a number in [0, 1), got {ratio!r}")
-        if "keep_tokens" in body:
-            raise KeepError("keep_ratio", "give keep_tokens or keep_ratio, not both")
-        keep = int(ratio * size) // page_size * page_size
-    policy = body.get("policy")
-    if policy is None:
-        policy = scored[0] if keep or ratio else DROP
-    if policy not in policies:
-        hint = (hints or {}).get(policy) if isinstance(policy, str) else None
-        raise KeepError("policy", f"{policy!r}: expected one of {', '.join(policies)}" + (f" ({hint})" if hint else ""))
-    if (keep or ratio) and policy not in scored:
-        field = "keep_ratio" if ratio else "keep_tokens"
-        raise KeepError(field, f"policy {policy!r} keeps nothing: give {field} 0, or a scored policy "
-                               f"({', '.join(scored)})")
-    if keep % page_size:
-        raise KeepError("keep_tokens", f"{keep} is not a multiple of the page size {page_size} (a page is kept or "
-                                       "dropped whole)")
-    if keep and size and keep >= size:
-        raise KeepError("keep_tokens", f"{keep} must be less than the ranges' size, {size} tokens (their union): "
-                                       "keeping them all prunes nothing")
-    return keep, policy
-
-
-def parse_evict_branches(body: Mapping[str, Any]) -> bool:
-    """A prune body's ``evict_branches`` (default false), as the route and a request's own prune take it. Raises
-    :class:`KeepError` naming the field."""
-    evict = body.get("evict_branches", False)
-    if not isinstance(evict, bool):
-        raise KeepError("evict_branches", f"expected true or false, got {evict!r}")
-    return evict
-
-
-@dataclass(frozen=True)
-class PruneSpec:
-    """A request's own prune: sorted, merged prompt ranges and, when ``keep_tokens`` > 0, how many of their
-    retained positions stay and by which policy's score (the budget is over the union). ``evict_branches``: at the
-    request's finish, first evict the idle cached branches hanging off its path after the first range (an agent's
-    earlier replies as generated, beside their re-rendered history), as ``POST /v1/prefix_cache/prune`` does, so
-    the pruned KV is freed rather than kept for them."""
-
-    ranges: tuple[tuple[int, int], ...]
-    keep_tokens: int = 0
-    policy: str = DROP
-    evict_branches: bool = False
-
-    @property
-    def scores(self) -> bool:
-        """Whether the prune scores (it reads the pool's keys)."""
-        return self.keep_tokens > 0 and self.policy in REQUEST_SCORED
-
-    @property
-    def needs_window(self) -> bool:
-        """Whether its scores read an observation window (the prompt's last queries captured); kvzip_global's come
-        from replay forwards instead."""
-        return self.scores and self.policy != KVZIP_GLOBAL
+from sgl_sparse.contract import ObservationWindow
+from sgl_sparse.prune.spec import (
+    KNORM,
+    KVZIP_GLOBAL,
+    SNAPKV_GLOBAL,
+    SNAPKV_KERNEL,
+    SNAPKV_POOLING,
+    SNAPKV_WINDOW,
+    PruneSpec,
+)
+from sgl_sparse.rules import in_ranges
 
 
 class PruneUnscored(RuntimeError):
@@ -218,11 +105,11 @@ def select_keep(positions: torch.Tensor, scores: torch.Tensor, keep: int) -> tor
 
 def policy_scores(policy: str, window: ObservationWindow) -> torch.Tensor:
     """``[n]`` scores (CPU float64) of ``window``'s retained keys (``window.k_pos``) under ``policy``, summed over
-    every head of the model (``window.reduce_heads``: under TP every rank then keeps the same positions)."""
+    every head of the model (``window.all_reduce``: under TP every rank then keeps the same positions)."""
     if policy == KNORM:
         total = knorm_scores(window.keys(layer)[0] for layer in range(window.num_layers))
     elif policy == SNAPKV_GLOBAL:
-        from sgl_sparse.methods.eviction.snapkv import observation_scores
+        from sgl_sparse.methods.eviction.base import observation_scores
 
         queries = {layer: q[-SNAPKV_WINDOW:] for layer, q in window.queries.items()}
         n_w = next(iter(queries.values())).shape[0]
@@ -275,3 +162,61 @@ def request_prune_leaves(kept: torch.Tensor, spec: PruneSpec, window: Callable[[
     candidates = leave.nonzero().flatten()
     leave[select_keep(candidates, scores[candidates], spec.keep_tokens)] = False
     return leave
+
+
+@dataclass(frozen=True)
+class OwnPrune:
+    """What a request's own prune decided: ``leave`` (bool over its retained positions: those that leave; ``None``
+    when it could not score, then nothing leaves), ``report`` (for its response, ``meta_info["sgl_sparse"]["prune"]``)
+    and ``evict_branches_after`` (for its finish: the first range's start when the spec asks to evict the idle
+    branches, and something left)."""
+
+    leave: torch.Tensor | None
+    report: dict[str, Any]
+    evict_branches_after: int | None = None
+
+    @property
+    def pruned(self) -> int:
+        return 0 if self.leave is None else int(self.leave.sum())
+
+
+def own_prune(kept: torch.Tensor, spec: PruneSpec, window: Callable[[], ObservationWindow],
+              replays: ReplayInputs | None = None) -> OwnPrune:
+    """A request's own prune over its retained positions ``kept`` (sorted, CPU): :func:`request_prune_leaves` and
+    the report its response carries (``applied`` / ``nothing_to_prune``, or ``unscored`` with the reason, when a
+    scored keep could not score: the prompt stays whole)."""
+    in_n = int(in_ranges(kept, list(spec.ranges)).sum())
+    try:
+        leave = request_prune_leaves(kept, spec, window, replays)
+    except PruneUnscored as e:
+        return OwnPrune(None, {"status": "unscored", "policy": spec.policy, "pruned_tokens": 0, "kept_tokens": in_n,
+                               "message": str(e)})
+    pruned = int(leave.sum())
+    report = {"status": "applied" if pruned else "nothing_to_prune", "policy": spec.policy,
+              "pruned_tokens": pruned, "kept_tokens": in_n - pruned}
+    after = spec.ranges[0][0] if pruned and spec.evict_branches else None
+    return OwnPrune(leave, report, after)
+
+
+def pool_scorer(kvcache: Any, policy: str, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``slots -> scores`` (CPU) of ``policy`` over the keys SGLang's KV pool ``kvcache`` holds at those slots, every
+    layer, this rank's KV heads; ``all_reduce`` (``integration/tp.py``, ``None`` with one rank) sums them over the
+    TP group, so every rank ranks the positions alike. A method-owned layout (a composition's quantized store) is
+    read through its store, dequantized: the keys decode attention reads."""
+    if policy != KNORM:
+        raise ValueError(f"no scorer for policy {policy!r}")
+    store = getattr(kvcache, "store", None)
+    start = int(getattr(kvcache, "start_layer", 0) or 0)
+    layers = range(start, start + int(kvcache.layer_num))
+
+    def score(slots: torch.Tensor) -> torch.Tensor:
+        slots = slots.long()
+        keys = (store.read_keys(layer, slots) if store is not None else kvcache.get_key_buffer(layer)[slots]
+                for layer in layers)
+        s = knorm_scores(keys)
+        if all_reduce is not None:
+            s = all_reduce(s)
+        return s.cpu()
+
+    return score

@@ -1,4 +1,6 @@
-"""The Prefix-Cache Pruning HTTP API (docs/prefix-cache-pruning.md); the tree surgery is sgl_sparse/radix/prune.py.
+"""The Prefix-Cache Pruning HTTP API (docs/prefix-cache-pruning.md): SGLang's side of it. The body is parsed by
+:mod:`sgl_sparse.prune.body`, the keys scored by :mod:`sgl_sparse.prune.keep`, the tree operation is
+:mod:`sgl_sparse.prune.tree_ops`.
 
     POST /v1/prefix_cache/prune        {selector, ranges | roles + lag, keep_tokens, policy} -> 202
     GET  /v1/prefix_cache/prune/{id}   the prune's status: completed | blocked | failed, tokens pruned, slots freed
@@ -9,7 +11,7 @@ A selector is exactly one of ``token_ids``, ``text`` (tokenized as ``/generate``
 (an OpenAI chat, rendered with the tokenizer's chat template, no generation prompt); ``sgl_sparse_method`` /
 ``sgl_sparse_config`` pick a per-request method's namespace (default: the server's). ``keep_tokens`` > 0 keeps
 that many of the ranges' tokens (one budget over their union) by the ``policy``'s score of the keys in the pool
-(sgl_sparse/prune_keep.py); each scheduler scores its own heads and the TP group sums the scores.
+(:mod:`sgl_sparse.prune.keep`); each scheduler scores its own heads and the TP group sums the scores.
 
 Plumbing (../shared/notes/sglang-0.5.17-wave2-map.md §C.1-C.2): the routes are added to SGLang's FastAPI app in
 the launcher process before ``run_server``; the request goes to every scheduler (every DP rank, every TP rank)
@@ -24,37 +26,29 @@ from __future__ import annotations
 import json
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq
 
-from sgl_sparse import prune_keep
-from sgl_sparse.prune_keep import (
+from sgl_sparse.prune import tree_ops
+from sgl_sparse.prune.body import BadPruneRequest, chat_ranges, merge, parse_body, route_counts
+from sgl_sparse.prune.keep import pool_scorer
+from sgl_sparse.prune.spec import (
+    BY_REQUEST,
     KNORM,
-    KVZIP_GLOBAL,
-    POLICIES,
     REQUEST_POLICIES,
     REQUEST_SCORED,
-    SCORED,
     SNAPKV_GLOBAL,
+    SNAPKV_WINDOW,
     KeepError,
-    knorm_scores,
     parse_evict_branches,
     parse_keep,
 )
-from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY, RequestMethodError
+from sgl_sparse.request_methods import CONFIG_KEY, METHOD_KEY
 
 PRUNE, INSPECT = "prune", "inspect"
-# The route's policies: a prune between batches (drop, knorm), and snapkv_global / kvzip_global through an internal
-# request that prunes its own prompt (_Api._request_prune): snapkv_global's re-forwards the sequence's last
-# SNAPKV_WINDOW tokens (their queries score), kvzip_global's runs replay forwards in its final step.
-BY_REQUEST = (SNAPKV_GLOBAL, KVZIP_GLOBAL)
-ROUTE_POLICIES = (*POLICIES, *BY_REQUEST)
-ROUTE_SCORED = (*SCORED, *BY_REQUEST)  # the first, knorm, stays the default when something is kept
-SNAPKV_WINDOW = 32  # SnapKV's observation window (prune_keep's snapkv_global scores the prompt's last 32 queries)
 _RESULTS_KEPT = 4096  # prune ids remembered for GET (oldest dropped first)
 
 
@@ -67,169 +61,10 @@ class SparsePruneReqOutput(BaseReq):
     result: str = "{}"  # JSON: one rank's result
 
 
-class BadPruneRequest(ValueError):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-# -- parsing and validation (HTTP process; pure, so it is tested without a server) ----------------------
-
-def _int_list(value: Any, field: str, vocab_size: int | None = None) -> list[int]:
-    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
-        raise BadPruneRequest(field, "expected a non-empty list of integers")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise BadPruneRequest(field, "expected a non-empty list of integers")
-    if vocab_size is not None:
-        bad = next((i for i, t in enumerate(value) if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise BadPruneRequest(f"{field}[{bad}]", f"{value[bad]} is not a token id of this model (vocab size "
-                                                      f"{vocab_size})")
-    return list(value)
-
-
-def parse_ranges(value: Any, n_tokens: int) -> list[tuple[int, int]]:
-    """``[[L, R], ...]`` of logical positions, ``0 <= L < R <= n_tokens``, sorted and merged."""
-    try:
-        return prune_keep.parse_ranges(value, n_tokens, "the selected sequence's length")
-    except prune_keep.RangeError as e:
-        raise BadPruneRequest(e.field, str(e)) from None
-
-
-def message_spans(render: Any, messages: list[Any]) -> list[tuple[int, int]]:
-    """Token span of each message's content in ``render(messages)``: ``render(messages[:i])`` gives where message
-    ``i`` starts; the template's own markers around its content (found by rendering it with empty content) are
-    left out, so pruning a message never removes the role markers the next turn's rendering repeats."""
-    spans = []
-    for i, msg in enumerate(messages):
-        before = render(messages[:i]) if i else []
-        full = render(messages[:i + 1])
-        empty = render([*messages[:i], {**msg, "content": ""}])
-        a, b, c = len(before), full, empty
-        head = 0
-        while a + head < min(len(b), len(c)) and b[a + head] == c[a + head]:
-            head += 1
-        tail = 0
-        while tail < min(len(b), len(c)) - a - head and b[-1 - tail] == c[-1 - tail]:
-            tail += 1
-        spans.append((a + head, len(b) - tail))
-    return spans
-
-
-def role_ranges(spans: list[tuple[int, int]], messages: list[Any], roles: Any, lag: Any) -> list[tuple[int, int]]:
-    """The content spans of ``roles`` messages except the ``lag`` most recent of them."""
-    if (not isinstance(roles, Sequence) or isinstance(roles, str) or not roles
-            or not all(isinstance(r, str) for r in roles)):
-        raise BadPruneRequest("roles", "expected a non-empty list of role names, e.g. [\"tool\"]")
-    if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
-        raise BadPruneRequest("lag", f"expected an integer >= 0 (how many most recent such messages to spare), got "
-                                     f"{lag!r}")
-    chosen = [i for i, m in enumerate(messages) if isinstance(m, Mapping) and m.get("role") in roles]
-    chosen = chosen[:len(chosen) - lag] if lag else chosen
-    return [spans[i] for i in chosen if spans[i][1] > spans[i][0]]
-
-
-def parse_body(body: Any, tokenize: Any, render: Any, vocab_size: int | None, resolve: Any,
-               need_ranges: bool, page_size: int = 1) -> dict[str, Any]:
-    """The request as the scheduler needs it: ``token_ids``, ``fingerprint`` and (for a prune) ``ranges``,
-    ``keep_tokens`` and ``policy``. ``tokenize(text) -> ids``; ``render(messages) -> ids``;
-    ``resolve(custom_params) -> Served``; ``page_size``: the pool's (a kept page is whole)."""
-    if not isinstance(body, Mapping):
-        raise BadPruneRequest("body", "expected a JSON object")
-    allowed = {"token_ids", "text", "messages", "ranges", "roles", "lag", "keep_tokens", "keep_ratio", "policy",
-               "evict_branches", METHOD_KEY, CONFIG_KEY}
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadPruneRequest(unknown[0], f"unknown field; known fields: {', '.join(sorted(allowed))}")
-    given = [k for k in ("token_ids", "text", "messages") if body.get(k) is not None]
-    if len(given) != 1:
-        raise BadPruneRequest("token_ids", "give exactly one selector: token_ids, text or messages (got "
-                                           f"{', '.join(given) or 'none'})")
-    messages = None
-    if given[0] == "token_ids":
-        token_ids = _int_list(body["token_ids"], "token_ids", vocab_size)
-    elif given[0] == "text":
-        if not isinstance(body["text"], str) or not body["text"]:
-            raise BadPruneRequest("text", "expected a non-empty string")
-        token_ids = list(tokenize(body["text"]))
-    else:
-        messages = body["messages"]
-        if (not isinstance(messages, list) or not messages
-                or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages)):
-            raise BadPruneRequest("messages", "expected a non-empty list of chat messages with a role")
-        try:
-            token_ids = list(render(messages))
-        except Exception as e:  # the template's own error (e.g. a role it does not know)
-            raise BadPruneRequest("messages", f"the chat template cannot render them: {e}") from None
-    try:
-        served = resolve({k: body[k] for k in (METHOD_KEY, CONFIG_KEY) if k in body})
-    except RequestMethodError as e:
-        raise BadPruneRequest(e.key, str(e)) from None
-    out: dict[str, Any] = {"token_ids": token_ids, "fingerprint": served.fingerprint,
-                           # as given: the route's snapkv_global sends them on with its internal request
-                           **{k: body[k] for k in (METHOD_KEY, CONFIG_KEY) if k in body}}
-    if not need_ranges:
-        return out
-    if body.get("roles") is not None:
-        if body.get("ranges") is not None:
-            raise BadPruneRequest("roles", "give either ranges or roles, not both")
-        if messages is None:
-            raise BadPruneRequest("roles", "selecting by role needs the messages selector")
-        ranges = role_ranges(message_spans(render, messages), messages, body["roles"], body.get("lag", 0))
-        out["ranges"] = parse_ranges([list(r) for r in ranges], len(token_ids)) if ranges else []
-    else:
-        out["ranges"] = parse_ranges(body.get("ranges"), len(token_ids))
-    size = sum(hi - lo for lo, hi in out["ranges"])
-    try:
-        keep, policy = parse_keep(body, size, page_size, ROUTE_POLICIES, ROUTE_SCORED)
-    except KeepError as e:
-        raise BadPruneRequest(e.field, str(e)) from None
-    out["keep_tokens"], out["policy"] = keep, policy
-    try:
-        out["evict_branches"] = parse_evict_branches(body)
-    except KeepError as e:
-        raise BadPruneRequest(e.field, str(e)) from None
-    return out
-
-
-def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One answer from every DP rank's (each holds its own tree; the sequence lives on one of them)."""
-    for status in ("completed", "blocked"):
-        hit = [r for r in results if r.get("status") == status]
-        if hit:
-            best = max(hit, key=lambda r: r.get("matched_tokens", 0))
-            return {**best, **{k: sum(r.get(k, 0) for r in results) for k in ("freed_slots", "evicted_branch_slots")}}
-    return max(results, key=lambda r: r.get("matched_tokens", 0)) if results else {"status": "failed"}
-
-
 # -- scheduler side ---------------------------------------------------------------------------------
-
-def pool_scorer(kvcache: Any, policy: str, all_reduce: Any) -> Any:
-    """``slots -> scores`` (CPU) of ``policy`` over the keys SGLang's KV pool ``kvcache`` holds at those slots, every
-    layer, this rank's KV heads; ``all_reduce`` (``integration/tp.py``, ``None`` with one rank) sums them over the
-    TP group, so every rank ranks the positions alike. A method-owned layout (a composition's quantized store) is
-    read through its store, dequantized: the keys decode attention reads."""
-    if policy != KNORM:
-        raise ValueError(f"no scorer for policy {policy!r}")
-    store = getattr(kvcache, "store", None)
-    start = int(getattr(kvcache, "start_layer", 0) or 0)
-    layers = range(start, start + int(kvcache.layer_num))
-
-    def score(slots: torch.Tensor) -> torch.Tensor:
-        slots = slots.long()
-        keys = (store.read_keys(layer, slots) if store is not None else kvcache.get_key_buffer(layer)[slots]
-                for layer in layers)
-        s = knorm_scores(keys)
-        if all_reduce is not None:
-            s = all_reduce(s)
-        return s.cpu()
-
-    return score
-
 
 def handle(scheduler: Any, req: SparsePruneReqInput) -> SparsePruneReqOutput:
     from sgl_sparse.integration.tp import scores_all_reduce
-    from sgl_sparse.radix import prune as tree_prune
     from sgl_sparse.radix.tree import SparseRadixCache
 
     tree = scheduler.tree_cache
@@ -248,10 +83,10 @@ def handle(scheduler: Any, req: SparsePruneReqInput) -> SparsePruneReqOutput:
                 keep = int(body.get("keep_tokens", 0))
                 score = pool_scorer(tree.token_to_kv_pool_allocator.get_kvcache(), body.get("policy", KNORM),
                                     scores_all_reduce()) if keep else None
-                result = tree_prune.prune(tree, body["token_ids"], extra_key, [tuple(r) for r in body["ranges"]],
+                result = tree_ops.prune(tree, body["token_ids"], extra_key, [tuple(r) for r in body["ranges"]],
                                           keep, score, bool(body.get("evict_branches", False))).to_dict()
             else:
-                result = tree_prune.inspect(tree, body["token_ids"], extra_key)
+                result = tree_ops.inspect(tree, body["token_ids"], extra_key)
     except Exception as e:  # a bug must not take the scheduler down: report it
         result = {"status": "failed", "message": f"{type(e).__name__}: {e}"}
     return SparsePruneReqOutput(rid=req.rid, result=json.dumps(result))
@@ -356,7 +191,7 @@ class _Api:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         from sgl_sparse.integration.per_request import http_resolver
-        from sgl_sparse.prune_keep import PruneSpec
+        from sgl_sparse.prune.spec import PruneSpec
         from sgl_sparse.request_methods import PRUNE_KEY, prune_problem
 
         ids, ranges, keep = parsed["token_ids"], [tuple(r) for r in parsed["ranges"]], parsed["keep_tokens"]
@@ -425,7 +260,7 @@ class _Api:
         if after.get("matched_tokens", 0) < end:
             return {"status": "failed", "message": "the pruned sequence is no longer cached (evicted meanwhile)",
                     "matched_tokens": after.get("matched_tokens", 0), **none}
-        counts = _counts(before, after, ranges)
+        counts = route_counts(before, after, ranges)
         if counts["kept_tokens"] >= counts["pruned_tokens"]:
             # keep_tokens < the ranges' size (parse_keep), so a prune that ran hid some: this one did not run.
             return {"status": "failed", "message": "the pruning request finished without pruning (its prune could "
@@ -456,37 +291,7 @@ class _Api:
         return {k: result[k] for k in ("tokens", "matched_tokens", "resident_tokens", "hidden_tokens") if k in result}
 
 
-def _counts(before: dict[str, Any], after: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, Any]:
-    """The route's result fields from two ``inspect`` answers around a prune: resident positions of the ranges it took
-    up (``pruned_tokens``), of them resident still (``kept_tokens``), the slots the sequence's path no longer holds
-    (``freed_slots``: shared nodes keep theirs), and what a continuation now sees."""
-    def resident_in_ranges(view: dict[str, Any]) -> int:
-        hidden = [tuple(r) for r in view.get("hidden_ranges", [])]
-        total = sum(hi - lo for lo, hi in ranges)
-        return total - sum(max(0, min(hi, b) - max(lo, a)) for lo, hi in ranges for a, b in hidden)
-
-    def slots(view: dict[str, Any]) -> int:
-        return sum(int(n["resident"]) for n in view.get("nodes", []))
-
-    took = resident_in_ranges(before)
-    return {"matched_tokens": after.get("matched_tokens", 0), "pruned_tokens": took,
-            "kept_tokens": resident_in_ranges(after), "freed_slots": slots(before) - slots(after),
-            "resident_tokens": after.get("resident_tokens", 0)}
-
-
 # -- per request: the chat-role form of custom_params sgl_sparse_prune (OpenAI chat route) -------------------
-
-def chat_ranges(render: Any, messages: list[Any], prompt_ids: list[int], roles: Any, lag: Any) -> list[list[int]]:
-    """The ranges of ``{"roles", "lag"}`` over a chat request's own prompt: the content spans of those messages
-    but the ``lag`` most recent, as ``POST /v1/prefix_cache/prune`` selects them. ``render`` (the tokenizer's
-    template) must reproduce the start of the prompt the route rendered, else the spans would point elsewhere."""
-    spans = role_ranges(message_spans(render, messages), messages, roles, lag)
-    full = list(render(messages))
-    if prompt_ids[:len(full)] != full:
-        raise BadPruneRequest("roles", "the chat template this route used renders these messages differently "
-                                       "from the tokenizer's template (e.g. tools or template kwargs): give ranges")
-    return [list(r) for r in spans]
-
 
 def after_convert_chat_request(result: Any, serving: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER ``OpenAIServingChat._convert_to_internal_request``: ``custom_params["sgl_sparse_prune"]`` given as
