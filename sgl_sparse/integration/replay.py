@@ -40,7 +40,8 @@ class ReplayScorer(Protocol):
     """Who gets a replay's layers: the request's method (KVzip's own replays), or a prune's scorer
     (``kvzip_global``, :class:`sgl_sparse.methods.eviction.kvzip.RangeScores`)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None: ...
 

@@ -354,7 +354,7 @@ def _state(rec: SparseRequest) -> RequestState:
 _runtime: SparseRuntime | None = None
 
 
-def prune_replay_config(prompts: dict[str, list[int]] | None) -> Any:
+def prune_replay_config(prompts: dict[str, Any] | None) -> Any:
     """The ``kvzip`` config (defaults, the launcher's tokenized instructions) of ``kvzip_global`` prunes; None
     without instructions (not served here)."""
     if prompts is None:
