@@ -66,6 +66,9 @@ class SparseBackendMixin:
     # Whether the lists being built serve a decode step (one padding slot for an empty row) or an
     # extend step (empty stays empty); set around each metadata build.
     decode_lists: bool = False
+    # The replay whose forward runs now (integration/replay.py hands it over for that forward): its layers go to
+    # its scorer, and its queries are no window queries; None otherwise.
+    replay: Any = None
 
     def _bind_runtime(self, model_runner: Any) -> None:
         self.runtime = get_runtime()
@@ -143,8 +146,8 @@ class SparseBackendMixin:
         out = super().forward_extend(q, k, v, layer, forward_batch, *args, **kwargs)  # type: ignore[misc]
         if self.selector is not None:
             write_summaries(self.selector, layer, forward_batch.out_cache_loc, k)
-        if self.runtime.replay is not None:
-            self.runtime.replay.on_layer(layer, q, k)
+        if self.replay is not None:
+            self.replay.on_layer(layer, q, k)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -226,7 +229,7 @@ class SparseBackendMixin:
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
         if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
             return
-        if self.runtime.replay is not None:
+        if self.replay is not None:
             # A replay forward (KVzip's reconstruction) carries the request's rid, but its queries are not the
             # request's: the method's window (SnapKV's, after a kvzip_global prune) is the prompt's last queries.
             return

@@ -4,7 +4,9 @@ each request, per layer, recorded by the attention backend as each layer runs.
 Memory: ``w x heads x head_dim`` per layer per request (8 MiB per request at Llama-3-8B shape, w=32),
 held only while a request can still be observed: from its first prefill chunk to the final one, or
 for its whole life when the method re-selects during decode (``observes_decode``). Only the chunk's
-last ``w`` queries are copied, never the whole chunk.
+last ``w`` queries are copied, never the whole chunk. The queries live on the request's record
+(:class:`~sgl_sparse.request.WindowCapture`); this module holds what is shared (layers, scale) and which
+records capture now, by rid (the attention backend knows a batch's requests by rid only).
 """
 
 from __future__ import annotations
@@ -13,31 +15,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_sparse.request import SparseRequest, WindowCapture
+
 
 @dataclass
 class QueryCapture:
-    """Per request (its method's window, or SnapKV's 32 when its own prune scores its ranges, whichever is longer,
-    and whether it observes decode; set by :meth:`start` when the runtime first tracks it; other requests of
-    methods without a window are never captured)."""
+    """The records that capture now (its method's window, or SnapKV's 32 when its own prune scores its ranges,
+    whichever is longer, and whether it observes decode; set by :meth:`start` when the request's first step
+    starts; requests of methods without a window are never captured)."""
 
     num_layers: int = 0
     scale: float | None = None
-    windows: dict[str, int] = field(default_factory=dict)  # rid -> its method's window (> 0)
-    decode: set[str] = field(default_factory=set)  # rids whose method observes decode queries too
-    # rid -> layer -> last ``window`` queries ``[n <= window, H, D]``
-    queries: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    capturing: dict[str, SparseRequest] = field(default_factory=dict)  # rid -> its record (record.capture set)
 
-    def start(self, rid: str, window: int, observes_decode: bool) -> None:
-        self.windows[rid] = window
-        if observes_decode:
-            self.decode.add(rid)
+    def start(self, rec: SparseRequest, window: int, observes_decode: bool) -> None:
+        rec.capture = WindowCapture(window, observes_decode)
+        self.capturing[rec.rid] = rec
 
-    def observes_decode(self, rid: str) -> bool:
-        return rid in self.decode
+    @staticmethod
+    def observes_decode(rec: SparseRequest) -> bool:
+        return rec.capture is not None and rec.capture.observes_decode
 
     def record(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int], scale: float) -> None:
         """``q``: ``[sum(q_lens), H, D]``, the step's queries of one layer, request after request."""
-        if not self.windows:
+        if not self.capturing:
             return
         self.scale = scale
         self.num_layers = max(self.num_layers, layer_id + 1)
@@ -45,25 +46,25 @@ class QueryCapture:
         for rid, n in zip(rids, q_lens):
             q_req = q[start:start + n]
             start += n
-            w = self.windows.get(rid)
-            if w is None:
+            rec = self.capturing.get(rid)
+            if rec is None or (cap := rec.capture) is None:
                 continue
-            per_layer = self.queries.setdefault(rid, {})
-            prev = per_layer.get(layer_id)
+            w = cap.window
+            prev = cap.queries.get(layer_id)
             tail = q_req[-w:]
             if prev is not None and tail.shape[0] < w:
                 tail = torch.cat([prev[-(w - tail.shape[0]):], tail])
-            per_layer[layer_id] = tail.clone()
+            cap.queries[layer_id] = tail.clone()
 
-    def get(self, rid: str) -> dict[int, torch.Tensor]:
-        return self.queries.get(rid, {})
+    @staticmethod
+    def get(rec: SparseRequest) -> dict[int, torch.Tensor]:
+        return rec.capture.queries if rec.capture is not None else {}
 
-    def prompt_done(self, rid: str) -> None:
+    def prompt_done(self, rec: SparseRequest) -> None:
         """The request's final prefill was observed: keep capturing only if decode is observed too."""
-        if rid not in self.decode:
-            self.drop(rid)
+        if not self.observes_decode(rec):
+            self.drop(rec)
 
-    def drop(self, rid: str) -> None:
-        self.queries.pop(rid, None)
-        self.windows.pop(rid, None)
-        self.decode.discard(rid)
+    def drop(self, rec: SparseRequest) -> None:
+        rec.capture = None
+        self.capturing.pop(rec.rid, None)

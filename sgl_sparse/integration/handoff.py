@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sgl_sparse.request_methods import MethodResolver
 
 # Not "SGL_*": SGLang 0.5.17 treats that prefix as a deprecated alias of "SGLANG_*" and warns.
 ENV_VAR = "SGLSPARSE_CONFIG"
@@ -68,3 +71,21 @@ def read() -> Handoff:
                    scored_prune_problem=data.get("scored_prune_problem"),
                    replay_prune_problem=replay_problem,
                    replay_prompts=data.get("replay_prompts"))
+
+
+_resolver: MethodResolver | None = None
+
+
+def resolver() -> MethodResolver:
+    """This process's :class:`~sgl_sparse.request_methods.MethodResolver` (built once, from :func:`read`): the
+    server's method and what a request may choose. The HTTP process validates requests with it, the scheduler
+    admits them with it."""
+    global _resolver
+    if _resolver is None:
+        from sgl_sparse.registry import create_method
+        from sgl_sparse.request_methods import MethodResolver
+
+        h = read()
+        _resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.decode_graphs,
+                                   h.scored_prune_problem, h.replay_prune_problem)
+    return _resolver

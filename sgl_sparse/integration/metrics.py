@@ -2,12 +2,36 @@
 
 SGLang runs prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before its
 processes import it), so gauges and counters created in the scheduler process appear on the HTTP
-server's ``/metrics``. Names mirror the ``sgl_sparse`` block of ``/server_info``.
+server's ``/metrics``. Names mirror the ``sgl_sparse`` block of ``/server_info``, which reports every
+:class:`Counters` field.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass
+class Counters:
+    """The scheduler's cumulative counts (``/server_info``; two of them on ``/metrics``)."""
+
+    evicted_tokens_total: int = 0
+    chain_hits_total: int = 0
+    chain_hit_tokens_total: int = 0  # logical tokens of the matched prefixes (what cached_tokens counts)
+    chain_hit_kept_tokens_total: int = 0  # of them, with resident KV (physical)
+    eviction_steps_total: int = 0
+    unscored_prunes_total: int = 0  # requests' own scored prunes not applied (kvzip_global with no replay room)
+    # Extend steps with a cached prefix under a store that reads it dequantized (prefix_attention "dequantize"):
+    # read so, or through the store's kernel (past the token cap).
+    prefix_dequantized_steps_total: int = 0
+    prefix_kernel_steps_total: int = 0
+    # Replay plans (KVzip's, a kvzip_global prune's) whose room was bound by KV memory (free slots plus what the
+    # tree could evict) rather than by the context: their chunks may be shorter than on an idle server.
+    replay_room_memory_bound_total: int = 0
+    # Times SGLang's idle checks (pool leak, request pool, tree) ran and passed: a client that saw the server idle
+    # waits for this to move to know a check ran after its requests, instead of sleeping.
+    idle_checks_passed_total: int = 0
 
 
 class SparseMetrics:

@@ -1,14 +1,15 @@
 """Per-request methods in the server (sgl_sparse/request_methods.py holds the rules).
 
-* HTTP process: :func:`http_resolver` (built once from the launcher's hand-off) validates each request's
+* HTTP process: :func:`.handoff.resolver` (built once from the launcher's hand-off) validates each request's
   ``custom_params`` (through :mod:`.validation`, so a bad choice is HTTP 400 before it reaches the
   scheduler) and :func:`around_wait_one_response` reports the serving method in ``meta_info["sgl_sparse"]``
   of every response (``/generate``; :func:`after_build_openai_response` copies it into a non-streaming OpenAI
   response's ``metadata``), with the outcome of the request's own prune (``custom_params`` ``sgl_sparse_prune``)
   under ``"prune"``;
-* scheduler: :func:`before_add_request_to_queue` resolves the method when a request first enters the
-  waiting queue and namespaces it in the prefix tree (``SparseRuntime.admit``), so every match, including
-  the waiting queue's prefix-aware ordering, already sees the request's own namespace.
+* scheduler: :func:`before_add_request_to_queue` makes the request's record (sgl_sparse/request.py) when it
+  first enters the waiting queue: its method, its own prune, its namespace in the prefix tree
+  (``SparseRuntime.admit``), so every match, including the waiting queue's prefix-aware ordering, already sees
+  the request's own namespace.
 """
 
 from __future__ import annotations
@@ -17,22 +18,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sgl_sparse.integration import BACKEND_NAME, handoff
-from sgl_sparse.request_methods import MethodResolver
+from sgl_sparse.request import PRUNE_REPORT
 
-_http_resolver: MethodResolver | None = None
-# The customized_info key that carries a request's own prune outcome from the scheduler (step._report).
-PRUNE_REPORT = "sgl_sparse_prune_report"
-
-
-def http_resolver() -> MethodResolver:
-    global _http_resolver
-    if _http_resolver is None:
-        from sgl_sparse.registry import create_method
-
-        h = handoff.read()
-        _http_resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.decode_graphs,
-                                        h.scored_prune_problem, h.replay_prune_problem)
-    return _http_resolver
+# The HTTP process's resolver (validation.py, prune_api.py import it by this name).
+http_resolver = handoff.resolver
 
 
 def _custom_params(obj: Any) -> Any:
@@ -49,7 +38,7 @@ def around_wait_one_response(original: Any, tm: Any, obj: Any, *args: Any, **kwa
     if tm.server_args.radix_cache_backend != BACKEND_NAME or not isinstance(obj, GenerateReqInput):
         return gen
     # Validated before the request was sent (validation.py), so this cannot fail here.
-    info = http_resolver().resolve(_custom_params(obj)).describe()
+    info = handoff.resolver().resolve(_custom_params(obj)).describe()
 
     async def with_method() -> AsyncIterator[Any]:
         prune = None

@@ -127,7 +127,7 @@ def _before_sleep_on_idle(scheduler, *args, **kwargs):  # type: ignore[no-untype
 
 
 # Tests only: "fork" starts SGLang's scheduler and detokenizer by forking the launcher, which has imported
-# SGLang already, instead of spawning fresh interpreters that import it again (~11 s of CPU each on a CPU host).
+# SGLang already, instead of spawning fresh interpreters that import it again (seconds of CPU each on a CPU host).
 # The children then inherit the launcher's modules and patches; servers that check the production path keep spawn.
 MP_START_ENV = "SGLSPARSE_MP_START"
 MP_START_CHOICES = ("spawn", "fork")

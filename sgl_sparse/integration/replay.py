@@ -12,24 +12,26 @@ After the forward the row's ``[L, L + r)`` is restored and the slots are freed, 
 kept set and sampled token are those of the step. The forward is ``ModelRunner.forward`` on a ``ForwardBatch``
 that SGLang's own ``ForwardBatch.init_new`` builds from a shallow copy of the step's ``ScheduleBatch`` narrowed to
 this request (the fields an extend reads replaced; logprobs, sampling, grammar, multimodal and speculative fields
-cleared). The attention backend hands each layer's queries and keys to :func:`on_layer` while
-``SparseRuntime.replay`` is set. Served on the CPU server (torch_native base), one request at a time.
+cleared). The replay's context (:class:`ActiveReplay`) is handed to the attention backend that runs that forward,
+for that forward only (:func:`replaying`), and the backend hands each layer's queries and keys to its
+:meth:`~ActiveReplay.on_layer`. (Not on the ``ForwardBatch``: SGLang's eager runner copies the batch into its own
+buffers field by field before the model runs, so an attribute of ours would not reach the backend.) Served on the
+CPU server (torch_native base), one request at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from sgl_sparse.contract import Replay, ReplayLayer, RequestState
 from sgl_sparse.slots import to_device
-
-if TYPE_CHECKING:
-    from sgl_sparse.integration.runtime import SparseRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,8 @@ class ReplayScorer(Protocol):
     """Who gets a replay's layers: the request's method (KVzip's own replays), or a prune's scorer
     (``kvzip_global``, :class:`sgl_sparse.methods.eviction.kvzip.RangeScores`)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def on_replay_layer(self, state: RequestState, replay: Replay, layer: ReplayLayer) -> None: ...
 
@@ -82,7 +85,7 @@ class Room:
 def room(model_runner: Any, logical_len: int, tree: Any) -> Room:
     """The :class:`Room` of a replay of a request of ``logical_len`` tokens. Memory counts the tree's evictable
     slots: free slots alone made the chunks, hence the kept set and the answer, depend on what other requests had
-    left cached (9 of 10 niah_multivalue answers of quality-small changed between a flushed and a warm server)."""
+    left cached, so the same request answered differently on a flushed and on a warm server."""
     width = int(model_runner.req_to_token_pool.req_to_token.shape[1])
     context = min(width, int(model_runner.model_config.context_len)) - logical_len
     memory = int(model_runner.token_to_kv_pool_allocator.available_size())
@@ -91,9 +94,23 @@ def room(model_runner: Any, logical_len: int, tree: Any) -> Room:
     return Room(max(0, context), memory)
 
 
-def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, scorer: ReplayScorer,
+@contextlib.contextmanager
+def replaying(backend: Any, active: ActiveReplay) -> Iterator[None]:
+    """``backend`` (the model runner's attention backend, ours) runs ``active``'s forward inside this block."""
+    if not hasattr(backend, "replay"):
+        raise RuntimeError(f"sgl_sparse: a replay forward needs sgl_sparse's attention backend, not "
+                           f"{type(backend).__name__}")
+    backend.replay = active
+    try:
+        yield
+    finally:
+        backend.replay = None
+
+
+def run(tree: Any, batch: Any, req: Any, state: RequestState, scorer: ReplayScorer,
         replays: list[Replay], model_runner: Any) -> None:
-    """Run ``replays`` of ``req`` (whose step just ran), in order, each layer handed to ``scorer``."""
+    """Run ``replays`` of ``req`` (whose step just ran), in order, each layer handed to ``scorer``; ``tree``: the
+    prefix tree whose evictable slots the room counted (None: none)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
     req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -104,8 +121,8 @@ def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, scorer: Re
     slots = req_to_token[row][to_device(k_pos, req_to_token.device)].long()
     for replay in replays:
         r = len(replay.token_ids)
-        if rt.tree is not None:  # the room counted the tree's evictable slots: take them as SGLang's alloc does
-            evict_from_tree_cache(rt.tree, r)
+        if tree is not None:  # the room counted the tree's evictable slots: take them as SGLang's alloc does
+            evict_from_tree_cache(tree, r)
         loc = allocator.alloc(r)
         if loc is None:
             raise RuntimeError(f"sgl_sparse: {scorer.name}: no {r} free KV slots for a replay of request {req.rid} "
@@ -113,11 +130,11 @@ def run(rt: SparseRuntime, batch: Any, req: Any, state: RequestState, scorer: Re
                                "planned)")
         saved = req_to_token[row, n:n + r].clone()
         req_to_token[row, n:n + r] = loc.to(req_to_token.dtype)
-        rt.replay = ActiveReplay(scorer, state, replay, slots, k_pos, model_runner)
+        active = ActiveReplay(scorer, state, replay, slots, k_pos, model_runner)
         try:
-            model_runner.forward(_forward_batch(batch, req, replay.token_ids, n, loc, model_runner))
+            with replaying(model_runner.attn_backend, active):
+                model_runner.forward(_forward_batch(batch, req, replay.token_ids, n, loc, model_runner))
         finally:
-            rt.replay = None
             req_to_token[row, n:n + r] = saved
             allocator.free(loc)
 

@@ -1,8 +1,9 @@
-"""Process-wide runtime of a scheduler process: the method, per-request states, the eviction step.
+"""Process-wide runtime of a scheduler process: the method, per-request records, the eviction step.
 
 Scheduler, tree and model runner share one process (per TP rank), so module state is the natural
-place for what they share. The attention backend reaches a request's state through
-``ForwardBatch.rids``; the step hooks through ``ScheduleBatch.reqs``.
+place for what they share. Each request's state lives in one record (:class:`~sgl_sparse.request.SparseRequest`),
+made at admission and reached from SGLang's ``Req`` through its one handle; the attention backend, which sees a
+batch's requests by ``ForwardBatch.rids`` only, reaches the capturing ones through :mod:`.capture`.
 
 The truth about which positions a request retains is its ``req_to_token`` row: a position holds a
 slot, or ``SENTINEL_SLOT`` once evicted. The runtime keeps the same set on the host
@@ -11,10 +12,12 @@ the per-step decision, the plan checks and the graph-decode plan lengths need no
 
 * :mod:`.capture` - window queries of observing methods;
 * :mod:`.tables` - per-request device tables indexed by ``req_pool_idx`` (decode live counts);
-* :mod:`.step` - the after-forward step planner: observe, plan, one batched apply per step;
+* :mod:`.step` - the after-forward step planner (:class:`~.step.StepPlanner`, owned here): observe, plan, one
+  batched apply per step;
 * :mod:`.frees` - slots freed by eviction, ordered against the schedule stream;
-* :mod:`.metrics` - Prometheus gauges and counters (``--enable-metrics``);
-* this module - request states and the hooks around each forward step.
+* :mod:`.metrics` - the counters, and Prometheus gauges and counters (``--enable-metrics``);
+* :mod:`.replay` - replay forwards (KVzip's), each carrying its own context on its forward batch;
+* this module - admission, request records and the hooks around each forward step.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod
-from sgl_sparse.integration import handoff, step
+from sgl_sparse.integration import handoff
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
+from sgl_sparse.integration.metrics import Counters
+from sgl_sparse.integration.step import Deferred, StepPlanner
 from sgl_sparse.integration.syncs import no_host_sync
 from sgl_sparse.integration.tables import DeviceTables
 from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW
-from sgl_sparse.registry import create_method
+from sgl_sparse.request import SparseRequest, attach, match_view, record_of
 from sgl_sparse.request_methods import (
     EVICTION,
     PRUNE_KEY,
@@ -46,8 +51,6 @@ from sgl_sparse.rules import served_hooks_problem
 from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)
-SERVED_ATTR = "_sgl_sparse_served"  # set on SGLang's Req at admission: the Served method of the request
-PRUNE_ATTR = "_sgl_sparse_prune"  # set on SGLang's Req at admission: its own prune (a PruneSpec), or absent
 ANY_RESULT = object()  # run_deferred: whichever forward the deferred step is of
 
 
@@ -67,46 +70,13 @@ def multimodal_replay_problem(req: Any, method: SparseMethod[Any], prune: Any) -
 
 
 @dataclass
-class Counters:
-    evicted_tokens_total: int = 0
-    chain_hits_total: int = 0
-    chain_hit_tokens_total: int = 0  # logical tokens of the matched prefixes (what cached_tokens counts)
-    chain_hit_kept_tokens_total: int = 0  # of them, with resident KV (physical)
-    eviction_steps_total: int = 0
-    unscored_prunes_total: int = 0  # requests' own scored prunes not applied (kvzip_global with no replay room)
-    # Extend steps with a cached prefix under a store that reads it dequantized (prefix_attention "dequantize"):
-    # read so, or through the store's kernel (past the token cap).
-    prefix_dequantized_steps_total: int = 0
-    prefix_kernel_steps_total: int = 0
-    # Replay plans (KVzip's, a kvzip_global prune's) whose room was bound by KV memory (free slots plus what the
-    # tree could evict) rather than by the context: their chunks may be shorter than on an idle server.
-    replay_room_memory_bound_total: int = 0
-    # Times SGLang's idle checks (pool leak, request pool, tree) ran and passed: a client that saw the server idle
-    # waits for this to move to know a check ran after its requests, instead of sleeping.
-    idle_checks_passed_total: int = 0
-
-
-@dataclass
-class Tracked:
-    """A request the runtime follows: its method and that method's state, plus what the step needs."""
-
-    state: RequestState
-    pool_idx: int
-    method: SparseMethod[Any]
-    prompt_done: bool = False
-    # Its own prune asked for evict_branches and hid positions: at finish the tree evicts the idle branches off its
-    # path from this logical position (the first range's start) before freeing what it hid.
-    evict_branches_after: int | None = None
-    pruned: bool = False  # its own prune hid positions (the tree then treats cached continuations as a prune does)
-
-
-@dataclass
 class SparseRuntime:
     method: SparseMethod[Any]  # the server's (--sparse-method): what requests that choose none get
     fingerprint: str
     # Which method each request gets (custom_params, sgl_sparse/request_methods.py); None: always `method`.
     resolver: MethodResolver | None = None
-    tracked: dict[str, Tracked] = field(default_factory=dict)
+    # The records of the requests whose run started (first forward step) and has not finished, by rid.
+    tracked: dict[str, SparseRequest] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     serving: bool = False  # set when our tree is built: this scheduler serves through sgl_sparse
     metrics: Any = None  # SparseMetrics with --enable-metrics
@@ -116,16 +86,12 @@ class SparseRuntime:
     # Exact live KV lengths of the decode batch about to run (CPU int32, batch order), for the graph
     # decode plan; None when unknown (the backend then lets FlashInfer read them from the device).
     decode_live_lens: torch.Tensor | None = None
-    # The replay forward running now (KVzip's reconstruction, integration/replay.py): the backend hands it each
-    # layer's queries and keys; None otherwise.
-    replay: Any = None
     # The kvzip config a request's own prune with policy kvzip_global replays with (its instructions tokenized by
     # the launcher); None where the launcher found it cannot be served (the request is refused at admission).
     prune_replays: Any = None
-    # This scheduler's SparseRadixCache (set where the plugin builds it): replays evict from it for their slots.
-    tree: Any = None
     # The last forward's decode-token step, waiting for the results before it to be processed (step.py).
-    deferred: step.Deferred | None = None
+    deferred: Deferred | None = None
+    planner: StepPlanner = field(init=False)
 
     # Whether any request may evict (the server's method, or one a request chooses): rows may then hold
     # sentinels, so attention reads compacted lists; fixed.
@@ -149,19 +115,27 @@ class SparseRuntime:
         self.active = self.evicting or self.observes
         self.capture = QueryCapture()
         self._default = Served(m, self.fingerprint, "server")
+        self.planner = StepPlanner(self.track, self.capture, self.frees, self.counters, self.prune_replays)
 
     @property
-    def states(self) -> dict[str, RequestState]:
-        return {rid: t.state for rid, t in self.tracked.items()}
+    def tree(self) -> Any:
+        """This scheduler's SparseRadixCache (set where the plug-in builds it): replays evict from it."""
+        return self.planner.tree
+
+    @tree.setter
+    def tree(self, tree: Any) -> None:
+        self.planner.tree = tree
 
     # -- which method serves a request ------------------------------------------------------------
-    def admit(self, req: Any) -> None:
-        """At admission (before the request first enters the waiting queue): resolve its method and, when it
-        is not the server's config, move it into that config's prefix-tree namespace through ``extra_key``
-        (which every stock match and insert of SGLang reads). Idempotent (a retracted request comes back)."""
-        if hasattr(req, SERVED_ATTR):
-            return
-        served = self._default
+    def admit(self, req: Any) -> SparseRequest:
+        """At admission (before the request first enters the waiting queue): make its record (on its handle,
+        :data:`sgl_sparse.request.HANDLE`), resolve its method and its own prune and, when its method is not the
+        server's config, move it into that config's prefix-tree namespace through ``extra_key`` (which every stock
+        match and insert of SGLang reads). Idempotent (a retracted request comes back)."""
+        rec = record_of(req)
+        if rec is not None:
+            return rec
+        served, prune = self._default, None
         if self.resolver is not None:
             custom_params = getattr(req.sampling_params, "custom_params", None)
             try:
@@ -170,31 +144,37 @@ class SparseRuntime:
                     spec = parse_prune_param(custom_params[PRUNE_KEY], len(req.origin_input_ids))
                     if (why := prune_problem(self.resolver, spec)) is not None:
                         raise RequestMethodError(PRUNE_KEY, why)
-                    setattr(req, PRUNE_ATTR, spec)
+                    prune = spec
             except RequestMethodError as e:
                 # The HTTP process validates every request first; this is a request that bypassed it.
                 req.set_finish_with_abort(f"custom_params.{e.key}: {e}")
-        if (why := multimodal_replay_problem(req, served.method, getattr(req, PRUNE_ATTR, None))) is not None:
+        if (why := multimodal_replay_problem(req, served.method, prune)) is not None:
             req.set_finish_with_abort(why)
-        setattr(req, SERVED_ATTR, served)
+        # A match before admission (an SGLang path that skips the queue hook) left its view on the request.
+        rec = SparseRequest(req.rid, served, prune, view=match_view(req))
+        attach(req, rec)
         if served.fingerprint != self.fingerprint:
             ns = f"sgl_sparse={served.fingerprint}"
             req.extra_key = ns if not req.extra_key else f"{ns}:{req.extra_key}"
+        return rec
+
+    def record(self, req: Any) -> SparseRequest:
+        """``req``'s record (made now if it was never admitted)."""
+        rec = record_of(req)
+        return rec if rec is not None else self.admit(req)
 
     def served(self, req: Any) -> Served:
-        s = getattr(req, SERVED_ATTR, None)
-        if s is None:
-            self.admit(req)
-            s = getattr(req, SERVED_ATTR)
-        return s
+        return self.record(req).served
 
     def window_for(self, req: Any) -> int:
         """The prompt's last queries ``req``'s final prefill reads: its method's observation window and, where its
         own prune scores the ranges with the prompt's last queries (snapkv_global; knorm reads keys only, but one
-        window for both keeps this simple), at least SnapKV's; the method is handed only its own (step._window).
-        The tree leaves these positions to be computed on a dense prefix hit (``SparseRadixCache.window_for``)."""
-        window = self.served(req).method.observation_window()
-        spec = getattr(req, PRUNE_ATTR, None)
+        window for both keeps this simple), at least SnapKV's; the method is handed only its own
+        (``StepPlanner._window``). The tree leaves these positions to be computed on a dense prefix hit
+        (``SparseRadixCache.window_for``)."""
+        rec = self.record(req)
+        window = rec.method.observation_window()
+        spec = rec.prune
         if spec is not None and spec.needs_window:
             window = max(window, SNAPKV_WINDOW)
         return window
@@ -202,7 +182,8 @@ class SparseRuntime:
     def evicts_for(self, req: Any) -> bool:
         """Whether ``req``'s method evicts, or it prunes its own prompt (either way the tree defers its insertion
         to finish and keeps its holes)."""
-        return self.served(req).method.evicts or hasattr(req, PRUNE_ATTR)
+        rec = self.record(req)
+        return rec.method.evicts or rec.prune is not None
 
     def requests_by_method(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -211,17 +192,17 @@ class SparseRuntime:
         return out
 
     # -- request states ------------------------------------------------------------------------
-    def track(self, req: Any) -> Tracked:
-        """The request's record, created at its first forward step from its match view (admission)."""
-        t = self.tracked.get(req.rid)
-        if t is not None:
-            return t
-        from sgl_sparse.radix.records import VIEW_ATTR
-
-        method = self.served(req).method
+    def track(self, req: Any) -> SparseRequest:
+        """The request's record, its run started at its first forward step: its method's state from its match
+        view, its row, its window capture."""
+        rec = record_of(req)
+        if rec is not None and rec.state is not None:  # every step after its first
+            return rec
+        rec = self.record(req)
+        method = rec.method
         st = method.new_state(req.rid)
         n_prefix = len(req.prefix_indices)
-        view = getattr(req, VIEW_ATTR, None)
+        view = rec.view
         if n_prefix:
             payload = None
             if view is not None and view.length == n_prefix:
@@ -240,26 +221,32 @@ class SparseRuntime:
                 self.counters.chain_hit_tokens_total += n_prefix
                 self.counters.chain_hit_kept_tokens_total += st.num_kept
             method.restore_state(st, payload)
-        t = Tracked(st, int(req.req_pool_idx), method)
-        self.tracked[req.rid] = t
+        rec.start(st, int(req.req_pool_idx))
+        self.tracked[req.rid] = rec
         window = self.window_for(req)
         if window > 0:
-            self.capture.start(req.rid, window, method.observation_window() > 0 and method.observes_decode())
-        return t
+            self.capture.start(rec, window, method.observation_window() > 0 and method.observes_decode())
+        return rec
 
     def finish(self, req: Any) -> Any:
         """The request finished, was aborted or retracted (tree callback): its kept set and payload for
-        the tree; drops every per-request structure."""
+        the tree; its record drops what its run held."""
         from sgl_sparse.radix.records import FinishedState
 
-        self.capture.drop(req.rid)
-        t = self.tracked.pop(req.rid, None)
-        if t is None:
+        self.tracked.pop(req.rid, None)
+        rec = record_of(req)
+        if rec is None:
             return None
-        payload = t.method.on_finish(t.state)
-        return FinishedState(kept=t.state.kept, payload=payload, tail_start=t.state.tail_start,
-                             evict_branches_after=t.evict_branches_after, pruned=t.pruned,
-                             sparse_from=t.state.sparse_from, logical_len=t.state.logical_len)
+        self.capture.drop(rec)
+        st = rec.state
+        if st is None:
+            return None
+        payload = rec.method.on_finish(st)
+        done = FinishedState(kept=st.kept, payload=payload, tail_start=st.tail_start,
+                             evict_branches_after=rec.evict_branches_after, pruned=rec.pruned,
+                             sparse_from=st.sparse_from, logical_len=st.logical_len)
+        rec.stop()
+        return done
 
     @staticmethod
     def kv_slots_used(allocator: Any) -> int:
@@ -267,10 +254,10 @@ class SparseRuntime:
         return int(allocator.size - allocator.available_size())
 
     def logical_tokens_running(self) -> int:
-        return sum(t.state.logical_len for t in self.tracked.values())
+        return sum(_state(t).logical_len for t in self.tracked.values())
 
     def kept_tokens_running(self) -> int:
-        return sum(t.state.num_kept for t in self.tracked.values())
+        return sum(_state(t).num_kept for t in self.tracked.values())
 
     # -- attention-side capture ------------------------------------------------------------------
     def capture_queries(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int],
@@ -305,10 +292,10 @@ class SparseRuntime:
     def _before_decode(self, batch: Any, model_runner: Any) -> None:
         lens = []
         for req in batch.reqs:
-            t = self.tracked.get(req.rid)
-            if t is None:
+            rec = record_of(req)
+            if rec is None or rec.state is None:
                 return
-            lens.append(t.state.num_kept + 1)  # the retained set plus this step's token
+            lens.append(rec.state.num_kept + 1)  # the retained set plus this step's token
         self.decode_live_lens = torch.tensor(lens, dtype=torch.int32)
         self.tables.set_decode(model_runner.req_to_token_pool.req_to_token, batch.req_pool_indices,
                                self.decode_live_lens, batch.seq_lens_cpu.tolist() if self.tables.check else [])
@@ -318,11 +305,12 @@ class SparseRuntime:
         for i, req in enumerate(batch.reqs):
             if req.is_retracted or req.req_pool_idx is None:
                 continue
-            t = self.track(req)
-            if t.prompt_done:
+            rec = self.track(req)
+            if rec.prompt_done:
                 continue  # a decode token inside a mixed step
+            st = _state(rec)
             total = len(req.origin_input_ids) + len(req.output_ids)
-            t.method.on_prefill_chunk(t.state, PrefillChunk(t.state.logical_len, int(seq_lens[i]), total))
+            rec.method.on_prefill_chunk(st, PrefillChunk(st.logical_len, int(seq_lens[i]), total))
 
     def after_forward(self, batch: Any, model_runner: Any, result: Any = None) -> None:
         self.decode_live_lens = None
@@ -330,7 +318,7 @@ class SparseRuntime:
             self.tables.done()
         if self.active and batch is not None and batch.reqs:
             with no_host_sync(batch.forward_mode.is_decode()):
-                self.deferred = step.run(self, batch, model_runner, result)
+                self.deferred = self.planner.run(batch, model_runner, result)
         sel = self.method.selector
         if sel is not None and sel.maintains and batch is not None and batch.reqs:
             from sgl_sparse.integration.selection import after_step
@@ -351,17 +339,22 @@ class SparseRuntime:
             return
         self.deferred = None
         with no_host_sync(d.decode):
-            step.run_deferred(self, d)
+            self.planner.run_deferred(d)
         if d.stream is not None and hand_frees:
             self.frees.flush_on_current_stream()
         if self.metrics is not None:
             self.metrics.update(self, d.model_runner.token_to_kv_pool_allocator)
 
 
+def _state(rec: SparseRequest) -> RequestState:
+    assert rec.state is not None, f"sgl_sparse: request {rec.rid} is tracked but has not started"
+    return rec.state
+
+
 _runtime: SparseRuntime | None = None
 
 
-def prune_replay_config(prompts: dict[str, list[int]] | None) -> Any:
+def prune_replay_config(prompts: dict[str, Any] | None) -> Any:
     """The ``kvzip`` config (defaults, the launcher's tokenized instructions) of ``kvzip_global`` prunes; None
     without instructions (not served here)."""
     if prompts is None:
@@ -375,10 +368,8 @@ def get_runtime() -> SparseRuntime:
     """Build (first call) or return this process's runtime. Config errors raise here, loudly."""
     global _runtime
     if _runtime is None:
-        h = handoff.read()
-        method = create_method(h.method, h.config)
-        resolver = MethodResolver(method, h.request_methods, h.decode_graphs, h.scored_prune_problem,
-                                  h.replay_prune_problem)
+        resolver = handoff.resolver()
+        method = resolver.default.method
         _runtime = SparseRuntime(method=method, fingerprint=method.config.fingerprint(), resolver=resolver,
-                                 prune_replays=prune_replay_config(h.replay_prompts))
+                                 prune_replays=prune_replay_config(handoff.read().replay_prompts))
     return _runtime

@@ -51,7 +51,7 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         "kv_slots_used": rt.kv_slots_used(scheduler.token_to_kv_pool_allocator),
         "logical_tokens_running": rt.logical_tokens_running(),
         "kept_tokens_running": rt.kept_tokens_running(),
-        "requests_tracked": len(rt.states),
+        "requests_tracked": len(rt.tracked),
         # Decode rows whose host live count disagreed with their row (a bug if ever non-zero; read
         # back without a sync, so it may trail by a step).
         "decode_count_mismatches": rt.tables.read_mismatches(),

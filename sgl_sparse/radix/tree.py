@@ -77,6 +77,7 @@ from sgl_sparse.radix.records import (
     void_continuations,
     void_records,
 )
+from sgl_sparse.request import match_view, set_match_view
 from sgl_sparse.slots import complement, live_slots, retained_positions, to_device, write_sentinels
 
 
@@ -118,7 +119,7 @@ class SparseRadixCache(RadixCache):
             return False
         if self._evicts_for is None or self._evicts_for(req):
             return True
-        view = getattr(req, VIEW_ATTR, None)
+        view = match_view(req)
         return view is not None and view.record is not None
 
     def _chain_cached(self, req: Any, token_ids: Any) -> bool:
@@ -296,7 +297,7 @@ class SparseRadixCache(RadixCache):
             if length > cap:
                 length, kept = cap, torch.arange(cap)
         if req is not None:
-            setattr(req, VIEW_ATTR, MatchView(length, kept, record, payload))
+            set_match_view(req, MatchView(length, kept, record, payload))
         if length == pos and record is None:
             return res  # a dense prefix, no hole: the stock result as it is
         indices = res.device_indices[:length]
