@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sgl_sparse.config import MethodConfig
+from sgl_sparse.config import MethodConfig, build_config
 from sgl_sparse.contract import (
     Family,
     KeepPlan,
@@ -127,12 +128,12 @@ def family_label(method: SparseMethod[Any]) -> str:
     return SEPARATOR.join(m.family.value for m in members)
 
 
-def create_composed(name: str, fields: dict[str, Any]) -> Composed:
-    """Build ``EVICTION+QUANTIZATION`` (either order) from a config keyed by member name. Raises
+def create_composed(name: str, fields: dict[str, Any],
+                    method_class: Callable[[str], type[SparseMethod[Any]]]) -> Composed:
+    """Build ``EVICTION+QUANTIZATION`` (either order) from a config keyed by member name, each member's class
+    found by ``method_class`` (the registry's lookup, which raises for an unknown name). Raises
     :class:`SparseConfigError` naming the problem: not two members, an unknown member, a config key that is
     no member (or a member's fields that are not an object), or members of the wrong families."""
-    from sgl_sparse.registry import create_method, get_method_class
-
     where = f"--sparse-method {name}"
     names = name.split(SEPARATOR)
     if len(names) != 2 or not all(names):
@@ -142,7 +143,7 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
         raise SparseConfigError(f"{where}: names {names[0]} twice")
     for member in names:
         try:
-            get_method_class(member)
+            method_class(member)
         except SparseConfigError as e:
             raise SparseConfigError(f"{where}: {e}") from None
     extra = sorted(set(fields) - set(names))
@@ -154,7 +155,10 @@ def create_composed(name: str, fields: dict[str, Any]) -> Composed:
         if not isinstance(fields.get(member, {}), dict):
             raise SparseConfigError(f"{where}: --sparse-config[{member!r}] must be a JSON object of {member}'s "
                                     f"fields, got {type(fields[member]).__name__}")
-    methods = [create_method(member, fields.get(member, {})) for member in names]
+    methods = []
+    for member in names:
+        cls = method_class(member)
+        methods.append(cls(build_config(cls.config_cls, fields.get(member, {}))))
     for m in methods:
         if m.selector is not None and m.evicts:
             raise SparseConfigError(f"{where}: {m.name} reads each layer's own kept set through a page selector, "

@@ -45,7 +45,7 @@ def create_method(name: str, config: str | dict[str, Any] | None = None) -> Spar
     methods joined by ``+`` is a composition (:mod:`sgl_sparse.compose`), its config keyed by member name."""
     fields = config if isinstance(config, dict) else load_config_source(config)
     if is_composed(name):
-        return create_composed(name, fields)
+        return create_composed(name, fields, get_method_class)
     cls = get_method_class(name)
     return cls(build_config(cls.config_cls, fields))
 

@@ -637,7 +637,7 @@ def test_an_fp8_kv_cache_from_the_checkpoint_is_refused_under_auto() -> None:
     import torch
     from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 
-    from sgl_sparse.integration.attention import checkpoint_kv_dtype_problem
+    from sgl_sparse.integration.backends import checkpoint_kv_dtype_problem
 
     def runner(flag: str, algo: str | None) -> SimpleNamespace:
         model = torch.nn.Module()

@@ -20,9 +20,6 @@ from typing import Any
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.request import PRUNE_REPORT
 
-# The HTTP process's resolver (validation.py, prune_api.py import it by this name).
-http_resolver = handoff.resolver
-
 
 def _custom_params(obj: Any) -> Any:
     sp = getattr(obj, "sampling_params", None)

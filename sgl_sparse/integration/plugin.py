@@ -70,7 +70,7 @@ def _tree_factory(ctx):  # ctx: sglang.srt.mem_cache.registry.TreeCacheBuildCont
 
 
 def _attention_factory(runner):
-    from sgl_sparse.integration.attention import create_backend
+    from sgl_sparse.integration.backends import create_backend
 
     return create_backend(runner)
 

@@ -131,7 +131,7 @@ class _Api:
         return get_global_state().tokenizer_manager
 
     def _parse(self, tm: Any, body: Any, need_ranges: bool) -> dict[str, Any]:
-        from sgl_sparse.integration.per_request import http_resolver
+        from sgl_sparse.integration import handoff
 
         tok = tm.tokenizer
 
@@ -140,7 +140,7 @@ class _Api:
             return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
         return parse_body(body, lambda text: tok.encode(text), render, tm.model_config.vocab_size,
-                          http_resolver().resolve, need_ranges, int(tm.server_args.page_size or 1))
+                          handoff.resolver().resolve, need_ranges, int(tm.server_args.page_size or 1))
 
     async def _send(self, tm: Any, op: str, parsed: dict[str, Any]) -> dict[str, Any]:
         tm.auto_create_handle_loop()
@@ -190,7 +190,7 @@ class _Api:
         tree before and after (``inspect``): what the request hid, and the slots the sequence's path gave back."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        from sgl_sparse.integration.per_request import http_resolver
+        from sgl_sparse.integration import handoff
         from sgl_sparse.prune.spec import PruneSpec
         from sgl_sparse.request_methods import PRUNE_KEY, prune_problem
 
@@ -202,7 +202,7 @@ class _Api:
                                             "sequence, which this route cannot choose under --dp-size > 1: prune "
                                             "with knorm here, or as the next request's own prune "
                                             "(custom_params['sgl_sparse_prune'])")
-        resolver = http_resolver()
+        resolver = handoff.resolver()
         why = prune_problem(resolver, PruneSpec(tuple(ranges), keep, policy))
         if why is not None:
             raise BadPruneRequest("policy", f"'{policy}' is served through a request that prunes its own "

@@ -32,10 +32,10 @@ from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.metrics import Counters
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce, scores_max_over_ranks
-from sgl_sparse.prune.keep import PruneUnscored, ReplayInputs, request_prune_leaves
+from sgl_sparse.prune.keep import ReplayInputs, own_prune
 from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec
 from sgl_sparse.request import PRUNE_REPORT, SparseRequest, record_of
-from sgl_sparse.rules import check_keep_plan, in_ranges
+from sgl_sparse.rules import check_keep_plan
 from sgl_sparse.slots import to_device, write_sentinels
 
 logger = logging.getLogger(__name__)
@@ -188,26 +188,19 @@ class StepPlanner:
                 max_tokens=self._prune_room(req, model_runner, st.logical_len),
                 run=lambda rs, scorer: replay.run(tree, batch, req, st, scorer, rs, model_runner),
                 max_over_ranks=scores_max_over_ranks())
-        in_ranges_n = int(in_ranges(kept, list(spec.ranges)).sum())
-        try:
-            drop = request_prune_leaves(kept, spec, lambda: self._window(req, rec, model_runner, SNAPKV_WINDOW),
-                                        replays)
-        except PruneUnscored as e:
+        out = own_prune(kept, spec, lambda: self._window(req, rec, model_runner, SNAPKV_WINDOW), replays)
+        _report(req, out.report)
+        if out.leave is None:
             # Reported, not hidden: the request still runs (its prompt is whole), the response says so and
             # /server_info counts it.
-            logger.warning("sgl_sparse: request %s: its own prune was not applied: %s", req.rid, e)
+            logger.warning("sgl_sparse: request %s: its own prune was not applied: %s", req.rid, out.report["message"])
             self.counters.unscored_prunes_total += 1
-            _report(req, {"status": "unscored", "policy": spec.policy, "pruned_tokens": 0,
-                          "kept_tokens": in_ranges_n, "message": str(e)})
             return None
-        n_pruned = int(drop.sum())
-        _report(req, {"status": "applied" if n_pruned else "nothing_to_prune", "policy": spec.policy,
-                      "pruned_tokens": n_pruned, "kept_tokens": in_ranges_n - n_pruned})
-        if not n_pruned:
+        drop = out.leave
+        if not out.pruned:
             return None
         rec.pruned = True
-        if spec.evict_branches:
-            rec.evict_branches_after = spec.ranges[0][0]
+        rec.evict_branches_after = out.evict_branches_after
         rec.method.on_prune(st, kept[drop])
         self._apply([(req, rec, kept[~drop])], model_runner)
         return kept[~drop]
@@ -221,7 +214,7 @@ class StepPlanner:
         if not queries or len(queries) != n_layers:
             raise RuntimeError(f"sgl_sparse: {rec.method.name} needs the last queries of every layer, but the "
                                f"attention backend captured {len(queries)} layer(s) for request {req.rid} "
-                               "(a CUDA graph around attention skips the capture; see docs/architecture.md)")
+                               "(a CUDA graph around attention skips the capture; see docs/limits.md)")
         queries = {layer: q[-w:] for layer, q in queries.items()}
         n_w = queries[0].shape[0]
         row = model_runner.req_to_token_pool.req_to_token[req.req_pool_idx]

@@ -161,11 +161,11 @@ def before_generate_request(tm: Any, obj: Any = None, *args: Any, **kwargs: Any)
         return
     # model_config.vocab_size is the bound SGLang itself checks token ids against
     # (token_ids_logprob, SamplingParams.verify in tokenizer_manager.py).
-    from sgl_sparse.integration.per_request import http_resolver
+    from sgl_sparse.integration import handoff
 
     # A text prompt's length, for a per-request prune's bounds, as the TokenizerManager will tokenize it.
     validate_generate_input(obj.text, obj.input_ids, obj.sampling_params, tm.model_config.vocab_size,
-                            http_resolver(), lambda t: len(tm.tokenizer.encode(t)))
+                            handoff.resolver(), lambda t: len(tm.tokenizer.encode(t)))
 
 
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"

@@ -8,7 +8,7 @@ A node value holds one KV slot per logical token; a position whose KV was evicte
 * keys are namespaced by the method fingerprint (compacted KV of one config is never matched under
   another);
 * with an evicting method a request's KV enters the tree only when it finishes, and Chain Cache is
-  **copy-on-write** (docs/architecture.md, "Chain Cache"):
+  **copy-on-write** (docs/chain-cache.md):
 
   - holes are known on the host (``NodeRecord.holes``, sorted relative positions): no device sync to
     count, split, match or evict;
