@@ -72,6 +72,12 @@ class SparseRequest:
     def started(self) -> bool:
         return self.state is not None
 
+    @property
+    def running_state(self) -> RequestState:
+        """Its method's state, for code that runs only between :meth:`start` and :meth:`stop`."""
+        assert self.state is not None, f"sgl_sparse: request {self.rid} has not started"
+        return self.state
+
     def start(self, state: RequestState, pool_idx: int) -> None:
         self.state = state
         self.pool_idx = pool_idx

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import PrefillChunk, RequestState, SparseMethod
+from sgl_sparse.contract import PrefillChunk, SparseMethod
 from sgl_sparse.integration import handoff
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
@@ -254,10 +254,10 @@ class SparseRuntime:
         return int(allocator.size - allocator.available_size())
 
     def logical_tokens_running(self) -> int:
-        return sum(_state(t).logical_len for t in self.tracked.values())
+        return sum(t.running_state.logical_len for t in self.tracked.values())
 
     def kept_tokens_running(self) -> int:
-        return sum(_state(t).num_kept for t in self.tracked.values())
+        return sum(t.running_state.num_kept for t in self.tracked.values())
 
     # -- attention-side capture ------------------------------------------------------------------
     def capture_queries(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int],
@@ -308,7 +308,7 @@ class SparseRuntime:
             rec = self.track(req)
             if rec.prompt_done:
                 continue  # a decode token inside a mixed step
-            st = _state(rec)
+            st = rec.running_state
             total = len(req.origin_input_ids) + len(req.output_ids)
             rec.method.on_prefill_chunk(st, PrefillChunk(st.logical_len, int(seq_lens[i]), total))
 
@@ -344,11 +344,6 @@ class SparseRuntime:
             self.frees.flush_on_current_stream()
         if self.metrics is not None:
             self.metrics.update(self, d.model_runner.token_to_kv_pool_allocator)
-
-
-def _state(rec: SparseRequest) -> RequestState:
-    assert rec.state is not None, f"sgl_sparse: request {rec.rid} is tracked but has not started"
-    return rec.state
 
 
 _runtime: SparseRuntime | None = None

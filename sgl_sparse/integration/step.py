@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sgl_sparse.contract import ObservationWindow, RequestState, StepInfo
+from sgl_sparse.contract import ObservationWindow, StepInfo
 from sgl_sparse.integration import replay
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
@@ -113,7 +113,7 @@ class StepPlanner:
         max_over_ranks = scores_max_over_ranks()
         for req, seq_len in entries:
             rec = self._start(req)
-            st = _state(rec)
+            st = rec.running_state
             new_tokens = seq_len - st.logical_len
             if new_tokens <= 0:
                 continue
@@ -178,7 +178,7 @@ class StepPlanner:
         ``kvzip_global``: replay forwards that reconstruct the ranges, their scores' maximum over the TP group).
         The spec comes with the request, identical on every TP rank. Returns the retained positions left (None:
         the prune removed nothing)."""
-        st = _state(rec)
+        st = rec.running_state
         kept = st.kept
         replays = None
         if spec.policy == KVZIP_GLOBAL and self.prune_replays is not None:
@@ -208,7 +208,7 @@ class StepPlanner:
     def _window(self, req: Any, rec: SparseRequest, model_runner: Any, w: int) -> ObservationWindow:
         """The request's last ``w`` captured queries over its retained keys (the capture may hold more: the longer
         of its method's window and its own prune's)."""
-        st = _state(rec)
+        st = rec.running_state
         queries = self.capture.get(rec)
         n_layers = self.capture.num_layers
         if not queries or len(queries) != n_layers:
@@ -246,7 +246,7 @@ class StepPlanner:
         req_to_token = model_runner.req_to_token_pool.req_to_token
         rows, pos, own_rows, own_pos = [], [], [], []
         for req, rec, keep in plans:
-            st = _state(rec)
+            st = rec.running_state
             kept = st.kept
             drop = kept[~torch.isin(kept, keep)]
             owned = drop[drop >= req.cache_protected_len]
@@ -276,11 +276,6 @@ def _on_cuda(model_runner: Any) -> bool:
 def _started(req: Any) -> bool:
     rec = record_of(req)
     return rec is not None and rec.started
-
-
-def _state(rec: SparseRequest) -> RequestState:
-    assert rec.state is not None, f"sgl_sparse: request {rec.rid} has not started"
-    return rec.state
 
 
 def _token_ids(req: Any, start: int, end: int) -> Sequence[int]:
