@@ -86,8 +86,15 @@ class FinishedState:
     sparse_from: int | None = None
     # RequestState.logical_len: the positions its steps saw. SGLang may hand one more: under overlap scheduling
     # the forward launched before a request's finish was seen wrote its last token's K/V, a forward whose step
-    # the runtime skips (integration/step.py); that position is freed, not cached, as without overlap.
+    # the runtime skips (integration/step.py); that position is freed, not cached, as without overlap, unless
+    # the request hid nothing.
     logical_len: int | None = None
+
+    @property
+    def hid_nothing(self) -> bool:
+        """Every position its steps saw is kept: the tree caches it as dense, that last position included
+        (a view that hid nothing computed it)."""
+        return self.logical_len is not None and int(self.kept.numel()) == self.logical_len and not self.pruned
 
 
 @dataclass

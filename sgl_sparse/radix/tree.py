@@ -345,7 +345,8 @@ class SparseRadixCache(RadixCache):
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         finished = self._on_finish(req) if self._on_finish is not None else None
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        if finished is not None and finished.logical_len is not None:
+        dense = finished is None or finished.hid_nothing
+        if not dense and finished is not None and finished.logical_len is not None:
             token_ids = token_ids[:finished.logical_len]
         if not self._chain_cached(req, token_ids):
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
@@ -353,7 +354,7 @@ class SparseRadixCache(RadixCache):
         alloc = self.token_to_kv_pool_allocator
         n = len(token_ids)
         protected = req.cache_protected_len
-        kept = finished.kept if finished is not None else retained_positions(row[:n])
+        kept = retained_positions(row[:n]) if dense or finished is None else finished.kept
         kept = kept[kept < n]
         if self.disable or self.disable_finished_insert or not is_insert:
             alloc.free(self._owned_live(row, kept, protected, n, kv_len_to_handle))
