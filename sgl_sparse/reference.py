@@ -134,7 +134,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         kv_pos = torch.cat([retained[:start].nonzero().flatten(), q_pos])
         h = h_all[start:end]
         if sel is not None:
-            sel.bind([state.rid], rpi)
+            sel.bind([state], rpi)
         for layer in range(model.n_layers):
             q, k, v = model.project(layer, h)
             keys[layer][start:end], vals[layer][start:end] = k, v

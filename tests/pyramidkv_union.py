@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from sgl_sparse.methods.eviction.pyramidkv import LayerKeepSelector, PyramidKV, PyramidKVConfig
+from sgl_sparse.contract import RequestState
+from sgl_sparse.methods.eviction.pyramidkv import LayerKeepSelector, LayerSets, PyramidKV, PyramidKVConfig
 from sgl_sparse.registry import register_method
 
 
@@ -19,8 +18,8 @@ class PyramidKVUnionConfig(PyramidKVConfig):
 
 
 class UnionSelector(LayerKeepSelector):
-    def set_request(self, rid: str, sets: tuple[torch.Tensor, torch.Tensor, int] | None) -> None:
-        super().set_request(rid, None)  # no sets: every live position, i.e. the union
+    def set_request(self, state: RequestState, sets: LayerSets | None) -> None:
+        super().set_request(state, None)  # no sets: every live position, i.e. the union
 
 
 @register_method

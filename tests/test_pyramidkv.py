@@ -8,7 +8,7 @@ import torch
 
 from sgl_sparse import SparseConfigError, create_method
 from sgl_sparse.contract import KVGeometry, ObservationWindow, RequestState, StepInfo, TreePayload
-from sgl_sparse.methods.eviction.pyramidkv import UNUSED, LayerKeepSelector, layer_budgets
+from sgl_sparse.methods.eviction.pyramidkv import PENDING, UNUSED, LayerKeepSelector, layer_budgets
 from sgl_sparse.reference import ToyAttentionStack, run_request
 
 
@@ -251,7 +251,7 @@ def test_union_only_reading_would_differ() -> None:
     cfg = {"budget": 24, "beta": 3, "window_size": 4, "kernel_size": 3, "sink_tokens": 2}
     per_layer = run_request(create_method("pyramidkv", cfg), model, tokens, prompt_len=60, chunk_size=16)
     method = create_method("pyramidkv", cfg)
-    method.selector.set_request = lambda rid, sets: None  # every layer reads the union (tail 0: all live)
+    method.selector.set_request = lambda state, sets: None  # every layer reads the union (tail 0: all live)
     union = run_request(method, model, tokens, prompt_len=60, chunk_size=16)
     assert union.kept_after_step == per_layer.kept_after_step
     assert not torch.allclose(union.outputs[60:], per_layer.outputs[60:], atol=1e-3)
@@ -284,9 +284,11 @@ def test_selector_rows_are_the_layer_sets_plus_the_tail_and_never_a_previous_own
     r2t[1, [2, 3, 7]] = 0  # evicted (sentinels)
     positions = torch.tensor([0, 1, 4, 5, 6, 8, 9])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
-    sel.set_request("a", (positions, mask, 10))
-    sel.set_request("b", None)
-    sel.bind(["a", "b"], torch.tensor([1, 2]))
+    a, b, c = RequestState("a"), RequestState("b"), RequestState("c")
+    sel.set_request(a, (positions, mask, 10))
+    sel.set_request(b, None)
+    sel.bind([a, b, None], torch.tensor([1, 2, 0]))
+    assert not a.extra and not b.extra  # handed over once
     seq = torch.tensor([13, 5])
     want0 = [0, 1, 4, 5, 6, 8, 9, 10, 11, 12]
     want1 = [0, 5, 9, 10, 11, 12]
@@ -296,8 +298,8 @@ def test_selector_rows_are_the_layer_sets_plus_the_tail_and_never_a_previous_own
         assert pages[0][pages[0] != UNUSED].tolist() == want and torch.equal(pages[0], pages[1])
         assert pages[2][pages[2] != UNUSED].tolist() == list(range(5))  # no sets: every live position
     # A new request in row 1: admitted with no sets, it reads its live positions, not "a"'s sets.
-    sel.set_request("c", None)
-    sel.bind(["c"], torch.tensor([1]))
+    sel.set_request(c, None)
+    sel.bind([c], torch.tensor([1]))
     pages = sel.select(1, None, r2t, torch.tensor([1]), torch.tensor([13]))
     assert pages[0][pages[0] != UNUSED].tolist() == [p for p in range(13) if p not in (2, 3, 7)]
 
@@ -307,20 +309,20 @@ def test_layer_sets_survive_chain_cache_through_the_payload() -> None:
     method = create_method("pyramidkv", cfg)
     trace = run_request(method, ToyAttentionStack(n_layers=4), _tokens(70), prompt_len=60, chunk_size=16)
     payload = method.on_finish(trace.state)
-    assert payload is not None and "a" not in method.selector.pending
+    assert payload is not None
     masks = payload.data["pyramidkv_layers"]
     assert masks.shape == (4, trace.state.num_kept) and masks[:, -10:].all()  # decoded tokens: every layer
     nxt = method.new_state("next")
     nxt.set_kept(trace.state.kept, logical_len=trace.state.logical_len)  # what the tree's match view gives
     method.restore_state(nxt, payload)
     assert torch.equal(method.layer_masks(nxt, 4), masks)
-    positions, mask, tail = method.selector.pending["next"]
+    positions, mask, tail = nxt.extra[PENDING]
     assert torch.equal(positions, trace.state.kept) and torch.equal(mask, masks) and tail == 70
     # A cut match (inside the record's tail: no payload that fits): every layer reads the union, counted.
     cut = method.new_state("cut")
     cut.set_kept(trace.state.kept[:-3], logical_len=67)
     method.restore_state(cut, payload)
-    assert "pyramidkv_layers" not in cut.extra and method.selector.pending["cut"] is None
+    assert "pyramidkv_layers" not in cut.extra and cut.extra[PENDING] is None
     assert method.stats()["resumed_without_layer_sets"] == 1
 
 

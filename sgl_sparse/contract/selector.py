@@ -12,13 +12,14 @@ every layer's K/V in the pool).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from sgl_sparse.contract.geometry import KVGeometry
+from sgl_sparse.contract.state import RequestState
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,9 @@ class PageSelector(ABC):
         graphs, no host sync needed: the lengths are on the host)."""
         return None
 
-    def bind(self, rids: list[str], req_pool_indices: torch.Tensor) -> None:
-        """Before each forward step's attention metadata is built (eager only, never inside a graph replay):
-        the step's request ids and their ``req_to_token`` rows, in batch order, for a selector whose
-        per-request state its method sets by request id (``static`` selectors)."""
+    def bind(self, states: Sequence[RequestState | None], req_pool_indices: torch.Tensor) -> None:
+        """Before each forward step's attention metadata is built (eager only, never inside a graph replay), for
+        a ``static`` selector (its rows hold what its method decided per request): the step's requests' states
+        (``None``: a request the method does not track) and their ``req_to_token`` rows, in batch order. What a
+        method hands its selector lives in the request's state, which owns it."""
         return None

@@ -42,6 +42,7 @@ per layer) plans list lengths from the sequence length alone, which per-layer se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,9 @@ from sgl_sparse.slots import SENTINEL_SLOT
 
 LAYERS = "pyramidkv_layers"  # state.extra / payload: [L, m] bool, layer l keeps state.kept[i] (i < m; later: all)
 SCORED = "pyramidkv_scored"  # state.extra: this step's per-layer candidates and budgets
+PENDING = "pyramidkv_pending"  # state.extra: the LayerSets its selector writes into its row at the next bind
+# (positions [m], mask [L, m] of which layer keeps each, the tail from which every position is read)
+LayerSets = tuple[torch.Tensor, torch.Tensor, int]
 UNUSED = 2**62  # a selection entry past every row's length
 
 
@@ -131,7 +135,7 @@ class LayerKeepSelector(PageSelector):
     """Each layer reads its own kept set: per request row and layer, the positions the last selection kept
     (``keep[layer][row]``, ascending, ``UNUSED``-padded), plus every position from ``tail[row]`` on (appended
     since). A row the method set no sets for has ``tail`` 0: every live position (sentinels skipped), i.e. the
-    union. The method hands a request's sets over by request id (:meth:`set_request`) and :meth:`bind` writes
+    union. The method hands a request's sets over in its state (:meth:`set_request`) and :meth:`bind` writes
     them into the request's row before the next forward step reads it; every admission hands a row over, so a
     reused row never shows its previous owner's sets.
 
@@ -146,8 +150,6 @@ class LayerKeepSelector(PageSelector):
         self.keep: torch.Tensor = torch.empty(0, 0, 0, dtype=torch.int64)  # [L, rows, width]
         self.tail: torch.Tensor = torch.empty(0, dtype=torch.int64)  # [rows]
         self.device = torch.device("cpu")
-        # rid -> (positions [m], mask [L, m], tail) to write at the next bind; None: no sets (the union).
-        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor, int] | None] = {}
 
     def selects(self, layer_id: int) -> bool:
         return True
@@ -157,11 +159,9 @@ class LayerKeepSelector(PageSelector):
         self.keep = torch.full((g.num_layers, 1, 0), UNUSED, dtype=torch.int64, device=g.device)
         self.tail = torch.zeros(1, dtype=torch.int64, device=g.device)
 
-    def set_request(self, rid: str, sets: tuple[torch.Tensor, torch.Tensor, int] | None) -> None:
-        self.pending[rid] = sets
-
-    def forget(self, rid: str) -> None:
-        self.pending.pop(rid, None)
+    def set_request(self, state: RequestState, sets: LayerSets | None) -> None:
+        """Hand ``state``'s sets over, written into its row at the next :meth:`bind`; ``None``: no sets."""
+        state.extra[PENDING] = sets
 
     def _grow(self, rows: int, width: int) -> None:
         r, w = max(rows, self.keep.shape[1]), max(width, self.keep.shape[2])
@@ -172,11 +172,11 @@ class LayerKeepSelector(PageSelector):
             tail[: self.tail.numel()] = self.tail
             self.keep, self.tail = keep, tail
 
-    def bind(self, rids: list[str], req_pool_indices: torch.Tensor) -> None:
-        for rid, row in zip(rids, req_pool_indices.tolist(), strict=True):
-            if rid not in self.pending:
+    def bind(self, states: Sequence[RequestState | None], req_pool_indices: torch.Tensor) -> None:
+        for state, row in zip(states, req_pool_indices.tolist(), strict=True):
+            if state is None or PENDING not in state.extra:
                 continue
-            sets = self.pending.pop(rid)
+            sets = state.extra.pop(PENDING)
             self._grow(row + 1, 0)
             self.keep[:, row] = UNUSED
             if sets is None:
@@ -248,14 +248,15 @@ class PyramidKV(ScoredEviction[PyramidKVConfig]):
         return full
 
     def new_state(self, rid: str) -> RequestState:
-        self._selector.set_request(rid, None)
-        return RequestState(rid=rid)
+        state = RequestState(rid=rid)
+        self._selector.set_request(state, None)
+        return state
 
     def restore_state(self, state: RequestState, payload: TreePayload | None) -> None:
         mask = payload.data.get(LAYERS) if payload is not None else None
         if mask is not None and mask.dim() == 2 and mask.shape[1] == state.num_kept:
             state.extra[LAYERS] = mask.bool().cpu()
-            self._selector.set_request(state.rid, (state.kept, state.extra[LAYERS], state.logical_len))
+            self._selector.set_request(state, (state.kept, state.extra[LAYERS], state.logical_len))
         elif state.num_kept < state.logical_len:
             self.counters["resumed_without_layer_sets"] += 1  # every layer reads the union
 
@@ -320,7 +321,7 @@ class PyramidKV(ScoredEviction[PyramidKVConfig]):
         union = torch.unique(torch.cat(keeps))  # sorted
         mask = torch.stack([torch.isin(union, k) for k in keeps])
         state.extra[LAYERS] = mask
-        self._selector.set_request(state.rid, (union, mask, state.logical_len))
+        self._selector.set_request(state, (union, mask, state.logical_len))
         sizes = [k.numel() for k in keeps]
         self.counters["selections"] += 1
         self.counters["union_tokens_total"] += int(union.numel())
@@ -330,7 +331,6 @@ class PyramidKV(ScoredEviction[PyramidKVConfig]):
         return KeepPlan(union) if union.numel() < state.num_kept else None
 
     def on_finish(self, state: RequestState) -> TreePayload | None:
-        self._selector.forget(state.rid)
         if LAYERS not in state.extra:
             return None
         return TreePayload({LAYERS: self.layer_masks(state, self._num_layers(state))})
