@@ -34,14 +34,15 @@ class PlainStore(KVStore):
         return [self.k[layer_id], self.v[layer_id]]
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-              decode: bool) -> None:
+              decode: bool, positions: torch.Tensor | None = None) -> None:
         self.k[layer_id][loc] = k.to(self.k[layer_id].dtype)
         self.v[layer_id][loc] = v.to(self.v[layer_id].dtype)
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id][slots], self.v[layer_id][slots]
 
-    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
 

@@ -75,7 +75,8 @@ def _serve(store: KVStore, prompts: list[tuple[torch.Tensor, ...]], cuts: list[l
         fb = SimpleNamespace(extend_seq_lens_cpu=new, extend_seq_lens=torch.tensor(new),
                              req_pool_indices=torch.tensor(batch), extend_prefix_lens=torch.tensor(pre),
                              extend_prefix_lens_cpu=pre,
-                             out_cache_loc=torch.cat([r2t[i, p:p + n] for i, p, n in zip(batch, pre, new)]))
+                             out_cache_loc=torch.cat([r2t[i, p:p + n] for i, p, n in zip(batch, pre, new)]),
+                             positions=torch.cat([torch.arange(p, p + n) for p, n in zip(pre, new)]))
         lists = extend_lists(fb, r2t, dequantize=store.dequantize_prefix, group=store.page_size)
 
         def dense(q3, kp, vp, layer, lists):  # type: ignore[no-untyped-def]
@@ -182,7 +183,7 @@ def test_a_decoded_token_reads_what_the_same_token_prefilled_reads(name: str, cf
     want = _reference(name, cfg, q, k, v)
     for t in range(head, T):
         fb = SimpleNamespace(out_cache_loc=r2t[0, t:t + 1], req_pool_indices=torch.tensor([0]),
-                             seq_lens=torch.tensor([t + 1]))
+                             seq_lens=torch.tensor([t + 1]), positions=torch.tensor([t]))
         o = store_decode(backend, q[t:t + 1].flatten(1), k[t:t + 1].flatten(1), v[t:t + 1].flatten(1), _layer(), fb,
                          decode_rows(fb, r2t), True)
         torch.testing.assert_close(o[0], want[t], atol=2e-5, rtol=2e-5)

@@ -6,7 +6,8 @@
   :class:`ObservationWindow`, :class:`KeepPlan`, :class:`TreePayload`).
 * :mod:`.selector`: dynamic selection (Quest, OmniKV, RetroInfer): a :class:`PageSelector` picks, per decode
   step, layer and KV head, the pages attention reads, batched on the device.
-* :mod:`.store`: compression and quantization (KIVI, FP8, ...): a :class:`KVStore` owns the pool's layout.
+* :mod:`.store`: compression and quantization (KIVI, FP8, Palu, ...): a :class:`KVStore` owns the pool's layout
+  (:mod:`.model`: what a layout derived from the model's weights is handed).
 * :mod:`.replay`: extra forwards after a prompt (KVzip's context reconstruction).
 
 An eviction method scores the prompt and returns a smaller keep-set (the runtime frees the dropped slots); a
@@ -17,6 +18,7 @@ runtime's, not the contract's. Nothing here imports SGLang.
 
 from sgl_sparse.contract.geometry import KVGeometry
 from sgl_sparse.contract.method import SparseMethod
+from sgl_sparse.contract.model import AttentionProjections, ModelKV, RotaryTable
 from sgl_sparse.contract.replay import Replay, ReplayLayer
 from sgl_sparse.contract.selector import PageSelector, SelectorStep
 from sgl_sparse.contract.state import (
@@ -34,17 +36,20 @@ from sgl_sparse.contract.store import KVStore
 
 __all__ = [
     "AllReduce",
+    "AttentionProjections",
     "Family",
     "KVGeometry",
     "KVStore",
     "KeepPlan",
     "MaxOverRanks",
+    "ModelKV",
     "ObservationWindow",
     "PageSelector",
     "PrefillChunk",
     "Replay",
     "ReplayLayer",
     "RequestState",
+    "RotaryTable",
     "SelectorStep",
     "SparseMethod",
     "StepInfo",

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from sgl_sparse.contract.geometry import KVGeometry
+from sgl_sparse.contract.model import ModelKV
 from sgl_sparse.store_reads import PrefixReadPolicy, attend, read_in_pieces
 
 
@@ -56,6 +57,10 @@ class KVStore(PrefixReadPolicy, ABC):
     # Why a slot's data cannot be copied to another slot alone (None: :meth:`slot_tensors` is all of it). SGLang
     # moves slots only for speculative decoding, which the launcher refuses; the pool raises this if it ever does.
     slot_move_problem: ClassVar[str | None] = None
+    # Whether the layout derives from the model's weights (:meth:`load_model`, before :meth:`allocate`) and needs
+    # each token's position in :meth:`write` and :meth:`round_trip` (a layout of pre-rotary K).
+    needs_model: ClassVar[bool] = False
+    needs_positions: ClassVar[bool] = False
 
     @abstractmethod
     def bytes_per_token(self, geometry: KVGeometry) -> int:
@@ -65,6 +70,11 @@ class KVStore(PrefixReadPolicy, ABC):
         """Device bytes that do not grow with tokens (e.g. a per-request residual for
         ``geometry.max_requests`` rows), taken from SGLang's KV budget before the pool is sized."""
         return 0
+
+    def load_model(self, model: ModelKV) -> None:
+        """The loaded model's K/V projections and rotary table (``needs_model`` stores; before :meth:`allocate`).
+        Raise ``ValueError`` saying why for a model the layout cannot serve."""
+        return None
 
     @abstractmethod
     def allocate(self, geometry: KVGeometry) -> None:
@@ -77,18 +87,20 @@ class KVStore(PrefixReadPolicy, ABC):
 
     @abstractmethod
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-              decode: bool) -> None:
+              decode: bool, positions: torch.Tensor | None = None) -> None:
         """Encode ``k``/``v`` (``[n, Hkv, D]``, post-RoPE, model dtype) into slots ``loc`` (``[n]``); ``rows``
         (``[n]``) is each token's ``req_pool_idx``, for layouts that keep a request's unfinished group of
-        tokens aside (KIVI's residual). ``decode``: one token per row, maybe inside a CUDA graph (device only,
-        no host sync); else an extend step's tokens, each row's in position order."""
+        tokens aside (KIVI's residual); ``positions`` (``[n]``) each token's position, which the server always
+        passes (``needs_positions`` layouts). ``decode``: one token per row, maybe inside a CUDA graph (device
+        only, no host sync); else an extend step's tokens, each row's in position order."""
 
     @abstractmethod
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V of ``slots`` (``[n]``): ``[n, Hkv, D]`` each, in the model dtype."""
 
     @abstractmethod
-    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``/``v`` ``[n, Hkv, D]`` (model dtype) as the layout's attention reads them once stored: as :meth:`read`
         gives them back, bit for bit (a layout whose scores add a term linear in the query, TurboQuant's QJL, adds it
         to the keys); each

@@ -9,6 +9,8 @@ SGLang 0.5.17 has no registry of MHA pools; two AROUND hooks are the narrowest s
   metadata bytes are added (the pool shrinks by what the metadata then takes).
 * ``KVCacheConfigurator._build_mha_kv_pool``: for a store, :class:`SparseStorePool` (a subclass of
   SGLang's ``MHATokenToKVPool``) instead of the stock pool, same arguments.
+* A store whose layout derives from the model (``needs_model``, Palu's bases) gets the loaded model's K/V
+  projections and rotary table (``integration/model_kv.py``) just before its pool is built.
 * A store's fixed bytes (per-request buffers, e.g. KIVI's residual) come out of the budget in an AFTER
   hook on ``KVCacheConfigurator._profile_available_bytes``, accounted for ``--max-running-requests`` + 1
   request rows; the rows SGLang then builds are noted around ``_build_token_to_kv_pool``.
@@ -143,6 +145,11 @@ def around_build_mha_kv_pool(original: Any, configurator: Any, *, max_total_num_
     if configurator.post_capture_kv_active:
         raise ValueError(f"sgl_sparse: {type(store).__name__} does not support post-capture KV sizing "
                          "(SGLANG_ENABLE_POST_CAPTURE_KV_SIZING)")
+    if store.needs_model:
+        from sgl_sparse.integration.model_kv import model_kv
+
+        info = configurator.layer_info
+        store.load_model(model_kv(configurator.model, info.start_layer, info.end_layer, int(mc.context_len)))
     return store_pool_class()(
         store, mc.num_attention_heads // tp, rows, max_total_num_tokens, page_size=configurator.pool_page_size,
         dtype=configurator.kv_cache_dtype, head_num=mc.get_num_kv_heads(tp), head_dim=mc.head_dim,

@@ -214,7 +214,7 @@ def open_page_kv(store: KVStore, layer_id: int, k: torch.Tensor, v: torch.Tensor
     if pages.open_dest.numel():
         ko, vo = store.read_open(layer_id, pages.open_rows, pages.open_offsets)
         kf[pages.open_dest], vf[pages.open_dest] = ko.to(k.dtype), vo.to(v.dtype)
-    kb[:n], vb[:n] = store.round_trip(kf, vf)
+    kb[:n], vb[:n] = store.round_trip(layer_id, kf, vf)
     return kb, vb
 
 
@@ -379,7 +379,7 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         kb, vb = open_page_kv(store, layer.layer_id, k3, v3, lists.open)
         o, lse = open_pages_fn(q3, kb, vb, layer, lists)
     else:
-        ks, vs = store.round_trip(k3, v3)
+        ks, vs = store.round_trip(layer.layer_id, k3, v3, forward_batch.positions)
         o, lse = new_tokens(q3, ks.to(k3.dtype), vs.to(v3.dtype), layer, lists)
     if lists.has_prefix:
         if lists.dense is not None:
@@ -393,7 +393,8 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                     lists.extend_lens, float(layer.scaling))
         o = merge_fn(o, lse, o2, lse2)
     if save_kv_cache:
-        store.write(layer.layer_id, forward_batch.out_cache_loc, k3, v3, lists.rows, decode=False)
+        store.write(layer.layer_id, forward_batch.out_cache_loc, k3, v3, lists.rows, decode=False,
+                    positions=forward_batch.positions)
     return o.reshape(-1, hq * layer.v_head_dim)
 
 
@@ -405,7 +406,8 @@ def store_decode(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
     if save_kv_cache and k is not None:
         store.write(layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, layer.tp_k_head_num, d),
-                    v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim), forward_batch.req_pool_indices, decode=True)
+                    v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim), forward_batch.req_pool_indices, decode=True,
+                    positions=forward_batch.positions)
     q3 = q.reshape(-1, hq, d)
     o = store.decode(layer.layer_id, q3, rows.table, rows.indices, rows.lens, float(layer.scaling))
     return o.reshape(-1, hq * layer.v_head_dim)

@@ -65,7 +65,7 @@ class FP8Store(KVStore):
                 **self.describe_prefix_attention()}
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-              decode: bool) -> None:
+              decode: bool, positions: torch.Tensor | None = None) -> None:
         kc, ks = quant.fp8_quantize(k)
         vc, vs = quant.fp8_quantize(v)
         self.k_codes[layer_id][loc] = kc.view(torch.uint8)
@@ -80,7 +80,8 @@ class FP8Store(KVStore):
                                  self.v_scale[layer_id][slots], self.dtype)
         return k, v
 
-    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return (quant.fp8_dequantize(*quant.fp8_quantize(k), self.dtype),
                 quant.fp8_dequantize(*quant.fp8_quantize(v), self.dtype))
 

@@ -128,7 +128,7 @@ class KIVIStore(KVStore):
 
     # -- write -------------------------------------------------------------------------------------
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-              decode: bool) -> None:
+              decode: bool, positions: torch.Tensor | None = None) -> None:
         gs = self.group
         if decode and self.use_triton:  # one kernel: the token, and the page it fills (kernels/kivi_write.py)
             kivi_write.decode_write(self._buffers(layer_id), loc, k, v, rows, self.bits, gs)
@@ -195,7 +195,8 @@ class KIVIStore(KVStore):
         vz = vz.float().repeat_interleave(self.group, dim=-1)
         return k.to(self.dtype), (vc.float() * vs + vz).to(self.dtype)
 
-    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages ``[n, Hkv, D]`` (``n`` a multiple of ``group_size``) quantized as :meth:`write` stores a page
         it fills (fp16 scales included), then read back."""
         gs = self.group

@@ -106,7 +106,7 @@ class TurboQuantStore(KVStore):
                 **self.describe_prefix_attention()}
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-              decode: bool) -> None:
+              decode: bool, positions: torch.Tensor | None = None) -> None:
         kc, kn = quant.turboquant_quantize(k, self.rot, self.bounds)
         vc, vn = quant.turboquant_quantize(v, self.rot, self.bounds)
         self.k_codes[layer_id][loc] = quant.pack_chunks(kc, self.bits)
@@ -127,7 +127,8 @@ class TurboQuantStore(KVStore):
         v = quant.turboquant_dequantize(vc, self.v_norm[layer_id][slots], self.rot, self.levels, self.dtype)
         return k, v
 
-    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The MSE reconstruction, as :meth:`read`'s; with ``qjl`` the keys carry the residual's estimate too. QJL's
         term is linear in the query (``q . (c ||r|| S^T sign(S r))``, ``c = sqrt(pi / 2) / M``), so a key plus that
         vector scores every query as :meth:`_scores` and the kernels do."""

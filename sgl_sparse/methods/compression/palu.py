@@ -1,0 +1,205 @@
+"""Palu (arXiv 2407.21118): low-rank K and V. Each group of ``group_size`` KV heads stores a rank-``r`` latent of
+its keys and values instead of the heads; attention reads them back reconstructed.
+
+Palu factors each group's projection ``W ~= B A`` (a truncated SVD of ``W``, or of ``W C^1/2`` with ``C`` the
+layer input's Gram matrix when calibrated), caches ``z = A x`` and reconstructs ``B z``. That reconstruction is
+the orthogonal projection of the group's full K (or V) onto ``B``'s column space: with ``W = U S V^T``,
+``B A x = U_r U_r^T W x``. So the store needs no hidden state and no model surgery: it projects the K/V the
+model computed onto the top-``r`` left singular vectors ``U_r`` of the group's projection (:func:`group_bases`),
+stores ``z = U_r^T k`` and reads ``U_r z`` back: exactly Palu's reconstruction. A projection bias (Qwen's) is
+projected with the rest.
+
+K is cached before the rotary embedding (a low-rank basis does not survive a position-dependent rotation): the
+server hands :meth:`PaluStore.write` post-RoPE K and each token's position; the store undoes the rotation (an
+orthogonal map, undone exactly up to rounding), projects, and :meth:`PaluStore.read` re-applies it at the
+position it stored beside the latent. Rank ``max(16, floor(g * D * rank_ratio / 16) * 16)`` per group of
+``g`` heads of dimension ``D`` (SparseEngine's rule), capped at ``g * D``.
+
+Per token and layer the pool stores ``Hkv / g * (r_k + r_v)`` latent values in the model dtype and a 4-byte
+position: at ``rank_ratio`` 0.5 on a Llama-3-8B layer (8 KV heads of 128) 2,052 bytes against bf16's 4,096.
+This module serves the plain-torch path (CPU); the GPU kernels are not written yet, so the launcher refuses
+Palu on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl_sparse.contract import Family, KVGeometry, KVStore, ModelKV, RotaryTable, SparseMethod
+from sgl_sparse.kernels.rope import rotate
+from sgl_sparse.methods.quantization.base import QuantConfig
+from sgl_sparse.registry import register_method
+
+POSITION_BYTES = 4  # int32 position per slot and layer
+
+
+@dataclass(frozen=True)
+class PaluConfig(QuantConfig):
+    """``rank_ratio``: the latent's share of a group's ``g * D`` dimensions (0.5: SparseEngine's code's default);
+    ``group_size``: KV heads per group (1: SparseEngine's; upstream Palu uses 4); ``prefix_attention`` as the
+    quantized stores' (an extend reads its cached prefix reconstructed, through the base's dense prefill, or
+    through the store's own read)."""
+
+    method_name = "palu"
+    rank_ratio: float = 0.5
+    group_size: int = 1
+
+    def validate(self) -> None:
+        super().validate()
+        self.require(0.0 < self.rank_ratio <= 1.0, "rank_ratio", "must be in (0, 1]")
+        self.require(self.group_size >= 1, "group_size", "must be >= 1")
+
+
+def group_rank(group_dim: int, ratio: float) -> int:
+    """The latent rank of a group of ``group_dim`` dimensions (``g * D``)."""
+    return min(group_dim, max(16, int(group_dim * ratio / 16) * 16))
+
+
+def group_bases(weight: torch.Tensor, groups: int, rank: int) -> torch.Tensor:
+    """``[groups, g * D, rank]`` fp32: the top-``rank`` left singular vectors of each group's rows of
+    ``weight`` (``[groups * g * D, hidden]``), the basis Palu's reconstruction projects onto."""
+    w = weight.detach().to(torch.float64).reshape(groups, -1, weight.shape[-1])
+    u: torch.Tensor = torch.linalg.svd(w, full_matrices=False).U  # [groups, g*D, min(g*D, hidden)], descending
+    if u.shape[-1] < rank:
+        raise ValueError(f"a group's projection has rank at most {u.shape[-1]}, fewer than the latent's {rank}")
+    return u[..., :rank].to(torch.float32).contiguous()
+
+
+class PaluStore(KVStore):
+    """Per layer: K and V latents ``[slots, groups, r_k]`` / ``[slots, groups, r_v]`` in the model dtype and the
+    slot's position ``[slots]`` int32; the bases ``[groups, g * D, r]`` fp32 from :meth:`load_model`."""
+
+    needs_model = True
+    needs_positions = True
+
+    def __init__(self, rank_ratio: float, group_size: int, prefix_attention: str = "auto") -> None:
+        self.choose_prefix_attention(prefix_attention)
+        self.rank_ratio, self.group_size = rank_ratio, group_size
+        self.k_basis: list[torch.Tensor] = []
+        self.v_basis: list[torch.Tensor] = []
+        self.rotary: RotaryTable | None = None
+        self.zk: list[torch.Tensor] = []
+        self.zv: list[torch.Tensor] = []
+        self.pos: list[torch.Tensor] = []
+        self.num_kv_heads, self.head_dim, self.v_head_dim = 0, 0, 0
+        self.dtype = torch.bfloat16
+        self.geometry: KVGeometry | None = None
+
+    # -- layout ----------------------------------------------------------------------------------------
+    def _groups(self, num_kv_heads: int) -> int:
+        if num_kv_heads % self.group_size:
+            raise ValueError(f"palu: group_size {self.group_size} does not divide this rank's {num_kv_heads} KV "
+                             "heads")
+        return num_kv_heads // self.group_size
+
+    def ranks(self, head_dim: int, v_head_dim: int) -> tuple[int, int]:
+        """The K and V latent ranks per group."""
+        g = self.group_size
+        return group_rank(g * head_dim, self.rank_ratio), group_rank(g * v_head_dim, self.rank_ratio)
+
+    def bytes_per_token(self, g: KVGeometry) -> int:
+        rk, rv = self.ranks(g.head_dim, g.head_dim)
+        return g.num_layers * (self._groups(g.num_kv_heads) * (rk + rv) * g.dtype.itemsize + POSITION_BYTES)
+
+    def load_model(self, model: ModelKV) -> None:
+        groups = self._groups(model.num_kv_heads)
+        if model.v_head_dim != model.head_dim:
+            raise ValueError(f"palu: K and V head dims differ ({model.head_dim}, {model.v_head_dim})")
+        rk, rv = self.ranks(model.head_dim, model.v_head_dim)
+        self.num_kv_heads, self.head_dim, self.v_head_dim = model.num_kv_heads, model.head_dim, model.v_head_dim
+        self.k_basis = [group_bases(layer.k_weight, groups, rk) for layer in model.layers]
+        self.v_basis = [group_bases(layer.v_weight, groups, rv) for layer in model.layers]
+        self.rotary = model.rotary
+
+    def allocate(self, g: KVGeometry) -> None:
+        if len(self.k_basis) != g.num_layers or self.num_kv_heads != g.num_kv_heads:
+            raise ValueError(f"palu: the pool has {g.num_layers} layers of {g.num_kv_heads} KV heads, the model's "
+                             f"projections {len(self.k_basis)} of {self.num_kv_heads} (load_model first)")
+        groups = self._groups(g.num_kv_heads)
+        rk, rv = self.ranks(g.head_dim, g.head_dim)
+        self.zk = [torch.zeros(g.num_slots, groups, rk, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
+        self.zv = [torch.zeros(g.num_slots, groups, rv, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
+        self.pos = [torch.zeros(g.num_slots, dtype=torch.int32, device=g.device) for _ in range(g.num_layers)]
+        self.k_basis = [b.to(g.device) for b in self.k_basis]
+        self.v_basis = [b.to(g.device) for b in self.v_basis]
+        if self.rotary is not None:
+            r = self.rotary
+            self.rotary = RotaryTable(r.cos_sin.to(g.device, torch.float32), r.rotary_dim, r.neox)
+        self.dtype, self.geometry = g.dtype, g
+
+    def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
+        return [self.zk[layer_id], self.zv[layer_id], self.pos[layer_id]]
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank_ratio": self.rank_ratio, "group_size": self.group_size,
+                               "factors": "svd of the K/V projections"}
+        if self.geometry is not None:
+            g = self.geometry
+            out["k_rank"], out["v_rank"] = self.ranks(g.head_dim, g.head_dim)
+            # tokens the pool holds against the model dtype's layout in the same bytes
+            dense = g.num_layers * 2 * g.num_kv_heads * g.head_dim * g.dtype.itemsize
+            out["capacity_vs_model_dtype"] = round(dense / self.bytes_per_token(g), 4)
+        return {**out, **self.describe_prefix_attention()}
+
+    # -- encode / decode ---------------------------------------------------------------------------------
+    def _rope(self, k: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+        r = self.rotary
+        if r is None:
+            return k.float()
+        return rotate(k, r.cos_sin[positions.long()], r.rotary_dim, r.neox, inverse=inverse)
+
+    def _encode(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``/``v`` ``[n, Hkv, D]`` -> fp32 latents ``[n, groups, r_k]`` / ``[n, groups, r_v]``."""
+        if positions is None:
+            raise ValueError("palu stores pre-rotary K: its write needs each token's position")
+        n, kb, vb = k.shape[0], self.k_basis[layer_id], self.v_basis[layer_id]
+        pre = self._rope(k, positions, inverse=True).reshape(n, kb.shape[0], kb.shape[1])
+        zk = torch.einsum("ngd,gdr->ngr", pre, kb)
+        zv = torch.einsum("ngd,gdr->ngr", v.float().reshape(n, vb.shape[0], vb.shape[1]), vb)
+        return zk, zv
+
+    def _decode(self, layer_id: int, zk: torch.Tensor, zv: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents -> K (rotated at ``positions``) and V ``[n, Hkv, D]`` in the model dtype."""
+        n = zk.shape[0]
+        k = torch.einsum("ngr,gdr->ngd", zk.float(), self.k_basis[layer_id]).reshape(n, self.num_kv_heads, -1)
+        v = torch.einsum("ngr,gdr->ngd", zv.float(), self.v_basis[layer_id]).reshape(n, self.num_kv_heads, -1)
+        return self._rope(k, positions, inverse=False).to(self.dtype), v.to(self.dtype)
+
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              decode: bool, positions: torch.Tensor | None = None) -> None:
+        zk, zv = self._encode(layer_id, k, v, positions)
+        self.zk[layer_id][loc] = zk.to(self.dtype)
+        self.zv[layer_id][loc] = zv.to(self.dtype)
+        assert positions is not None  # _encode raised otherwise
+        self.pos[layer_id][loc] = positions.to(torch.int32)
+
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._decode(layer_id, self.zk[layer_id][slots], self.zv[layer_id][slots], self.pos[layer_id][slots])
+
+    def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        zk, zv = self._encode(layer_id, k, v, positions)
+        assert positions is not None  # _encode raised otherwise
+        return self._decode(layer_id, zk.to(self.dtype), zv.to(self.dtype), positions)
+
+
+@register_method
+class Palu(SparseMethod[PaluConfig]):
+    """Every token kept and read, as low-rank latents of its K (before the rotary embedding) and V."""
+
+    name = "palu"
+    family = Family.COMPRESSION
+    config_cls = PaluConfig
+
+    def __init__(self, config: PaluConfig) -> None:
+        super().__init__(config)
+        self._store = PaluStore(config.rank_ratio, config.group_size, config.prefix_attention)
+
+    @property
+    def store(self) -> PaluStore:
+        return self._store
