@@ -1,7 +1,9 @@
-"""Composition: one eviction method over one quantization method's KV pool (``--sparse-method snapkv+fp8_kv``).
+"""Composition: one eviction method over the KV pool of one method that owns the layout, quantization or
+compression (``--sparse-method snapkv+fp8_kv``, ``snapkv+palu``).
 
 The eviction member decides which tokens stay (its hooks run unchanged: SnapKV's scoring, StreamingLLM's
-window); the quantization member owns the pool they stay in (its :class:`~sgl_sparse.contract.KVStore`).
+window); the other member (quantization or compression) owns the pool they stay in (its
+:class:`~sgl_sparse.contract.KVStore`).
 The composition holds both (a wrapper, not a subclass), so any eviction method composes with any store
 whose layout can lose single tokens (:meth:`~sgl_sparse.contract.KVStore.eviction_problem`: per-token
 layouts such as ``fp8_kv`` and ``turboquant`` can; ``kivi``'s per-page key groups cannot, a launch error).
@@ -138,7 +140,7 @@ def create_composed(name: str, fields: dict[str, Any],
     names = name.split(SEPARATOR)
     if len(names) != 2 or not all(names):
         raise SparseConfigError(f"{where}: a composition is two methods joined by '{SEPARATOR}', one eviction "
-                                f"method and one quantization method (e.g. snapkv{SEPARATOR}fp8_kv)")
+                                f"method and one method that owns the KV layout (e.g. snapkv{SEPARATOR}fp8_kv)")
     if names[0] == names[1]:
         raise SparseConfigError(f"{where}: names {names[0]} twice")
     for member in names:
@@ -165,8 +167,8 @@ def create_composed(name: str, fields: dict[str, Any],
                                     "which a quantized pool does not serve yet")
         if m.selector is not None:
             raise SparseConfigError(f"{where}: {m.name} is a dynamic selection method; a composition is one "
-                                    "eviction method over one quantization method (selection over a quantized "
-                                    "pool is not served yet)")
+                                    "eviction method over one method that owns the KV layout (selection over a "
+                                    "quantized pool is not served yet)")
         if m.runs_replays:
             raise SparseConfigError(f"{where}: {m.name} runs replay forwards (its context reconstruction), which a "
                                     "quantized pool does not serve yet")
@@ -174,13 +176,13 @@ def create_composed(name: str, fields: dict[str, Any],
             raise SparseConfigError(f"{where}: {m.name} both evicts and owns the KV layout; compose it with nothing")
         if m.store is None and not m.evicts:
             raise SparseConfigError(f"{where}: {m.name} neither evicts nor owns the KV layout, so it adds nothing to "
-                                    "a composition; a composition is one eviction method over one quantization "
-                                    "method")
+                                    "a composition; a composition is one eviction method over one method that "
+                                    "owns the KV layout")
     evicting = [m for m in methods if m.evicts]
     if len(evicting) != 1:
         both = " and ".join(m.name for m in methods)
         why = "both evict (one keep-set per request)" if evicting else "both own the KV layout (one pool)"
         raise SparseConfigError(f"{where}: {both} {why}; a composition is one eviction method over one "
-                                "quantization method")
+                                "method that owns the KV layout")
     quantization = next(m for m in methods if not m.evicts)
     return Composed(evicting[0], quantization)
