@@ -198,3 +198,77 @@ def test_bad_configs_and_models_are_refused() -> None:
         store.load_model(_model(1)[0])
         store.allocate(KVGeometry(LAYERS, HQ, HKV, D, 1, 8, torch.float32, torch.device("cpu")))
         store.write(0, torch.tensor([1]), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), torch.tensor([0]), True)
+
+
+def _whitened_reference(w: torch.Tensor, xs: torch.Tensor, x: torch.Tensor, group_size: int, rank: int,
+                        ridge: float) -> torch.Tensor:
+    """Palu's calibrated factorization from its definition: ``C = X^T X / n + ridge * mean(diag) * I`` over the
+    calibration inputs ``xs``; per group ``W_g C^1/2 = U S V^T``, ``B = U_r S_r``, ``A = V_r^T C^-1/2``; read
+    ``B A x``."""
+    c = xs.double().T @ xs.double() / xs.shape[0]
+    c = c + ridge * c.diagonal().mean() * torch.eye(c.shape[0], dtype=torch.float64)
+    e, q = torch.linalg.eigh(c)
+    c_half, c_inv_half = (q * e.sqrt()) @ q.T, (q / e.sqrt()) @ q.T
+    out = []
+    for g in range(HKV // group_size):
+        wg = w[g * group_size * D:(g + 1) * group_size * D].double()
+        u, s, vh = torch.linalg.svd(wg @ c_half, full_matrices=False)
+        b, a = u[:, :rank] * s[:rank], vh[:rank] @ c_inv_half
+        out.append((x.double() @ a.T) @ b.T)
+    return torch.cat(out, dim=-1).view(x.shape[0], HKV, D)
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_calibrated_bases_are_palus_whitened_svd(group_size: int) -> None:
+    """The calibrated store projects onto the top eigenvectors of the K/V second moments (``sgl_sparse.prepare``'s
+    ``W C W^T`` with the ridge): the same reconstruction as Palu's SVD of ``W C^1/2``."""
+    from sgl_sparse.contract import KVMoments
+    from sgl_sparse.contract.model import head_digests
+    from sgl_sparse.prepare import RIDGE
+
+    model, weights = _model(group_size)
+    gen = torch.Generator().manual_seed(7)
+    mix = torch.randn(HIDDEN, HIDDEN, generator=gen) * torch.linspace(0.05, 2.0, HIDDEN)  # anisotropic inputs
+    xs = torch.randn(500, HIDDEN, generator=gen) @ mix
+    ks, vs, kh, vh = [], [], [], []
+    for wk, wv in weights:
+        c = xs.double().T @ xs.double() / xs.shape[0]
+        ridge = RIDGE * c.diagonal().mean()
+        for w, out, heads in ((wk, ks, kh), (wv, vs, vh)):
+            y = xs.double() @ w.double().T
+            out.append(y.T @ y / xs.shape[0] + ridge * (w.double() @ w.double().T))
+            heads.append(head_digests(w, D))
+    moments = KVMoments(ks, vs, kh, vh, D, "test", xs.shape[0])
+    calibrated = ModelKV(model.layers, HKV, D, D, model.rotary, calibrate=lambda source, tokens: moments)
+    store = PaluStore(0.5, group_size, calibration="synthetic")
+    store.load_model(calibrated)
+    store.allocate(KVGeometry(LAYERS, HQ, HKV, D, 1, 64, torch.float32, torch.device("cpu")))
+    rank = group_rank(group_size * D, 0.5)
+    x = torch.randn(20, HIDDEN, generator=gen) @ mix
+    pos = torch.arange(20) * 7
+    wk, wv = weights[1]
+    k = _rope_ref((x @ wk.T).view(20, HKV, D), pos, D, True).float()
+    got_k, got_v = store.round_trip(1, k, (x @ wv.T).view(20, HKV, D), pos)
+    want_k = _rope_ref(_whitened_reference(wk, xs, x, group_size, rank, RIDGE), pos, D, True)
+    want_v = _whitened_reference(wv, xs, x, group_size, rank, RIDGE)
+    scale = want_k.abs().max()
+    torch.testing.assert_close(got_k.double() / scale, want_k / scale, rtol=0, atol=2e-4)
+    torch.testing.assert_close(got_v.double() / scale, want_v / scale, rtol=0, atol=2e-4)
+    # and it is not the plain SVD's: calibration changed the basis
+    plain, _ = _store(0.5, group_size)
+    assert (plain.round_trip(1, k, (x @ wv.T).view(20, HKV, D), pos)[0] - got_k).abs().max() > 1e-2
+    # a shard whose heads the moments do not know is refused
+    other = ModelKV(_model(group_size, seed=9)[0].layers, HKV, D, D, model.rotary,
+                    calibrate=lambda source, tokens: moments)
+    with pytest.raises(ValueError, match="another checkpoint"):
+        PaluStore(0.5, group_size, calibration="synthetic").load_model(other)
+
+
+def test_calibration_config_is_checked() -> None:
+    with pytest.raises(SparseConfigError, match="calibration"):
+        create_method("palu", {"calibration": "/no/such/file.jsonl"})
+    with pytest.raises(SparseConfigError, match="calibration_tokens"):
+        create_method("palu", {"calibration": "synthetic", "calibration_tokens": 0})
+    store = PaluStore(0.5, 1, calibration="synthetic")
+    with pytest.raises(ValueError, match="not served here"):
+        store.load_model(_model(1)[0])  # a ModelKV without calibrate: tensor parallelism

@@ -100,3 +100,23 @@ def test_small_model_answers_the_suite_at_rank_ratio_half(palu_servers: dict, sm
     _assert_idle_and_sound(srv)
     acc = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
     assert acc >= 0.8, table
+
+
+def test_a_calibrated_server_computes_its_moments_and_answers(server_pool: ServerPool, small_suite: tuple[str, list],
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``calibration: synthetic``: the server runs the calibration text through the model at start (no cached
+    moments yet), caches them, and serves Palu's whitened bases; the suite's slice at rank ratio 0.5."""
+    from sgl_sparse.quality.eval import evaluate
+
+    cache = tmp_path_factory.mktemp("palu-cache")
+    model, items = small_suite
+    config = {"rank_ratio": 0.5, "calibration": "synthetic", "calibration_tokens": 4096}
+    with server_pool.use(spec(model, [*CPU_SERVER_FLAGS, "--sparse-method", "palu", "--sparse-config",
+                                      json.dumps(config)], env={"SGL_SPARSE_CACHE": str(cache)}), once=True) as (srv,):
+        store = _state(srv)["kv_store"]
+        assert store["factors"] == "whitened svd, calibrated on 4096 tokens of synthetic", store
+        assert len(list((cache / "palu").glob("moments-*.pt"))) == 1
+        table = evaluate(srv.base_url, items)
+        _assert_idle_and_sound(srv)
+    acc = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
+    assert acc >= 0.8, table

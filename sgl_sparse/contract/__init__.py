@@ -18,7 +18,7 @@ runtime's, not the contract's. Nothing here imports SGLang.
 
 from sgl_sparse.contract.geometry import KVGeometry
 from sgl_sparse.contract.method import SparseMethod
-from sgl_sparse.contract.model import AttentionProjections, ModelKV, RotaryTable
+from sgl_sparse.contract.model import AttentionProjections, KVMoments, ModelKV, RotaryTable
 from sgl_sparse.contract.replay import Replay, ReplayLayer
 from sgl_sparse.contract.selector import PageSelector, SelectorStep
 from sgl_sparse.contract.state import (
@@ -39,6 +39,7 @@ __all__ = [
     "AttentionProjections",
     "Family",
     "KVGeometry",
+    "KVMoments",
     "KVStore",
     "KeepPlan",
     "MaxOverRanks",

@@ -149,7 +149,9 @@ def around_build_mha_kv_pool(original: Any, configurator: Any, *, max_total_num_
         from sgl_sparse.integration.model_kv import model_kv
 
         info = configurator.layer_info
-        store.load_model(model_kv(configurator.model, info.start_layer, info.end_layer, int(mc.context_len)))
+        whole = tp == 1 and info.start_layer == 0 and info.end_layer == mc.num_hidden_layers
+        store.load_model(model_kv(configurator.model, info.start_layer, info.end_layer, int(mc.context_len),
+                                  str(mc.model_path), whole))
     return store_pool_class()(
         store, mc.num_attention_heads // tp, rows, max_total_num_tokens, page_size=configurator.pool_page_size,
         dtype=configurator.kv_cache_dtype, head_num=mc.get_num_kv_heads(tp), head_dim=mc.head_dim,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import AttentionProjections, ModelKV, RotaryTable
+from sgl_sparse.contract.model import head_digests
 
 # Rotary classes whose table is a pure rotation per position (cos/sin of some frequencies, no magnitude scale as
 # YaRN's mscale, one position per token as not M-RoPE's): undone exactly by the transposed rotation.
@@ -44,9 +45,20 @@ def _rotary(attn: Any, context_len: int) -> RotaryTable:
     return RotaryTable(rope.cos_sin_cache.detach().float().clone(), int(rope.rotary_dim), bool(rope.is_neox_style))
 
 
-def model_kv(model: Any, start_layer: int, end_layer: int, context_len: int) -> ModelKV:
+def _calibrate(model_path: str, layers: list[AttentionProjections], head_dim: int) -> Any:
+    """``ModelKV.calibrate`` of a whole model (one rank): its moments from the cache, else computed there."""
+    from sgl_sparse import prepare
+
+    digests = ([d for p in layers for d in head_digests(p.k_weight, head_dim)]
+               + [d for p in layers for d in head_digests(p.v_weight, head_dim)])
+    return lambda source, tokens: prepare.load_or_compute(digests, model_path, source, tokens)
+
+
+def model_kv(model: Any, start_layer: int, end_layer: int, context_len: int, model_path: str,
+             whole_model: bool) -> ModelKV:
     """This rank's layers ``[start_layer, end_layer)`` of ``model`` as :class:`ModelKV`; ``ValueError`` naming
-    what a layout derived from them cannot read (quantized weights, another attention or rotary)."""
+    what a layout derived from them cannot read (quantized weights, another attention or rotary).
+    ``whole_model``: this rank holds every layer and head (calibration is served only then)."""
     projections, rotary, dims = [], None, None
     for i, layer in enumerate(_layers(model)[start_layer:end_layer], start=start_layer):
         attn = _attention(layer, i)
@@ -68,4 +80,6 @@ def model_kv(model: Any, start_layer: int, end_layer: int, context_len: int) -> 
             rotary = _rotary(attn, context_len)
     if dims is None:
         raise ValueError("sgl_sparse: this rank holds no attention layers")
-    return ModelKV(tuple(projections), num_kv_heads=dims[0], head_dim=dims[1], v_head_dim=dims[2], rotary=rotary)
+    calibrate = _calibrate(model_path, projections, dims[1]) if whole_model else None
+    return ModelKV(tuple(projections), num_kv_heads=dims[0], head_dim=dims[1], v_head_dim=dims[2], rotary=rotary,
+                   calibrate=calibrate)

@@ -23,6 +23,7 @@ Palu on CUDA.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,18 +40,25 @@ POSITION_BYTES = 4  # int32 position per slot and layer
 @dataclass(frozen=True)
 class PaluConfig(QuantConfig):
     """``rank_ratio``: the latent's share of a group's ``g * D`` dimensions (0.5: SparseEngine's code's default);
-    ``group_size``: KV heads per group (1: SparseEngine's; upstream Palu uses 4); ``prefix_attention`` as the
+    ``group_size``: KV heads per group (1: SparseEngine's; upstream Palu uses 4); ``calibration``: ``none`` (the
+    plain SVD of the weights), or the text Palu's whitened SVD is calibrated on (``synthetic``: the quality suite's
+    generator; or a ``.txt``/``.jsonl`` file), ``calibration_tokens`` of it; ``prefix_attention`` as the
     quantized stores' (an extend reads its cached prefix reconstructed, through the base's dense prefill, or
     through the store's own read)."""
 
     method_name = "palu"
     rank_ratio: float = 0.5
     group_size: int = 1
+    calibration: str = "none"
+    calibration_tokens: int = 32_768
 
     def validate(self) -> None:
         super().validate()
         self.require(0.0 < self.rank_ratio <= 1.0, "rank_ratio", "must be in (0, 1]")
         self.require(self.group_size >= 1, "group_size", "must be >= 1")
+        self.require(self.calibration in ("none", "synthetic") or os.path.isfile(self.calibration), "calibration",
+                     "must be 'none' (plain SVD), 'synthetic' or a text/JSONL file of calibration prompts")
+        self.require(self.calibration_tokens >= 1, "calibration_tokens", "must be >= 1")
 
 
 def group_rank(group_dim: int, ratio: float) -> int:
@@ -68,6 +76,15 @@ def group_bases(weight: torch.Tensor, groups: int, rank: int) -> torch.Tensor:
     return u[..., :rank].to(torch.float32).contiguous()
 
 
+def moment_bases(moment: torch.Tensor, groups: int, rank: int) -> torch.Tensor:
+    """``[groups, g * D, rank]`` fp32: the top-``rank`` eigenvectors of each group's diagonal block of ``moment``
+    (``[groups * g * D, groups * g * D]``), the basis Palu's calibrated reconstruction projects onto."""
+    n = moment.shape[0] // groups
+    blocks = torch.stack([moment[i * n:(i + 1) * n, i * n:(i + 1) * n] for i in range(groups)]).double()
+    vecs: torch.Tensor = torch.linalg.eigh((blocks + blocks.transpose(1, 2)) / 2).eigenvectors  # ascending
+    return vecs.flip(-1)[..., :rank].to(torch.float32).contiguous()
+
+
 class PaluStore(KVStore):
     """Per layer: K and V latents ``[slots, groups, r_k]`` / ``[slots, groups, r_v]`` in the model dtype and the
     slot's position ``[slots]`` int32; the bases ``[groups, g * D, r]`` fp32 from :meth:`load_model`."""
@@ -75,9 +92,12 @@ class PaluStore(KVStore):
     needs_model = True
     needs_positions = True
 
-    def __init__(self, rank_ratio: float, group_size: int, prefix_attention: str = "auto") -> None:
+    def __init__(self, rank_ratio: float, group_size: int, prefix_attention: str = "auto",
+                 calibration: str = "none", calibration_tokens: int = 32_768) -> None:
         self.choose_prefix_attention(prefix_attention)
         self.rank_ratio, self.group_size = rank_ratio, group_size
+        self.calibration, self.calibration_tokens = calibration, calibration_tokens
+        self.calibrated_tokens = 0
         self.k_basis: list[torch.Tensor] = []
         self.v_basis: list[torch.Tensor] = []
         self.rotary: RotaryTable | None = None
@@ -110,9 +130,20 @@ class PaluStore(KVStore):
             raise ValueError(f"palu: K and V head dims differ ({model.head_dim}, {model.v_head_dim})")
         rk, rv = self.ranks(model.head_dim, model.v_head_dim)
         self.num_kv_heads, self.head_dim, self.v_head_dim = model.num_kv_heads, model.head_dim, model.v_head_dim
-        self.k_basis = [group_bases(layer.k_weight, groups, rk) for layer in model.layers]
-        self.v_basis = [group_bases(layer.v_weight, groups, rv) for layer in model.layers]
         self.rotary = model.rotary
+        if self.calibration == "none":
+            self.k_basis = [group_bases(layer.k_weight, groups, rk) for layer in model.layers]
+            self.v_basis = [group_bases(layer.v_weight, groups, rv) for layer in model.layers]
+            return
+        if model.calibrate is None:
+            raise ValueError("palu: calibration is not served here (tensor parallelism); use calibration 'none'")
+        moments = model.calibrate(self.calibration, self.calibration_tokens)
+        self.k_basis, self.v_basis = [], []
+        for i, layer in enumerate(model.layers):
+            mk, mv = moments.for_heads(i, layer.k_weight, layer.v_weight)
+            self.k_basis.append(moment_bases(mk, groups, rk))
+            self.v_basis.append(moment_bases(mv, groups, rv))
+        self.calibrated_tokens = moments.tokens
 
     def allocate(self, g: KVGeometry) -> None:
         if len(self.k_basis) != g.num_layers or self.num_kv_heads != g.num_kv_heads:
@@ -134,8 +165,9 @@ class PaluStore(KVStore):
         return [self.zk[layer_id], self.zv[layer_id], self.pos[layer_id]]
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"rank_ratio": self.rank_ratio, "group_size": self.group_size,
-                               "factors": "svd of the K/V projections"}
+        factors = ("svd of the K/V projections" if self.calibration == "none" else
+                   f"whitened svd, calibrated on {self.calibrated_tokens} tokens of {self.calibration}")
+        out: dict[str, Any] = {"rank_ratio": self.rank_ratio, "group_size": self.group_size, "factors": factors}
         if self.geometry is not None:
             g = self.geometry
             out["k_rank"], out["v_rank"] = self.ranks(g.head_dim, g.head_dim)
@@ -198,7 +230,8 @@ class Palu(SparseMethod[PaluConfig]):
 
     def __init__(self, config: PaluConfig) -> None:
         super().__init__(config)
-        self._store = PaluStore(config.rank_ratio, config.group_size, config.prefix_attention)
+        self._store = PaluStore(config.rank_ratio, config.group_size, config.prefix_attention, config.calibration,
+                                config.calibration_tokens)
 
     @property
     def store(self) -> PaluStore:
