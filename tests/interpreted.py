@@ -27,6 +27,7 @@ INTERPRETED_FILES = (
     "tests/test_kivi.py",
     "tests/test_kivi_decode.py",
     "tests/test_omnikv.py",
+    "tests/test_palu_kernels.py",
     "tests/test_quest_kernels.py",
     "tests/test_retroinfer_kernels.py",
     "tests/test_selection_overhead.py",

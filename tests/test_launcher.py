@@ -529,6 +529,21 @@ def test_quantized_layouts_with_gpu_kernels_serve_on_gpu(capsys: pytest.CaptureF
     assert hand.method == "own_fp8"
 
 
+def test_palu_on_gpu_needs_the_unverified_flag_until_its_kernels_run_there(capsys: pytest.CaptureFixture[str]) -> None:
+    """Palu's decode kernel has run only under the Triton interpreter: on CUDA, alone or under an eviction method,
+    a launch error naming --sparse-allow-unverified, which starts it; on CPU it serves."""
+    for name, cfg in (("palu", "{}"), ("snapkv+palu", '{"snapkv": {"budget": 512}}')):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", name, "--sparse-config", cfg])
+        err = capsys.readouterr().err
+        assert f"--sparse-method {name}: its KV layout's GPU kernels have run only under the Triton" in err
+        _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", name, "--sparse-config",
+                              cfg, "--sparse-allow-unverified"])
+        assert hand.method == name
+    _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "palu"])
+    assert hand.method == "palu"
+
+
 def test_a_composition_launches_on_cpu_and_hands_off_both_members() -> None:
     """An eviction method over a per-token store: one name, the config keyed by member; the scheduler rebuilds
     the same composition from the hand-off (the fingerprint covers both members)."""

@@ -303,8 +303,9 @@ DEFAULT_STORE_RUNNING_REQUESTS = 64
 ALLOW_UNVERIFIED = "--sparse-allow-unverified"
 ALLOW_UNVERIFIED_HELP = (
     "Start combinations that have not run on hardware yet, which are otherwise launch errors naming this flag: "
-    "an eviction method with --tp-size > 1 on CUDA, and on CUDA a selection method or a quantized KV layout "
-    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES). See docs/parallelism.md.")
+    "an eviction method with --tp-size > 1 on CUDA, on CUDA a selection method or a quantized KV layout "
+    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and palu on CUDA (its kernels have run only under "
+    "the Triton interpreter). See docs/parallelism.md and docs/methods/palu.md.")
 
 
 @dataclass(frozen=True)
@@ -380,6 +381,8 @@ def _graphs_on_cpu(phase: str) -> Check:
                            "drop the flag (the launcher turns CUDA graphs off on CPU)")
 
 
+# sgl_sparse's own KV layouts whose GPU kernels are tested under the Triton interpreter but not yet on a GPU.
+LAYOUTS_NOT_RUN_ON_GPU = ("palu",)
 # Combinations that have not run on hardware yet: each starts with ALLOW_UNVERIFIED.
 UNVERIFIED: tuple[Check, ...] = (
     Check(lambda c: (c.method.selector is not None and not c.method.evicts and c.gpu
@@ -394,6 +397,11 @@ UNVERIFIED: tuple[Check, ...] = (
                     "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and only sgl_sparse's own layouts "
                     f"have passed the GPU tests (tests/gpu/); it serves on --device cpu, or on CUDA with "
                     f"{ALLOW_UNVERIFIED}"),
+    Check(lambda c: (c.method.store is not None and c.gpu
+                     and getattr(c.method, "quantization", c.method).name in LAYOUTS_NOT_RUN_ON_GPU),
+          lambda c: f"--sparse-method {c.name}: its KV layout's GPU kernels have run only under the Triton "
+                    "interpreter, not yet on hardware (tests/gpu/ holds their tests); it serves on --device cpu, or "
+                    f"on CUDA with {ALLOW_UNVERIFIED}"),
     # Every rank sums its scores over the TP group before selecting (integration/tp.py), tested with two gloo
     # ranks on CPU (tests/test_tp_eviction.py).
     Check(lambda c: c.method.evicts and (c.args.tp_size or 1) > 1 and c.gpu,
@@ -465,6 +473,7 @@ UNSUPPORTED: tuple[Check, ...] = (
           lambda c: f"--sparse-method {c.name}: its GPU kernels are not written yet (its layout runs in plain "
                     "torch, which cannot run inside CUDA graphs); it serves on --device cpu"),
     UNVERIFIED[1],
+    UNVERIFIED[2],
     Check(lambda c: c.method.store is not None and c.kv_dtype != "auto",
           lambda c: f"--kv-cache-dtype {c.kv_dtype} with {c.name}: the method owns the KV layout (its codes and "
                     "scales); drop the flag"),
@@ -520,7 +529,7 @@ UNSUPPORTED: tuple[Check, ...] = (
     Check(lambda c: c.method.evicts and (c.args.num_continuous_decode_steps or 1) > 1,
           lambda c: f"--num-continuous-decode-steps {c.args.num_continuous_decode_steps} with {c.name}: the "
                     "eviction step and its host counters run once per scheduled batch; use 1"),
-    UNVERIFIED[2],
+    UNVERIFIED[3],
     *(_graphs_on_cpu(phase) for phase in ("decode", "prefill")),
     Check(lambda c: (c.gpu and c.method.observation_window() > 0 and c.method.observes_decode()
                      and c.graph("decode") != DISABLED),

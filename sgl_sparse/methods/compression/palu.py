@@ -17,8 +17,9 @@ position it stored beside the latent. Rank ``max(16, floor(g * D * rank_ratio / 
 
 Per token and layer the pool stores ``Hkv / g * (r_k + r_v)`` latent values in the model dtype and a 4-byte
 position: at ``rank_ratio`` 0.5 on a Llama-3-8B layer (8 KV heads of 128) 2,052 bytes against bf16's 4,096.
-This module serves the plain-torch path (CPU); the GPU kernels are not written yet, so the launcher refuses
-Palu on CUDA.
+On CPU the store reads through its plain-torch path; on CUDA decode runs ``kernels/palu_attention.py``, tested
+under the Triton interpreter only so far: the launcher serves Palu on CUDA only with ``--sparse-allow-unverified``
+until the GPU tests in ``tests/gpu/test_gpu_palu.py`` pass.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class PaluStore(KVStore):
 
     needs_model = True
     needs_positions = True
+    gpu_kernels = True  # decode: kernels/palu_attention.py; the extend reads the prefix reconstructed (dequantize)
 
     def __init__(self, rank_ratio: float, group_size: int, prefix_attention: str = "auto",
                  calibration: str = "none", calibration_tokens: int = 32_768) -> None:
@@ -212,6 +214,17 @@ class PaluStore(KVStore):
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._decode(layer_id, self.zk[layer_id][slots], self.zv[layer_id][slots], self.pos[layer_id][slots])
+
+    def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        r = self.rotary
+        if q.device.type != "cuda" or r is None or r.rotary_dim != self.head_dim:
+            return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
+        from sgl_sparse.kernels import palu_attention
+
+        return palu_attention.decode_attention(q, self.zk[layer_id], self.zv[layer_id], self.pos[layer_id],
+                                               self.k_basis[layer_id], self.v_basis[layer_id], r.cos_sin, r.neox,
+                                               req_to_token, req_pool_indices, seq_lens, scale)
 
     def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,100 @@
+"""Palu's decode attention over low-rank latents (:class:`~sgl_sparse.methods.compression.palu.PaluStore`), one
+Triton kernel over the batch: per tile of a row's tokens it reconstructs each key from its latent (``z @ B^T``),
+rotates it at the token's stored position, scores it against the KV head's queries and accumulates the
+probabilities times the *value latents* (online softmax, split over the row like the quantized stores' kernels).
+The value basis is applied once per query head after the splits merge, not per token. No host sync, fixed shapes:
+it runs inside SGLang's decode CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_sparse.kernels.splits import (
+    decode_splits,
+    merge_splits,
+    online_step,
+    split_span,
+    split_workspace,
+    store_split,
+)
+
+
+@triton.jit
+def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
+                   stride_qb, stride_qh, stride_zks, stride_zkg, stride_zvs, stride_zvg, stride_bkg, stride_bkd,
+                   stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, RK: tl.constexpr,
+                   RKP: tl.constexpr, RV: tl.constexpr, RVP: tl.constexpr, BLOCK: tl.constexpr,
+                   NSPLIT: tl.constexpr):
+    rh, pid, i, h, _, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
+    grp = h // GS
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    j = tl.arange(0, HALF)
+    # the two dimensions each rotation pair mixes: (j, j + D/2) (neox) or (2j, 2j + 1)
+    d1 = j if NEOX else 2 * j
+    d2 = j + HALF if NEOX else 2 * j + 1
+    gi = tl.arange(0, GP)
+    qrow = q + i * stride_qb + (h * G + gi)[:, None] * stride_qh
+    q1 = tl.load(qrow + d1[None, :], mask=(gi < G)[:, None], other=0.0)
+    q2 = tl.load(qrow + d2[None, :], mask=(gi < G)[:, None], other=0.0)
+    rk = tl.arange(0, RKP)
+    rv = tl.arange(0, RVP)
+    base = bk + grp * stride_bkg + ((h % GS) * D).to(tl.int64) * stride_bkd
+    b1 = tl.load(base + d1[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)  # [HALF, RKP]
+    b2 = tl.load(base + d2[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, RVP], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        p = start + tl.arange(0, BLOCK)
+        ok = p < hi
+        slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int64)
+        z = tl.load(zk + slot[:, None] * stride_zks + grp * stride_zkg + rk[None, :],
+                    mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
+        k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, HALF] fp32: the pair's first dimension, before RoPE
+        k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
+        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(tl.int64)
+        cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
+        c = tl.load(cs, mask=ok[:, None], other=1.0)
+        s = tl.load(cs + HALF, mask=ok[:, None], other=0.0)
+        r1 = k1 * c - k2 * s
+        r2 = k2 * c + k1 * s
+        logits = (tl.dot(q1.to(tl.float32), tl.trans(r1)) + tl.dot(q2.to(tl.float32), tl.trans(r2))) * scale
+        logits = tl.where(ok[None, :], logits, float("-inf"))
+        zvt = tl.load(zv + slot[:, None] * stride_zvs + grp * stride_zvg + rv[None, :],
+                      mask=ok[:, None] & (rv < RV)[None, :], other=0.0)
+        m, den, acc = online_step(m, den, acc, logits, zvt.to(tl.float32))
+    store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, RVP)
+
+
+def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
+                     k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     splits: int | None = None, block: int | None = None) -> torch.Tensor:
+    """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
+    ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
+    rotary table ``[max_pos, D]`` (the whole head rotated) -> ``[bs, Hq, D]`` in ``q``'s dtype."""
+    bs, hq, d = q.shape
+    groups, gd, rk = k_basis.shape
+    gs = gd // d
+    hkv, rv = groups * gs, v_basis.shape[2]
+    if bs == 0:
+        return torch.empty_like(q)
+    assert d & (d - 1) == 0 and cos_sin.shape[1] == d, "a power-of-two head dim, every dimension rotated"
+    assert q.stride(2) == 1 and zk.stride(2) == 1 and zv.stride(2) == 1 and k_basis.stride(2) == 1
+    g = hq // hkv
+    rvp = triton.next_power_of_2(rv)
+    if splits is None:
+        splits = decode_splits(bs * hkv, req_to_token.shape[1])
+    ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, rvp, q.device)
+    _decode_kernel[(bs * hkv, splits)](
+        q, zk, zv, positions, k_basis, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
+        q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
+        k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
+        GP=max(16, triton.next_power_of_2(g)), D=d, HALF=d // 2, NEOX=neox, RK=rk, RKP=triton.next_power_of_2(rk),
+        RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits, num_warps=4)
+    lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
+    vb = v_basis.view(groups, gs, d, rv).to(torch.float32)
+    return torch.einsum("bxsgr,xsdr->bxsgd", lat, vb).reshape(bs, hq, d).to(q.dtype)

@@ -1,0 +1,111 @@
+"""Palu on the GPU: its decode kernel at serving shapes against the store's torch path (no host sync), and servers
+(quality-large, bf16, FlashInfer base for new tokens and the reconstructed prefix) with CUDA graphs on and off,
+against vanilla FlashInfer bf16 at rank ratio 0.75, and leak-free.
+
+Not yet run on hardware: until this file passes, the launcher serves Palu on CUDA only with
+``--sparse-allow-unverified`` (``LAYOUTS_NOT_RUN_ON_GPU`` in ``integration/launch.py``), which its servers pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from gpu_common import (
+    SELECTION_LENS,
+    assert_idle_and_sound,
+    assert_same_tokens,
+    generate,
+    ours,
+    prose,
+    state,
+    token_agreement,
+    vanilla,
+)
+
+from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
+from sgl_sparse.integration.syncs import sync_debug
+from sgl_sparse.kernels import palu_attention
+from sgl_sparse.methods.compression.palu import PaluStore
+from sgl_sparse.server_process import ServerProcess, running
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+HKV, G, D, HIDDEN = 8, 4, 128, 4096  # Llama-3-8B's attention
+
+
+def _table(max_pos: int) -> torch.Tensor:
+    inv = 1.0 / 500_000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    f = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([f.cos(), f.sin()], dim=-1).float()
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(ratio: float) -> None:
+    """6 requests of up to 9K tokens in rows 131,072 wide, plus 2 CUDA-graph padding rows (length 1)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
+                                 torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
+    store = PaluStore(ratio, 1)
+    store.load_model(ModelKV((layer,), HKV, D, D, RotaryTable(_table(131_072), D, True)))
+    lens = [9000, 4097, 16, 1, 8191, 3000, 1, 1]
+    n_slots = sum(lens) + 8
+    store.allocate(KVGeometry(1, HKV * G, HKV, D, 1, n_slots, torch.bfloat16, torch.device(DEV)))
+    r2t = torch.zeros(7, 131072, dtype=torch.int32)
+    perm = torch.randperm(n_slots - 1, generator=gen) + 1
+    at = 0
+    for row, n in enumerate(lens[:6], start=1):
+        r2t[row, :n] = perm[at:at + n].to(torch.int32)
+        k = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
+        v = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
+        store.write(0, r2t[row, :n].to(DEV).long(), k, v, torch.full((n,), row, device=DEV), decode=False,
+                    positions=torch.arange(n, device=DEV) + 1000 * row)
+        at += n
+    r2t = r2t.to(DEV)
+    rpi = torch.tensor([1, 2, 3, 4, 5, 6, 0, 0], device=DEV)
+    seq = torch.tensor(lens, device=DEV)
+    q = torch.randn(len(lens), HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
+    rot = store.rotary
+    assert rot is not None
+    with sync_debug("error"):
+        got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
+                                              store.v_basis[0], rot.cos_sin, True, r2t, rpi, seq, D**-0.5)
+    want = PaluStore.__mro__[1].decode(store, 0, q, r2t, rpi, seq, D**-0.5)  # the torch default: read, attend
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, ServerProcess]]:
+    cfg, allow = {"rank_ratio": 0.75}, ["--sparse-allow-unverified"]
+    procs = {
+        "vanilla": vanilla("palu-vanilla-flashinfer"),
+        "palu": ours("palu-graph", "palu", cfg, extra=allow, env={"SGLSPARSE_SYNC_DEBUG": "error"}),
+        "palu-eager": ours("palu-eager", "palu", cfg, extra=[*allow, "--disable-cuda-graph"]),
+    }
+    with running(*procs.values()):
+        yield procs
+
+
+def test_server_serves_the_latent_pool(servers: dict[str, ServerProcess]) -> None:
+    st = state(servers["palu"])["kv_store"]
+    assert st["class"] == "PaluStore" and st["pool_class"] == "SparseStorePool" and st["capacity_vs_model_dtype"] > 1
+
+
+def test_cuda_graphs_on_and_off_give_the_same_tokens(servers: dict[str, ServerProcess]) -> None:
+    prompts = [prose(700 + i, n) for i, n in enumerate(SELECTION_LENS)]
+    eager = generate(servers["palu-eager"], prompts, 96)
+    graph = generate(servers["palu"], prompts, 96)
+    assert_same_tokens(eager, graph, "palu eager", "palu graph", "batch of 5")
+    for name in ("palu", "palu-eager"):
+        assert_idle_and_sound(servers[name])
+
+
+def test_greedy_text_near_vanilla_bf16_at_rank_ratio_three_quarters(servers: dict[str, ServerProcess]) -> None:
+    """The trained model on its own prose, 2-6K prompts: greedy continuations near vanilla bf16's (0.6 is the bar:
+    the latents drop a quarter of every head's dimensions)."""
+    prompts = [prose(800 + i, n) for i, n in enumerate(SELECTION_LENS * 2)]
+    same = token_agreement(generate(servers["vanilla"], prompts, 48), generate(servers["palu"], prompts, 48))
+    assert same >= 0.6, same
+    assert_idle_and_sound(servers["palu"])

@@ -1,0 +1,76 @@
+"""Palu's Triton decode kernel (``kernels/palu_attention.py``) against the store's plain-torch decode (which
+reconstructs each row through ``PaluStore.read`` and attends), at small shapes under the Triton interpreter:
+:func:`test_palu_kernel_under_the_interpreter` checks them in the session's interpreted run (tests/interpreted.py).
+Rows of different lengths, sentinel-free and reordered slots, grouped heads, both rotary layouts, ranks that are
+not powers of two, and a split that reads nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from interpreted import INTERPRETED, assert_interpreted_passed
+
+from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
+from sgl_sparse.methods.compression.palu import PaluStore
+
+D, HIDDEN = 32, 128
+
+
+def _table(max_pos: int, base: float = 10_000.0) -> torch.Tensor:
+    inv = 1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    f = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([f.cos(), f.sin()], dim=-1).float()
+
+
+def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: list[int],
+            seed: int) -> tuple[PaluStore, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    layers = tuple(AttentionProjections(torch.randn(hkv * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
+                                        torch.randn(hkv * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
+                   for _ in range(2))
+    store = PaluStore(ratio, group_size)
+    store.load_model(ModelKV(layers, hkv, D, D, RotaryTable(_table(16_384), D, neox)))
+    width = max(lens) + 8
+    slots = len(lens) * width + 16
+    store.allocate(KVGeometry(2, hq, hkv, D, 1, slots, torch.float32, torch.device("cpu")))
+    table = torch.zeros(len(lens) + 1, width, dtype=torch.int64)
+    perm = torch.randperm(slots - 1, generator=gen) + 1  # slots scattered over the pool, 0 unused
+    at = 0
+    for r, n in enumerate(lens, start=1):
+        table[r, :n] = perm[at:at + n]
+        at += n
+        x = torch.randn(n, HIDDEN, generator=gen)
+        k = (x @ layers[1].k_weight.T).view(n, hkv, D)
+        v = (x @ layers[1].v_weight.T).view(n, hkv, D)
+        pos = torch.arange(n) + 3000 * r  # positions far into the rotary table
+        store.write(1, table[r, :n], k, v, torch.full((n,), r), decode=False, positions=pos)
+    q = torch.randn(len(lens), hq, D, generator=gen)
+    return store, table, torch.arange(1, len(lens) + 1), q
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
+@pytest.mark.parametrize(("hkv", "hq", "ratio", "group_size", "neox", "lens", "splits"), [
+    (2, 4, 0.5, 1, True, [37, 5, 90], 4),
+    (4, 4, 0.75, 2, True, [64, 1], 3),  # group of 2 heads: rank 48, not a power of two
+    (2, 8, 0.5, 1, False, [50, 20], 16),  # interleaved pairs; splits past a short row's end read nothing
+])
+def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, group_size: int, neox: bool,
+                                              lens: list[int], splits: int) -> None:
+    from sgl_sparse.kernels import palu_attention
+
+    store, table, rows, q = _filled(hkv, hq, ratio, group_size, neox, lens, seed=hkv + hq)
+    seq = torch.tensor(lens)
+    want = store.decode(1, q, table, rows, seq, D ** -0.5)  # the torch default: read() then attend
+    rot = store.rotary
+    assert rot is not None
+    got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+                                          store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, D ** -0.5,
+                                          splits=splits)
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
+def test_palu_kernel_under_the_interpreter() -> None:
+    assert_interpreted_passed(__file__)
