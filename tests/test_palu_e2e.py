@@ -84,9 +84,10 @@ def test_snapkv_over_the_latents_resumes_from_the_compacted_prefix(palu_servers:
     assert st["chain_hits_total"] - base["chain_hits_total"] == 2 and st["evicted_tokens_total"] > 0
 
 
-@pytest.mark.parametrize("name", ["palu", "snapkv+palu"])
-def test_aborts_do_not_leak(palu_servers: dict, name: str) -> None:
-    abort_mid_prefill_and_mid_decode(palu_servers[name], random.Random(6), name)
+def test_aborts_do_not_leak(palu_servers: dict) -> None:
+    """Aborts mid-prefill and mid-decode under SnapKV over the latents (the latent pool's slots and the eviction's
+    together)."""
+    abort_mid_prefill_and_mid_decode(palu_servers["snapkv+palu"], random.Random(6), "snapkv+palu")
 
 
 def test_small_model_answers_the_suite_at_rank_ratio_half(palu_servers: dict, small_suite: tuple[str, list]) -> None:
@@ -105,9 +106,9 @@ def test_small_model_answers_the_suite_at_rank_ratio_half(palu_servers: dict, sm
 def test_a_calibrated_server_computes_its_moments_and_answers(server_pool: ServerPool, small_suite: tuple[str, list],
                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
     """``calibration: synthetic``: the server runs the calibration text through the model at start (no cached
-    moments yet), caches them, and serves Palu's whitened bases; the suite's slice at rank ratio 0.75 (calibrated
-    on 32K tokens it answered every example; at 0.5 calibrated 0.67, below the plain SVD's 0.875: see
-    docs/methods/palu.md)."""
+    moments yet), caches them, and serves Palu's whitened bases: the suite's agent session (a Chain Cache
+    conversation) is answered at rank ratio 0.75 (calibrated on 32K tokens it answered the whole slice; at 0.5
+    calibrated 0.67, below the plain SVD's 0.875: docs/methods/palu.md)."""
     from sgl_sparse.quality.eval import evaluate
 
     cache = tmp_path_factory.mktemp("palu-cache")
@@ -118,7 +119,6 @@ def test_a_calibrated_server_computes_its_moments_and_answers(server_pool: Serve
         store = _state(srv)["kv_store"]
         assert store["factors"] == "whitened svd, calibrated on 4096 tokens of synthetic", store
         assert len(list((cache / "palu").glob("moments-*.pt"))) == 1
-        table = evaluate(srv.base_url, items)
+        table = evaluate(srv.base_url, [it for it in items if it.example.task == "agent_recall"])
         _assert_idle_and_sound(srv)
-    acc = sum(r["correct"] for r in table.values()) / sum(r["n"] for r in table.values())
-    assert acc >= 0.8, table
+    assert table["agent_recall"]["correct"] == table["agent_recall"]["n"] > 0, table
