@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator
 
 import pytest
+import requests
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, ServerProcess
 from tests.server_pool import ServerPool, fresh, spec
@@ -82,6 +83,26 @@ def test_snapkv_over_the_latents_resumes_from_the_compacted_prefix(palu_servers:
         history = history + out["output_ids"] + _ids(rng, 40)
     st = _state(server)
     assert st["chain_hits_total"] - base["chain_hits_total"] == 2 and st["evicted_tokens_total"] > 0
+
+
+def test_a_pruned_range_of_the_latents_is_freed_and_the_next_turn_still_matches(palu_servers: dict) -> None:
+    """Prefix-Cache Pruning on the latent pool (under SnapKV: a server whose attention skips freed positions; a
+    conversation within its budget, so only the prune frees anything): the route frees a range's latents; the
+    next turn matches the whole logical sequence, reads 100 fewer positions, and nothing leaks."""
+    srv = palu_servers["snapkv+palu"]
+    base = fresh(srv)
+    rng = random.Random(21)
+    prompt = _ids(rng, 200)
+    seq = prompt + srv.generate(input_ids=prompt, max_new_tokens=12, ignore_eos=True)["output_ids"]
+    used = _assert_idle_and_sound(srv)["kv_slots_used"] - base["kv_slots_used"]
+    r = requests.post(f"{srv.base_url}/v1/prefix_cache/prune", json={"token_ids": seq, "ranges": [[50, 150]]},
+                      timeout=60)
+    assert r.status_code == 202 and r.json()["freed_slots"] == 100, r.text
+    assert _assert_idle_and_sound(srv)["kv_slots_used"] - base["kv_slots_used"] == used - 100
+    nxt = srv.generate(input_ids=seq + _ids(rng, 30), max_new_tokens=8, ignore_eos=True)
+    assert nxt["meta_info"]["cached_tokens"] == used, nxt["meta_info"]
+    end = _assert_idle_and_sound(srv)
+    assert end["evicted_tokens_total"] == base["evicted_tokens_total"]  # within the budget: SnapKV evicted nothing
 
 
 def test_aborts_do_not_leak(palu_servers: dict) -> None:
