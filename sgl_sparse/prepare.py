@@ -47,9 +47,12 @@ def _source_digest(source: str) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:24]
 
 
-def moments_path(digests: Sequence[str], source: str, tokens: int) -> Path:
-    """Where the moments of a model whose K/V heads have ``digests`` (every layer's, in order) go."""
-    key = hashlib.sha256(json.dumps([list(digests), _source_digest(source), tokens, RIDGE]).encode()).hexdigest()
+def moments_path(k_heads: Sequence[Sequence[str]], v_heads: Sequence[Sequence[str]], source: str,
+                 tokens: int) -> Path:
+    """Where the moments of a model whose K and V heads have these digests (per layer, as
+    :class:`~sgl_sparse.contract.KVMoments` holds them) go."""
+    heads = [list(layer) for layer in (*k_heads, *v_heads)]
+    key = hashlib.sha256(json.dumps([heads, _source_digest(source), tokens, RIDGE]).encode()).hexdigest()
     return cache_dir() / "palu" / f"moments-{key[:24]}.pt"
 
 
@@ -139,24 +142,26 @@ def compute_moments(model_path: str, source: str, tokens: int, device: str | Non
     return KVMoments(k, v, k_heads, v_heads, head_dim, source, count)
 
 
-def load_or_compute(digests: Sequence[str], model_path: str, source: str, tokens: int) -> KVMoments:
-    """The cached moments of the model whose heads have ``digests``, computed and cached on first use."""
-    path = moments_path(digests, source, tokens)
+def save(moments: KVMoments, path: Path) -> None:
+    """Write ``moments`` to ``path`` whole or not at all (a reader never sees a partial file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(moments, tmp)
+    tmp.replace(path)
+
+
+def load_or_compute(k_heads: Sequence[Sequence[str]], v_heads: Sequence[Sequence[str]], model_path: str,
+                    source: str, tokens: int) -> KVMoments:
+    """The cached moments of the model whose heads have these digests, computed and cached on first use."""
+    path = moments_path(k_heads, v_heads, source, tokens)
     if path.is_file():
         data = torch.load(path, weights_only=False)
         if isinstance(data, KVMoments):
             return data
     logger.info("sgl_sparse: computing Palu's calibration moments (%s, %d tokens) into %s", source, tokens, path)
     moments = compute_moments(model_path, source, tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(moments, tmp)
-    tmp.replace(path)
+    save(moments, path)
     return moments
-
-
-def all_digests(moments: KVMoments) -> list[str]:
-    return [d for layer in moments.k_heads for d in layer] + [d for layer in moments.v_heads for d in layer]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,9 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.calibration != SYNTHETIC and not Path(args.calibration).is_file():
         parser.error(f"--calibration {args.calibration!r} is neither 'synthetic' nor a file")
     moments = compute_moments(args.model_path, args.calibration, args.calibration_tokens, args.device)
-    path = moments_path(all_digests(moments), args.calibration, args.calibration_tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(moments, path)
+    path = moments_path(moments.k_heads, moments.v_heads, args.calibration, args.calibration_tokens)
+    save(moments, path)
     print(f"{path}: {len(moments.k)} layers, {moments.tokens} tokens of {args.calibration}")
 
 

@@ -55,7 +55,7 @@ def test_the_cli_caches_what_the_server_reads(tmp_path: Path, monkeypatch: pytes
         raise AssertionError("computed again instead of read from the cache")
 
     monkeypatch.setattr(prepare, "compute_moments", no_forwards)
-    again = prepare.load_or_compute(prepare.all_digests(stored), path, "synthetic", 300)
+    again = prepare.load_or_compute(stored.k_heads, stored.v_heads, path, "synthetic", 300)
     assert torch.equal(again.k[2], stored.k[2])
     with pytest.raises(SystemExit):
         prepare.main(["palu", "--model-path", path, "--calibration", str(tmp_path / "missing.txt")])

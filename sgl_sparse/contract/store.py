@@ -57,10 +57,8 @@ class KVStore(PrefixReadPolicy, ABC):
     # Why a slot's data cannot be copied to another slot alone (None: :meth:`slot_tensors` is all of it). SGLang
     # moves slots only for speculative decoding, which the launcher refuses; the pool raises this if it ever does.
     slot_move_problem: ClassVar[str | None] = None
-    # Whether the layout derives from the model's weights (:meth:`load_model`, before :meth:`allocate`) and needs
-    # each token's position in :meth:`write` and :meth:`round_trip` (a layout of pre-rotary K).
+    # Whether the layout derives from the model's weights (:meth:`load_model`, before :meth:`allocate`).
     needs_model: ClassVar[bool] = False
-    needs_positions: ClassVar[bool] = False
 
     @abstractmethod
     def bytes_per_token(self, geometry: KVGeometry) -> int:
@@ -91,7 +89,7 @@ class KVStore(PrefixReadPolicy, ABC):
         """Encode ``k``/``v`` (``[n, Hkv, D]``, post-RoPE, model dtype) into slots ``loc`` (``[n]``); ``rows``
         (``[n]``) is each token's ``req_pool_idx``, for layouts that keep a request's unfinished group of
         tokens aside (KIVI's residual); ``positions`` (``[n]``) each token's position, which the server always
-        passes (``needs_positions`` layouts). ``decode``: one token per row, maybe inside a CUDA graph (device
+        passes (a layout of pre-rotary K needs it). ``decode``: one token per row, maybe inside a CUDA graph (device
         only, no host sync); else an extend step's tokens, each row's in position order."""
 
     @abstractmethod

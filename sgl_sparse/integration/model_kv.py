@@ -46,12 +46,16 @@ def _rotary(attn: Any, context_len: int) -> RotaryTable:
 
 
 def _calibrate(model_path: str, layers: list[AttentionProjections], head_dim: int) -> Any:
-    """``ModelKV.calibrate`` of a whole model (one rank): its moments from the cache, else computed there."""
+    """``ModelKV.calibrate`` of a whole model (one rank): its moments from the cache, else computed there. The
+    weights are hashed only when a store asks (a server without calibration never reads them back to the host)."""
     from sgl_sparse import prepare
 
-    digests = ([d for p in layers for d in head_digests(p.k_weight, head_dim)]
-               + [d for p in layers for d in head_digests(p.v_weight, head_dim)])
-    return lambda source, tokens: prepare.load_or_compute(digests, model_path, source, tokens)
+    def calibrate(source: str, tokens: int) -> Any:
+        k_heads = [head_digests(p.k_weight, head_dim) for p in layers]
+        v_heads = [head_digests(p.v_weight, head_dim) for p in layers]
+        return prepare.load_or_compute(k_heads, v_heads, model_path, source, tokens)
+
+    return calibrate
 
 
 def model_kv(model: Any, start_layer: int, end_layer: int, context_len: int, model_path: str,

@@ -91,7 +91,6 @@ class PaluStore(KVStore):
     slot's position ``[slots]`` int32; the bases ``[groups, g * D, r]`` fp32 from :meth:`load_model`."""
 
     needs_model = True
-    needs_positions = True
     gpu_kernels = True  # decode: kernels/palu_attention.py; the extend reads the prefix reconstructed (dequantize)
 
     def __init__(self, rank_ratio: float, group_size: int, prefix_attention: str = "auto",
