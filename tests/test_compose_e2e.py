@@ -27,8 +27,8 @@ from tests.test_eviction_e2e import (
     _ids,
     _state,
     abort_mid_prefill_and_mid_decode,
+    chain_cache_three_turns,
     snapkv_spec,
-    written,
 )
 
 pytestmark = pytest.mark.server
@@ -157,21 +157,7 @@ def test_a_small_budget_holds_fewer_slots_than_logical_tokens(compose_servers: d
 def test_chain_cache_resumes_from_the_compacted_quantized_kv(compose_servers: dict) -> None:
     """Three turns: each next turn matches the whole previous sequence and prefills only its new 40 tokens,
     reading the previous turn's kept FP8 slots through the compacted prefix."""
-    server = compose_servers["snapkv+fp8_kv"]
-    _flush(server)
-    base = _assert_idle_and_sound(server)
-    rng = random.Random(9)
-    history = _ids(rng, 700)
-    prev_len = None
-    for turn in range(3):
-        meta = server.generate(input_ids=history, max_new_tokens=20, ignore_eos=True)
-        if prev_len is not None:
-            assert meta["meta_info"]["cached_tokens"] == prev_len, (turn, meta["meta_info"])
-        st = _assert_idle_and_sound(server)
-        assert st["kv_slots_used"] - base["kv_slots_used"] <= SNAPKV["budget"] + SNAPKV["decode_interval"], st
-        prev_len = written(len(history), meta["output_ids"])
-        history = history + meta["output_ids"] + _ids(rng, 40)
-    assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 2
+    chain_cache_three_turns(compose_servers["snapkv+fp8_kv"], SNAPKV["budget"] + SNAPKV["decode_interval"])
 
 
 def test_concurrent_sessions_do_not_leak(compose_servers: dict) -> None:

@@ -112,9 +112,15 @@ def test_streamingllm_long_prompt_keeps_about_the_budget(sparse_servers: dict) -
     ("snapkv", SNAPKV["budget"] + SNAPKV["decode_interval"]),  # re-selected every 16 decoded tokens
 ])
 def test_chain_cache_three_turns(sparse_servers: dict, method: str, limit: int) -> None:
-    server = sparse_servers[method]
-    requests.post(f"{server.base_url}/flush_cache", timeout=30)
-    base = _assert_idle_and_sound(server)
+    chain_cache_three_turns(sparse_servers[method], limit)
+
+
+def chain_cache_three_turns(server: ServerProcess, limit: int) -> dict:
+    """Three turns of one conversation on an evicting ``server`` (700 random tokens, 20 out and 40 new a turn), the
+    tree flushed first: each next turn is a Chain Cache hit on the whole previous logical sequence and prefills only
+    the last answer token and its 40 new ones; after each turn the pool holds at most ``limit`` slots more than
+    before. Returns the server's state before the turns."""
+    base = fresh(server)
     rng = random.Random(9)
     history = _ids(rng, 700)
     prev_len = None
@@ -130,6 +136,7 @@ def test_chain_cache_three_turns(sparse_servers: dict, method: str, limit: int) 
         prev_len = written(len(history), out["output_ids"])
         history = history + out["output_ids"] + _ids(rng, 40)
     assert _state(server)["chain_hits_total"] - base["chain_hits_total"] == 2
+    return base
 
 
 def test_chain_branches_two_continuations_of_one_prefix(sparse_servers: dict) -> None:
