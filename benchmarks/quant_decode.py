@@ -1,10 +1,13 @@
-"""Decode attention over the quantized KV pools on the GPU (no server): one layer's decode (the store's CUDA
-path: KIVI 2/4-bit, FP8, TurboQuant, each through its Triton kernel and the splits' merge, TurboQuant with its
-torch rotations) replayed as a CUDA graph, as inside a served decode step, beside the bytes its pool holds for
-the batch's tokens, the time to read them at the HBM rate, and the same for a bf16 pool (what vanilla reads).
+"""Decode attention over the quantized and low-rank KV pools on the GPU (no server): one layer's decode (the
+store's CUDA path: KIVI 2/4-bit, FP8, TurboQuant, Palu at rank ratio 0.5 and 0.75, each through its Triton
+kernel and the splits' merge, TurboQuant with its torch rotations) replayed as a CUDA graph, as inside a served
+decode step, beside the bytes its pool holds for the batch's tokens (Palu: plus its factors), the time to read
+them at the HBM rate, and the same for a bf16 pool (what vanilla reads). ``bf16 (FlashInfer)``: vanilla's decode
+kernel (FlashInfer's paged decode, tensor cores, page size 1) over a bf16 pool of the same tokens, timed the same
+way (planned once, the run replayed as a CUDA graph).
 
-    python benchmarks/quant_decode.py [--shapes 6x130000 16x32768] [--methods kivi4 kivi2 fp8_kv turboquant]
-                                      [--warps 2 4]
+    python benchmarks/quant_decode.py [--shapes 6x130000 16x32768] [--methods kivi4 kivi2 fp8_kv turboquant palu
+                                      palu75 flashinfer] [--warps 2 4]
 
 Llama-3-8B heads (32 query heads, 8 KV heads, dim 128), bf16 queries, rows 131,076 wide as in a server at
 ``--context-length 131072`` (SGLang adds 4; the grid, its splits included, follows the width, as a graph
@@ -28,12 +31,12 @@ from typing import Any
 import torch
 from graph_timing import graph_us
 
-from sgl_sparse.contract import KVGeometry
+from sgl_sparse.contract import AttentionProjections, KVGeometry, KVStore, ModelKV, RotaryTable
 from sgl_sparse.kernels import fp8_attention, kivi_attention, turboquant_attention
 from sgl_sparse.registry import create_method
 from sgl_sparse.rules import pool_page_size
 
-HQ, HKV, D, LAYERS = 32, 8, 128, 32
+HQ, HKV, D, LAYERS, HIDDEN = 32, 8, 128, 32, 4096
 WIDTH = 131072 + 4  # SGLang's req_to_token rows: the context length (Llama-3-8B's) + 4
 HBM = 4.3e12  # bytes/s, the nominal copy rate BENCHMARKS.md's floors use
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -41,18 +44,38 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "kivi2": ("kivi", {"bits": 2}),
     "fp8_kv": ("fp8_kv", {}),
     "turboquant": ("turboquant", {}),
+    "palu": ("palu", {"rank_ratio": 0.5}),
+    "palu75": ("palu", {"rank_ratio": 0.75}),
 }
+FLASHINFER = "flashinfer"
+
+
+def llama3_model_kv() -> ModelKV:
+    """One layer of random K/V projections of Llama-3-8B's shape and its rotary table (theta 500,000, the
+    context length's positions): what Palu factors at a server's start."""
+    gen = torch.Generator().manual_seed(0)
+    layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
+                                 torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
+    inv = 1.0 / 500_000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    f = torch.arange(WIDTH, dtype=torch.float64)[:, None] * inv[None, :]
+    table = torch.cat([f.cos(), f.sin()], dim=-1).float()
+    return ModelKV((layer,), HKV, D, D, RotaryTable(table, D, True))
 
 
 def fill_pool(store: object) -> None:
-    """Random codes in every uint8 buffer, 0.05 in the scales elsewhere (zeros would decode to a constant row)."""
-    for value in vars(store).values():
+    """Random codes in every uint8 buffer, 0.05 in the scales elsewhere (zeros would decode to a constant row);
+    Palu: random latents at random positions, its factors as computed."""
+    for name, value in vars(store).items():
         if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
             for t in value:
                 if t.dtype == torch.uint8:
                     t.random_(0, 256)
                     t[(t & 0x7F) == 0x7F] = 0  # no E4M3 NaN codes (the check against the torch path)
-                elif t.is_floating_point() and t.dim() >= 2:
+                elif name == "pos":
+                    t.random_(0, WIDTH)  # Palu's positions: every rotary angle of the context
+                elif name in ("zk", "zv"):
+                    t.normal_(0, 0.5)  # Palu's latents: coordinates in its bases
+                elif t.is_floating_point() and t.dim() >= 2 and name not in ("k_basis", "v_basis"):
                     t.fill_(0.05)  # small: a softmax that is not one-hot, so the check below means something
 
 
@@ -79,6 +102,8 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     method = create_method(name, config)
     store = method.store
     assert store is not None
+    if store.needs_model:
+        store.load_model(llama3_model_kv())
     ps = max(1, pool_page_size(method))
     row_slots = -(-WIDTH // ps) * ps  # each request in its own whole pages
     slots = bs * row_slots + ps  # page 0 is SGLang's padding page
@@ -96,11 +121,16 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     us = graph_us(lambda: decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     # The kernel against the store's torch path (the CPU server's, the tests' reference) on the same pool.
     got = decode(0, q, r2t, rpi, seq, scale).float()
-    store.use_triton = False
-    want = store.decode(0, q, r2t, rpi, seq, scale).float()
-    store.use_triton = True
+    if name == "palu":  # the contract's torch default: read (reconstruct), then attend
+        want = KVStore.decode(store, 0, q, r2t, rpi, seq, scale).float()
+    else:
+        store.use_triton = False
+        want = store.decode(0, q, r2t, rpi, seq, scale).float()
+        store.use_triton = True
     err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
     pool = bs * n * store.bytes_per_token(g)  # one layer's bytes for the batch's tokens
+    # what every step reads once, whatever the batch: Palu's factors
+    pool += sum(b.numel() * b.element_size() for b in getattr(store, "k_basis", []) + getattr(store, "v_basis", []))
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
     if warps is not None or block is not None or stages is not None:
@@ -111,10 +141,34 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
 
 
+def _flashinfer_row(bs: int, n: int) -> str:
+    """Vanilla's decode: FlashInfer's paged decode (tensor cores, NHD, page size 1) over a bf16 pool."""
+    import flashinfer
+
+    dev = torch.device("cuda")
+    k = torch.randn(bs * n + 1, 1, HKV, D, dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    q = torch.randn(bs, HQ, D, dtype=torch.bfloat16, device=dev)
+    workspace = torch.empty(384 * 1024 * 1024, dtype=torch.uint8, device=dev)
+    indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * n
+    indices = torch.arange(bs * n, dtype=torch.int32, device=dev) + 1  # slot 0: SGLang's padding slot
+    last = torch.ones(bs, dtype=torch.int32, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True,
+                                                            use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
+                                                            paged_kv_indices_buffer=indices,
+                                                            paged_kv_last_page_len_buffer=last)
+    wrapper.plan(indptr, indices, last, HQ, HKV, D, 1, data_type=torch.bfloat16, q_data_type=torch.bfloat16)
+    us = graph_us(lambda: wrapper.run(q, (k, v)), iters=20, warmup=3)
+    bf16 = bs * n * 2 * HKV * D * 2
+    floor = bf16 / HBM * 1e6
+    return (f"| bf16 (FlashInfer) | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {bf16 / 1e6:.0f} | "
+            f"{floor:.0f} | {floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {floor:.0f} | {floor / us:.2f} | - |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["6x130000", "16x32768"], help="BATCHxCONTEXT")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=[*METHODS, FLASHINFER], choices=[*METHODS, FLASHINFER])
     p.add_argument("--warps", nargs="*", type=int, default=[], help="also time the kernels at these warps")
     p.add_argument("--fp8-blocks", nargs="*", type=int, default=[],
                    help="also time FP8's kernel at these positions an iteration (x each of --warps, if any)")
@@ -131,7 +185,12 @@ def main() -> None:
     for shape in args.shapes:
         bs, n = (int(x) for x in shape.split("x"))
         for label in args.methods:
+            if label == FLASHINFER:
+                print(_flashinfer_row(bs, n), flush=True)
+                continue
             print(_row(label, bs, n), flush=True)
+            if label.startswith("palu"):
+                continue  # its kernel takes no tile or warp arguments
             tiles = {"fp8_kv": args.fp8_blocks, "turboquant": args.tq_blocks}.get(label, args.kivi_pages)
             for b in tiles or [None]:
                 for w in args.warps or [None]:

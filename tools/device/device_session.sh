@@ -33,6 +33,9 @@
 #                                                configs, ours only, one server each; h2o/rkv/skipkv with decode CUDA graphs
 #                                                off (they observe decode queries; the launcher requires it). Run it
 #                                                through `queue` (its servers then start one after another).
+#   bash tools/device/device_session.sh palu130k | palu130k6   Palu (rank ratio PALU_RATIO, default 0.5) at 130K x PALU_BATCH
+#                                                (default 12, what its 1.996x pool fits) and x 6, ours only (table130k
+#                                                adds them); PALU_SERVER_ARGS (default --sparse-allow-unverified).
 #   bash tools/device/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
 #                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
 #                                                at the same batch (each ~6 min of prefill).
@@ -197,6 +200,15 @@ fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a qua
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method "$m" --sparse-config "${QUANT_CONFIG:-{\}}" --log-dir "/root/bench/$name" --json "/root/bench/$name.json"
   ;;
+palu130k|palu130k6)  # Palu at rank ratio PALU_RATIO (default 0.5) at 130K: at its largest batch PALU_BATCH (default 12:
+  install          # 2,052 bytes a token and layer against bf16's 4,096, 1.996x vanilla's pool) and at 6, ours only.
+  b=$([ "$1" = palu130k ] && echo "${PALU_BATCH:-12}" || echo 6)
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
+      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
+      --sparse-method palu --sparse-config "{\"rank_ratio\": ${PALU_RATIO:-0.5}}" \
+      --sparse-server-args "${PALU_SERVER_ARGS:---sparse-allow-unverified}" \
+      --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
+  ;;
 snapkvfp8130k)  # SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH (default 24; SnapKV alone:
   install        # snapkv130k at SPARSE_BATCH=24 beside it), ours only
   b="${COMPOSE_BATCH:-24}"
@@ -235,7 +247,7 @@ evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip) at 130K x EVICT_BATC
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,quest130k6,omnikv130k,retroinfer130k,retroinfer130k6,h2o130k,rkv130k,skipkv130k,kvzip130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,quest130k6,omnikv130k,retroinfer130k,retroinfer130k6,h2o130k,rkv130k,skipkv130k,kvzip130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k,palu130k6,palu130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
@@ -419,6 +431,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|palu130k|palu130k6|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
