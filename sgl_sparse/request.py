@@ -38,11 +38,13 @@ PRUNE_REPORT = "sgl_sparse_prune_report"
 @dataclass(eq=False)
 class WindowCapture:
     """The last queries of a request, per layer, as the attention backend records them (integration/capture.py):
-    its ``window`` (> 0), whether decode queries are captured too, and layer -> ``[n <= window, H, D]``."""
+    its ``window`` (> 0), whether decode queries are captured too (then they live in the server's device ring,
+    from ``ring_from`` on), else layer -> ``[n <= window, H, D]``."""
 
     window: int
     observes_decode: bool
-    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt-only capture
+    ring_from: int = -1  # decode capture: the first position written to the device ring (-1: none yet)
 
 
 @dataclass(eq=False)

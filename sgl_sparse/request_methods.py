@@ -41,7 +41,7 @@ from sgl_sparse.prune.spec import (
     parse_ranges,
 )
 from sgl_sparse.registry import create_method
-from sgl_sparse.rules import served_hooks_problem
+from sgl_sparse.rules import PER_REQUEST_DECODE_WINDOW, decode_window, served_hooks_problem
 
 METHOD_KEY = "sgl_sparse_method"
 CONFIG_KEY = "sgl_sparse_config"
@@ -115,16 +115,17 @@ def _server_wide(method: SparseMethod[Any]) -> str | None:
 
 class MethodResolver:
     """``custom_params`` -> :class:`Served`. ``policy``: ``off`` (every request gets the server's method;
-    the keys are an error) or ``eviction``. ``decode_graphs``: the server replays decode CUDA graphs,
-    which skip the Python capture of decode queries, so methods that observe decode are refused."""
+    the keys are an error) or ``eviction``. ``request_decode_window``: the decode queries a request's own method
+    may observe (--sparse-request-decode-window); the server's ring (:func:`~sgl_sparse.rules.decode_window`) is at
+    least that wide."""
 
-    def __init__(self, default: SparseMethod[Any], policy: str = OFF, decode_graphs: bool = False,
-                 scored_prune: str | None = None, replay_prune: str | None = None) -> None:
+    def __init__(self, default: SparseMethod[Any], policy: str = OFF, scored_prune: str | None = None,
+                 replay_prune: str | None = None, request_decode_window: int = PER_REQUEST_DECODE_WINDOW) -> None:
         if (why := policy_problem(default, policy)) is not None:
             raise SparseConfigError(why)
         self.default = Served(default, default.config.fingerprint(), "server")
         self.policy = policy
-        self.decode_graphs = decode_graphs
+        self.decode_window = decode_window(default, request_decode_window if policy == EVICTION else 0)
         # Why a request's own prune cannot keep a scored part of its ranges here (the launcher's handoff); None: it can.
         self.scored_prune = scored_prune
         # Why one cannot keep by kvzip_global (replay forwards) here; None: it can.
@@ -171,11 +172,11 @@ class MethodResolver:
                                                  f"--sparse-method {name}")
         if (why := served_hooks_problem(method)) is not None:
             raise RequestMethodError(METHOD_KEY, why)
-        if self.decode_graphs and method.observation_window() > 0 and method.observes_decode():
-            raise RequestMethodError(CONFIG_KEY, f"{name} with this config observes decode queries, which this "
-                                                 "server's decode CUDA graphs skip: turn its decode scoring off (e.g. "
-                                                 "h2o's evict_interval 0, snapkv's decode_interval 0) or start the "
-                                                 "server with --cuda-graph-backend-decode disabled")
+        if (w := method.observation_window()) > self.decode_window and method.observes_decode():
+            raise RequestMethodError(CONFIG_KEY, f"{name} observes its last {w} decode queries (window_size), this "
+                                                 f"server keeps {self.decode_window} a request: turn its decode "
+                                                 "scoring off (e.g. h2o's evict_interval 0, snapkv's decode_interval "
+                                                 f"0) or start the server with --sparse-request-decode-window {w}")
         fp = method.config.fingerprint()
         if fp == self.default.fingerprint:
             return Served(self.default.method, fp, "request")

@@ -1,7 +1,8 @@
 """What the runtime checks of a method, beside the contract it implements: which methods the server can serve,
 the rules a :class:`~sgl_sparse.contract.KeepPlan` must satisfy, the pool page size a method is served with, and
-which retained positions a request's own prune takes. One module, so the server (``integration/``) and the
-reference driver (:mod:`sgl_sparse.reference`) cannot drift. Imports only torch and the contract."""
+which retained positions a request's own prune takes, and how many decode queries a request keeps. One module, so
+the server (``integration/``) and the reference driver (:mod:`sgl_sparse.reference`) cannot drift. Imports only
+torch, the contract and the prune spec's constants."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import KeepPlan, SparseMethod
+from sgl_sparse.prune.spec import SNAPKV_WINDOW
 
 
 def pool_page_size(method: SparseMethod[Any]) -> int:
@@ -18,6 +20,23 @@ def pool_page_size(method: SparseMethod[Any]) -> int:
     if method.selector is not None:
         return method.selector.page_size
     return method.store.page_size if method.store is not None else 1
+
+
+# The decode queries a request keeps, per layer, for methods requests choose (h2o's default window, the longest
+# default of the methods that observe decode): --sparse-request-decode-window's default on CPU (0 on CUDA, where
+# every request row's ring takes KV memory).
+PER_REQUEST_DECODE_WINDOW = 128
+
+
+def decode_window(method: SparseMethod[Any], request_window: int = 0) -> int:
+    """The last queries a request keeps on the device, per layer, when its method observes decode (0: none
+    observes): the longer of the server method's window and ``request_window`` (what methods chosen per request
+    may observe), and at least the window a request's own prune reads (the same buffer holds its prompt's last
+    queries). One width for the server: the buffer is written inside SGLang's decode CUDA graphs, by request row
+    and position."""
+    w = method.observation_window() if method.observation_window() > 0 and method.observes_decode() else 0
+    w = max(w, request_window)
+    return max(w, SNAPKV_WINDOW) if w > 0 else 0
 
 
 def served_hooks_problem(method: SparseMethod[Any]) -> str | None:

@@ -50,6 +50,9 @@ def test_server_info_reports_h2o(h2o_servers: dict) -> None:
     st = _state(h2o_servers["small"])
     assert st["method"] == "h2o" and st["family"] == "eviction"
     assert st["config"] == {**SMALL, "window_size": 128, "carry_scores": False}
+    # Its decode queries go to the device ring: 128 a request row, every layer's query heads (the tiny model's).
+    assert st["decode_window"] == 128 and st["decode_ring_bytes"] > 0
+    assert _state(h2o_servers["dense"])["decode_ring_bytes"] == 0  # a dense server keeps none
 
 
 def test_budget_covering_context_equals_dense(h2o_servers: dict) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sgl_sparse.integration import BACKEND_NAME, handoff
-from sgl_sparse.integration.launch import parse_args, with_boundary_ids
+from sgl_sparse.integration.launch import DEFAULT_RUNNING_REQUESTS, parse_args, with_boundary_ids
 from sgl_sparse.integration.plugin import register
 
 
@@ -111,7 +111,8 @@ def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
                                    replay_prune_problem="this server serves no request prunes")
     assert json.loads(hand.dump()) == {"method": "dense", "config": {}, "device": "cpu", "base": "torch_native",
                                        "prefill_cuda_graph_off": "no CUDA graphs on CPU", "request_methods": "off",
-                                       "decode_graphs": False, "scored_prune_problem": None,
+                                       "request_decode_window": 0,
+                                       "scored_prune_problem": None,
                                        "replay_prune_problem": "this server serves no request prunes",
                                        "replay_prompts": None}
 
@@ -125,18 +126,16 @@ def test_selects_our_backends_and_hands_off_config(tmp_path) -> None:
 ])
 def test_request_methods_policy(argv: list[str], policy: str) -> None:
     _, hand = parse_args(["--model-path", "m", "--device", "cpu", *argv])
-    assert hand.request_methods == policy and hand.decode_graphs is False
+    assert hand.request_methods == policy
 
 
 def test_request_methods_on_a_dense_cuda_server_turns_the_prefill_graph_off() -> None:
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-request-methods", "eviction"])
     assert args.cuda_graph_backend_prefill == "disabled"
     assert "per-request eviction methods" in hand.prefill_cuda_graph_off
-    assert hand.decode_graphs is True and hand.request_methods == "eviction"
+    assert hand.request_methods == "eviction"
     _, dense = parse_args(["--model-path", "m", "--device", "cuda"])
     assert dense.prefill_cuda_graph_off is None and dense.request_methods == "off"
-    _, no_decode = parse_args(["--model-path", "m", "--device", "cuda", "--cuda-graph-backend-decode", "disabled"])
-    assert no_decode.decode_graphs is False
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -218,25 +217,6 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     (["--kv-cache-dtype", "mxfp8"], "only SGLang's fa4 backend reads MXFP8 KV"),
     *[(["--sparse-method", "snapkv", "--kv-cache-dtype", dtype], "ignore k_scale")
       for dtype in ("fp8_e4m3", "fp8_e5m2")],
-    # SnapKV decode capture needs decode graphs off, whichever flag leaves them on.
-    ([*SNAPKV_DECODE, "--device", "cuda"], "add --cuda-graph-backend-decode disabled"),
-    ([*SNAPKV_DECODE, "--device", "cuda", "--disable-prefill-cuda-graph"], "add --cuda-graph-backend-decode"),
-    ([*SNAPKV_DECODE, "--device", "cuda", "--cuda-graph-backend-decode", "breakable"],
-     "add --cuda-graph-backend-decode"),
-    ([*SNAPKV_DECODE, "--device", "cuda", "--disable-cuda-graph", "--cuda-graph-backend-decode", "full"],
-     "add --cuda-graph-backend-decode"),  # the per-phase flag wins over the legacy one (as in SGLang)
-    ([*SNAPKV_DECODE, "--device", "cuda", "--disable-decode-cuda-graph",
-      "--cuda-graph-config", '{"decode": {"backend": "full"}}'], "add --cuda-graph-backend-decode"),
-    # R-KV observes decode queries at every compaction: the same rule, whatever its config.
-    (["--sparse-method", "rkv", "--device", "cuda"], "rkv observes decode queries"),
-    (["--sparse-method", "rkv", "--sparse-config", '{"evict_interval": 1024}', "--device", "cuda"],
-     "add --cuda-graph-backend-decode disabled"),
-    (["--sparse-method", "rkv", "--device", "cuda", "--cuda-graph-backend-decode", "full"],
-     "add --cuda-graph-backend-decode disabled"),
-    # SkipKV observes decode queries as R-KV does.
-    (["--sparse-method", "skipkv", "--device", "cuda"], "skipkv observes decode queries"),
-    (["--sparse-method", "skipkv", "--device", "cuda", "--cuda-graph-backend-decode", "full"],
-     "add --cuda-graph-backend-decode disabled"),
     # An explicit prefill graph with a method that captures prefill queries.
     *[(["--sparse-method", "snapkv", "--device", "cuda", *f], "a replayed prefill graph has no request ids")
       for f in (["--cuda-graph-backend-prefill", "breakable"], ["--cuda-graph-backend-prefill", "tc_piecewise"],
@@ -353,7 +333,7 @@ def test_where_a_request_cannot_keep_a_scored_part_of_its_prune(flags: list[str]
     _, hand = parse_args(["--model-path", "m", *flags])
     assert (hand.scored_prune_problem is None) if words is None else (words in hand.scored_prune_problem)
     assert handoff.Handoff(**{**vars(hand)}).scored_prune_problem == hand.scored_prune_problem
-    resolver = MethodResolver(create_method(hand.method, hand.config), hand.request_methods, hand.decode_graphs,
+    resolver = MethodResolver(create_method(hand.method, hand.config), hand.request_methods,
                               hand.scored_prune_problem)
     assert prune_problem(resolver, PruneSpec(((0, 10),))) is None  # a drop needs no scores
     why = prune_problem(resolver, PruneSpec(((0, 10),), 4, "snapkv_global"))
@@ -378,7 +358,7 @@ def test_where_a_request_cannot_keep_by_kvzip_global(flags: list[str], words: st
 
     _, hand = parse_args(["--model-path", "m", *flags])
     assert (hand.replay_prune_problem is None) if words is None else (words in hand.replay_prune_problem)
-    resolver = MethodResolver(create_method(hand.method, hand.config), hand.request_methods, hand.decode_graphs,
+    resolver = MethodResolver(create_method(hand.method, hand.config), hand.request_methods,
                               hand.scored_prune_problem, hand.replay_prune_problem)
     why = prune_problem(resolver, PruneSpec(((0, 10),), 4, "kvzip_global"))
     assert (why is None) if words is None else ("kvzip_global (keep_tokens / keep_ratio) cannot be served here"
@@ -600,6 +580,41 @@ def test_skipkv_on_gpu_with_decode_graphs_off_is_accepted() -> None:
     args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "skipkv",
                              "--cuda-graph-backend-decode", "disabled"])
     assert hand.method == "skipkv" and args.cuda_graph_backend_prefill == "disabled"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--sparse-method", "h2o"],  # evict_interval 1,024: scores decode queries
+    ["--sparse-method", "rkv"],
+    ["--sparse-method", "skipkv"],
+    [*SNAPKV_DECODE],
+    ["--sparse-request-methods", "eviction", "--sparse-request-decode-window", "128"],  # a request may choose h2o
+])
+def test_decode_observers_keep_decode_graphs_and_get_a_request_cap(argv: list[str]) -> None:
+    """Decode queries go to a device ring written inside the decode graph (integration/capture.py), so decode
+    graphs stay on; the ring's rows are accounted for --max-running-requests, which gets a default."""
+    args, _ = parse_args(["--model-path", "m", "--device", "cuda", *argv])
+    assert args.cuda_graph_backend_decode is None and not args.disable_cuda_graph
+    assert args.max_running_requests == DEFAULT_RUNNING_REQUESTS
+    args, _ = parse_args(["--model-path", "m", "--device", "cuda", *argv, "--max-running-requests", "96"])
+    assert args.max_running_requests == 96
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "snapkv"])
+    assert args.max_running_requests is None  # prompt-only observation, nothing per request on CUDA: no ring
+    assert hand.request_decode_window == 0
+
+
+def test_the_request_decode_window_defaults_by_device_and_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "snapkv"])
+    assert hand.request_decode_window == 128 and args.max_running_requests == DEFAULT_RUNNING_REQUESTS
+    _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "snapkv",
+                          "--sparse-request-decode-window", "0"])
+    assert hand.request_decode_window == 0
+    assert json.loads(hand.dump())["request_decode_window"] == 0
+    for flags, words in ((["--sparse-request-decode-window", "-1"], "must be >= 0"),
+                         (["--sparse-method", "snapkv", "--sparse-request-methods", "off",
+                           "--sparse-request-decode-window", "64"], "requests choose no method here")):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "m", "--device", "cpu", *flags])
+        assert words in capsys.readouterr().err
 
 
 def test_skipkv_boundary_ids_come_from_the_served_tokenizer(tiny_model: str) -> None:

@@ -18,6 +18,7 @@ from sgl_sparse.request_methods import (
     RequestMethodError,
     default_policy,
 )
+from sgl_sparse.rules import PER_REQUEST_DECODE_WINDOW, decode_window
 
 
 def _snapkv_server(**kw: object) -> MethodResolver:
@@ -68,14 +69,39 @@ def test_bad_choices_name_the_key(custom: dict, key: str, needle: str) -> None:
     assert e.value.key == key and needle in str(e.value), str(e.value)
 
 
-def test_decode_observers_are_refused_under_decode_graphs() -> None:
-    cp = {METHOD_KEY: "h2o", CONFIG_KEY: json.dumps({"budget": 512})}  # evict_interval 1,024: observes decode
-    with pytest.raises(RequestMethodError, match="decode CUDA graphs") as e:
-        _snapkv_server(decode_graphs=True).resolve(cp)
+def test_decode_observers_fit_the_servers_decode_window() -> None:
+    """A request's method keeps its decode queries in the server's ring (rules.decode_window): up to its width."""
+    server = _snapkv_server()
+    assert server.decode_window == PER_REQUEST_DECODE_WINDOW == 128  # h2o's default window fits
+    assert server.resolve({METHOD_KEY: "h2o", CONFIG_KEY: json.dumps({"budget": 512})}).method.name == "h2o"
+    wide = {METHOD_KEY: "h2o", CONFIG_KEY: json.dumps({"budget": 512, "window_size": 129})}
+    with pytest.raises(RequestMethodError, match="last 129 decode queries .window_size., this server keeps 128") as e:
+        server.resolve(wide)
     assert e.value.key == CONFIG_KEY
-    assert _snapkv_server(decode_graphs=True).resolve(
-        {METHOD_KEY: "h2o", CONFIG_KEY: json.dumps({"budget": 512, "evict_interval": 0})}).method.name == "h2o"
-    assert _snapkv_server(decode_graphs=False).resolve(cp).method.name == "h2o"
+    # A window only the prompt uses (decode scoring off) needs no ring.
+    prompt_only = {METHOD_KEY: "h2o", CONFIG_KEY: json.dumps({"budget": 512, "window_size": 500,
+                                                              "evict_interval": 0})}
+    assert server.resolve(prompt_only).method.name == "h2o"
+
+
+def test_decode_window_widths() -> None:
+    assert decode_window(create_method("snapkv")) == 0  # prompt only
+    assert decode_window(create_method("dense")) == 0
+    assert decode_window(create_method("h2o")) == 128
+    assert decode_window(create_method("rkv")) == 32  # 8, and a prune's 32 from the same ring
+    assert decode_window(create_method("snapkv", {"decode_interval": 64, "window_size": 48})) == 48
+    assert decode_window(create_method("dense"), PER_REQUEST_DECODE_WINDOW) == PER_REQUEST_DECODE_WINDOW
+    assert decode_window(create_method("snapkv"), 8) == 32
+    assert decode_window(create_method("h2o", {"window_size": 200}), PER_REQUEST_DECODE_WINDOW) == 200
+
+
+def test_a_server_without_a_request_window_refuses_decode_scoring_per_request() -> None:
+    server = MethodResolver(create_method("snapkv", {"budget": 256}), EVICTION, request_decode_window=0)
+    assert server.decode_window == 0
+    with pytest.raises(RequestMethodError, match="--sparse-request-decode-window 128") as e:
+        server.resolve({METHOD_KEY: "h2o"})
+    assert e.value.key == CONFIG_KEY
+    assert server.resolve({METHOD_KEY: "h2o", CONFIG_KEY: json.dumps({"evict_interval": 0})}).method.name == "h2o"
 
 
 def test_policy_off_refuses_any_choice_and_says_why() -> None:

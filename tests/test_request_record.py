@@ -54,7 +54,7 @@ def test_first_step_starts_the_record_and_finish_stops_it() -> None:
     assert rec.capture is not None and rec.capture.window == rt.method.observation_window()
     q = torch.randn(40, 2, 4)
     for layer in range(2):
-        rt.capture_queries(layer, q, ["r0"], [40], 0.5)
+        rt.capture.record(layer, q, ["r0"], [40], 0.5, torch.arange(40))
     assert set(rec.capture.queries) == {0, 1} and rec.capture.queries[0].shape[0] == rec.capture.window
     rec.state.advance(40)
     done = rt.finish(req)

@@ -91,7 +91,15 @@ class SparseBackendMixin:
                                "SGLang (the plug-in's pool hook did not run)")
         # Decided once: the per-layer hot path of dense requests does no method calls.
         self.capture_prefill = self.runtime.observes
-        self.capture_decode = self.runtime.observes_decode
+        self.capture_decode = self.runtime.decode_window > 0
+        if self.capture_decode:
+            from sglang.srt.runtime_context import get_parallel
+
+            mc = model_runner.model_config
+            rows = int(model_runner.req_to_token_pool.req_to_token.shape[0])
+            self.runtime.capture.allocate_ring(rows, mc.num_hidden_layers, self.runtime.decode_window,
+                                               mc.num_attention_heads // get_parallel().attn_tp_size, mc.head_dim,
+                                               mc.dtype, torch.device(model_runner.device))
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
@@ -225,15 +233,23 @@ class SparseBackendMixin:
         return merge(o1, lse1, o2, lse2)
 
     def _capture(self, q: Any, layer: Any, forward_batch: Any, is_decode: bool) -> None:
-        if not (self.capture_decode if is_decode else self.capture_prefill) or forward_batch.rids is None:
+        if not (self.capture_decode if is_decode else self.capture_prefill):
             return
         if self.replay is not None:
             # A replay forward (KVzip's reconstruction) carries the request's rid, but its queries are not the
             # request's: the method's window (SnapKV's, after a kvzip_global prune) is the prompt's last queries.
             return
-        lens = [1] * len(forward_batch.rids) if is_decode else list(forward_batch.extend_seq_lens_cpu)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        self.runtime.capture_queries(layer.layer_id, q3, forward_batch.rids, lens, float(layer.scaling))
+        capture = self.runtime.capture
+        if is_decode:
+            # By row and position, from the batch's device tensors: a replayed decode CUDA graph has no rids.
+            capture.write_decode(layer.layer_id, q3, forward_batch.req_pool_indices, forward_batch.positions,
+                                 float(layer.scaling))
+            return
+        if forward_batch.rids is None:
+            return
+        capture.record(layer.layer_id, q3, forward_batch.rids, list(forward_batch.extend_seq_lens_cpu),
+                       float(layer.scaling), forward_batch.positions)
 
 
 class SparseTorchNativeBackend(SparseBackendMixin, TorchNativeAttnBackend):

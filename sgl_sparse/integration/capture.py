@@ -1,12 +1,23 @@
-"""Query capture for methods with an observation window (SnapKV): the last ``w`` post-RoPE queries of
-each request, per layer, recorded by the attention backend as each layer runs.
+"""Query capture for methods with an observation window (SnapKV, H2O, R-KV, SkipKV): the last ``w`` post-RoPE
+queries of each request, per layer, recorded by the attention backend as each layer runs.
 
-Memory: ``w x heads x head_dim`` per layer per request (8 MiB per request at Llama-3-8B shape, w=32),
-held only while a request can still be observed: from its first prefill chunk to the final one, or
-for its whole life when the method re-selects during decode (``observes_decode``). Only the chunk's
-last ``w`` queries are copied, never the whole chunk. The queries live on the request's record
-(:class:`~sgl_sparse.request.WindowCapture`); this module holds what is shared (layers, scale) and which
-records capture now, by rid (the attention backend knows a batch's requests by rid only).
+Two homes, by whether the request's method observes decode:
+
+* **prompt only** (SnapKV at its defaults): the last ``w`` queries of the prompt, held on the request's record
+  (:class:`~sgl_sparse.request.WindowCapture`) from its first prefill chunk to the final one. Prefill runs eagerly,
+  so the backend records them per request id; only each chunk's last ``w`` queries are copied, never the chunk.
+* **decode too** (H2O, R-KV, SkipKV, SnapKV with ``decode_interval``): a device ring per layer,
+  ``[request rows, W, heads, head_dim]``, indexed by the request's ``req_to_token`` row and the query's position
+  modulo ``W`` (:func:`sgl_sparse.rules.decode_window`). A decode step writes every row of its batch there with one
+  scatter a layer, from the forward batch's own device tensors (row indices and positions), so SGLang's decode
+  CUDA graphs replay the write (a graph has no request ids); padded graph rows write row 0, SGLang's padding
+  row. Prefill chunks write their last ``W`` queries into the same ring, so one buffer holds a request's last
+  ``W`` queries whatever step made them. The ring's bytes are taken from the KV budget for
+  ``--max-running-requests`` + 1 rows (integration/kv_pool.py), as a store's per-request buffers are.
+
+A method reads a window only in the step after a forward and before the next one writes (integration/step.py),
+and it observes at least once every ``w`` decode tokens, so the ring always holds what it reads. This module
+holds what is shared (the ring, layers, scale) and which records capture now, by rid.
 """
 
 from __future__ import annotations
@@ -22,13 +33,35 @@ from sgl_sparse.request import SparseRequest, WindowCapture
 class QueryCapture:
     """The records that capture now (its method's window, or SnapKV's 32 when its own prune scores its ranges,
     whichever is longer, and whether it observes decode; set by :meth:`start` when the request's first step
-    starts; requests of methods without a window are never captured)."""
+    starts; requests of methods without a window are never captured), and the decode ring (None until
+    :meth:`allocate_ring`, and on servers where no method observes decode)."""
 
     num_layers: int = 0
     scale: float | None = None
     capturing: dict[str, SparseRequest] = field(default_factory=dict)  # rid -> its record (record.capture set)
+    ring: list[torch.Tensor] | None = None  # per layer: [request rows, W, heads, head_dim]
+
+    @property
+    def ring_width(self) -> int:
+        return 0 if self.ring is None else int(self.ring[0].shape[1])
+
+    def allocate_ring(self, rows: int, num_layers: int, width: int, num_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> None:
+        """The decode ring, once per server (the attention backend's construction, before graphs are captured)."""
+        if self.ring is not None:
+            got = tuple(self.ring[0].shape)
+            if len(self.ring) != num_layers or got != (rows, width, num_heads, head_dim):
+                raise RuntimeError(f"sgl_sparse: the decode query ring exists as {len(self.ring)} x {got}, asked "
+                                   f"for {num_layers} x {(rows, width, num_heads, head_dim)}")
+            return
+        self.ring = [torch.zeros(rows, width, num_heads, head_dim, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.num_layers = num_layers
 
     def start(self, rec: SparseRequest, window: int, observes_decode: bool) -> None:
+        if observes_decode and window > self.ring_width:
+            raise RuntimeError(f"sgl_sparse: request {rec.rid} observes {window} decode queries, more than this "
+                               f"server's decode ring keeps ({self.ring_width})")
         rec.capture = WindowCapture(window, observes_decode)
         self.capturing[rec.rid] = rec
 
@@ -36,8 +69,19 @@ class QueryCapture:
     def observes_decode(rec: SparseRequest) -> bool:
         return rec.capture is not None and rec.capture.observes_decode
 
-    def record(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int], scale: float) -> None:
-        """``q``: ``[sum(q_lens), H, D]``, the step's queries of one layer, request after request."""
+    def write_decode(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> None:
+        """A decode step's queries ``[batch, H, D]`` into the ring at each row's position (graph-safe: device
+        tensors only, no host sync)."""
+        assert self.ring is not None
+        self.scale = scale
+        ring = self.ring[layer_id]
+        ring[rows.long(), positions.long() % ring.shape[1]] = q.to(ring.dtype)
+
+    def record(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int], scale: float,
+               positions: torch.Tensor | None = None) -> None:
+        """An extend step's queries ``[sum(q_lens), H, D]`` of one layer, request after request; ``positions``: each
+        query's position (the forward batch's, on the queries' device), needed where a request writes the ring."""
         if not self.capturing:
             return
         self.scale = scale
@@ -49,6 +93,14 @@ class QueryCapture:
             rec = self.capturing.get(rid)
             if rec is None or (cap := rec.capture) is None:
                 continue
+            if cap.observes_decode and self.ring is not None and positions is not None:
+                t = min(n, self.ring_width)
+                ring = self.ring[layer_id]
+                ring[rec.pool_idx, positions[start - t:start].long() % ring.shape[1]] = q_req[-t:].to(ring.dtype)
+                if cap.ring_from < 0:
+                    # the chunk's first position is the request's logical length before this step
+                    cap.ring_from = rec.running_state.logical_len + n - t
+                continue
             w = cap.window
             prev = cap.queries.get(layer_id)
             tail = q_req[-w:]
@@ -56,9 +108,21 @@ class QueryCapture:
                 tail = torch.cat([prev[-(w - tail.shape[0]):], tail])
             cap.queries[layer_id] = tail.clone()
 
-    @staticmethod
-    def get(rec: SparseRequest) -> dict[int, torch.Tensor]:
-        return rec.capture.queries if rec.capture is not None else {}
+    def get(self, rec: SparseRequest) -> dict[int, torch.Tensor]:
+        """The request's captured queries per layer, oldest first (``[n, H, D]``; from the ring: its last ``n <= W``
+        positions up to its logical length)."""
+        cap = rec.capture
+        if cap is None:
+            return {}
+        if not (cap.observes_decode and self.ring is not None):
+            return cap.queries
+        if cap.ring_from < 0:
+            return {}
+        end = rec.running_state.logical_len
+        width = self.ring_width
+        n = min(width, end - cap.ring_from)
+        idx = torch.arange(end - n, end, device=self.ring[0].device) % width
+        return {layer: ring[rec.pool_idx, idx] for layer, ring in enumerate(self.ring)}
 
     def prompt_done(self, rec: SparseRequest) -> None:
         """The request's final prefill was observed: keep capturing only if decode is observed too."""

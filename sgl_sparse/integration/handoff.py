@@ -31,10 +31,11 @@ class Handoff:
     # Why the launcher turned SGLang's prefill CUDA graph off, for /server_info; None when the prefill
     # graph setting is SGLang's own (its default or the user's flags).
     prefill_cuda_graph_off: str | None = None
-    # --sparse-request-methods as resolved ("off" or "eviction"), and whether decode CUDA graphs replay
-    # (they skip the capture of decode queries): what a request may choose (sgl_sparse/request_methods.py).
+    # --sparse-request-methods as resolved ("off" or "eviction"): what a request may choose
+    # (sgl_sparse/request_methods.py).
     request_methods: str = "off"
-    decode_graphs: bool = False
+    # --sparse-request-decode-window as resolved: the decode queries a method chosen per request may observe.
+    request_decode_window: int = 0
     # Why a request's own prune cannot keep a scored part of its ranges here (keep_tokens / keep_ratio: the scores
     # read the prompt's last queries and the pool's keys); None when it can.
     scored_prune_problem: str | None = None
@@ -46,7 +47,8 @@ class Handoff:
     def dump(self) -> str:
         return json.dumps({"method": self.method, "config": self.config, "device": self.device, "base": self.base,
                            "prefill_cuda_graph_off": self.prefill_cuda_graph_off,
-                           "request_methods": self.request_methods, "decode_graphs": self.decode_graphs,
+                           "request_methods": self.request_methods,
+                           "request_decode_window": self.request_decode_window,
                            "scored_prune_problem": self.scored_prune_problem,
                            "replay_prune_problem": self.replay_prune_problem, "replay_prompts": self.replay_prompts})
 
@@ -67,7 +69,8 @@ def read() -> Handoff:
         replay_problem = "the launcher did not tokenize KVzip's instructions"  # the two must agree
     return Handoff(method=data["method"], config=data.get("config") or {}, device=data.get("device"),
                    base=data.get("base"), prefill_cuda_graph_off=data.get("prefill_cuda_graph_off"),
-                   request_methods=data.get("request_methods", "off"), decode_graphs=bool(data.get("decode_graphs")),
+                   request_methods=data.get("request_methods", "off"),
+                   request_decode_window=int(data.get("request_decode_window", 0)),
                    scored_prune_problem=data.get("scored_prune_problem"),
                    replay_prune_problem=replay_problem,
                    replay_prompts=data.get("replay_prompts"))
@@ -86,6 +89,6 @@ def resolver() -> MethodResolver:
         from sgl_sparse.request_methods import MethodResolver
 
         h = read()
-        _resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.decode_graphs,
-                                   h.scored_prune_problem, h.replay_prune_problem)
+        _resolver = MethodResolver(create_method(h.method, h.config), h.request_methods, h.scored_prune_problem,
+                                   h.replay_prune_problem, h.request_decode_window)
     return _resolver

@@ -11,9 +11,10 @@ SGLang 0.5.17 has no registry of MHA pools; two AROUND hooks are the narrowest s
   SGLang's ``MHATokenToKVPool``) instead of the stock pool, same arguments.
 * A store whose layout derives from the model (``needs_model``, Palu's bases) gets the loaded model's K/V
   projections and rotary table (``integration/model_kv.py``) just before its pool is built.
-* A store's fixed bytes (per-request buffers, e.g. KIVI's residual) come out of the budget in an AFTER
-  hook on ``KVCacheConfigurator._profile_available_bytes``, accounted for ``--max-running-requests`` + 1
-  request rows; the rows SGLang then builds are noted around ``_build_token_to_kv_pool``.
+* A store's fixed bytes (per-request buffers, e.g. KIVI's residual) and the decode query ring of methods that
+  observe decode (integration/capture.py) come out of the budget in an AFTER hook on
+  ``KVCacheConfigurator._profile_available_bytes``, accounted for ``--max-running-requests`` + 1 request rows;
+  the rows SGLang then builds are noted around ``_build_token_to_kv_pool``.
 
 The pool keeps SGLang's interface: its ``k_buffer``/``v_buffer`` lists are the store's code tensors (so
 slot pointers, sizes and the allocator work unchanged), K/V is written only by our attention backend,
@@ -92,19 +93,40 @@ def _accounted_requests(configurator: Any) -> int:
     return int(configurator.server_args.max_running_requests or 0) + 1
 
 
+def _ring_bytes(configurator: Any, rows: int) -> int:
+    """The decode query ring's bytes (integration/capture.py) for ``rows`` request rows; 0 where no request
+    observes decode."""
+    h = handoff.read()
+    if h.method in (None, "dense") and h.request_methods == "off":
+        return 0  # nothing observes (a vanilla server loads the plug-in too: no runtime is built for it)
+    from sgl_sparse.integration.runtime import get_runtime
+
+    width = get_runtime().decode_window
+    if width == 0:
+        return 0
+    g = _sizing_geometry(configurator, configurator.model_config.num_hidden_layers)
+    itemsize = torch.empty(0, dtype=configurator.model_config.dtype).element_size()
+    return rows * g.num_layers * width * g.num_q_heads * g.head_dim * itemsize
+
+
 def after_profile_available_bytes(result: int, configurator: Any, *args: Any, **kwargs: Any) -> int:
-    """AFTER ``KVCacheConfigurator._profile_available_bytes``: a store's fixed bytes (per-request
-    buffers) come out of the KV budget before SGLang divides it by the cell size."""
+    """AFTER ``KVCacheConfigurator._profile_available_bytes``: per-request buffers (a store's fixed bytes, the
+    decode query ring) come out of the KV budget before SGLang divides it by the cell size."""
+    rows = _accounted_requests(configurator)
+    ring = _ring_bytes(configurator, rows)
+    if ring:
+        logger.info("sgl_sparse: %.1f MiB of decode query ring (%d request rows) taken from the KV budget",
+                    ring / 2**20, rows)
     store = _served_store()
     if store is None:
-        return result
+        return result - ring
     g = _sizing_geometry(configurator, configurator.model_config.num_hidden_layers)
-    g = KVGeometry(**{**vars(g), "max_requests": _accounted_requests(configurator)})
+    g = KVGeometry(**{**vars(g), "max_requests": rows})
     fixed = store.fixed_bytes(g)
     if fixed:
         logger.info("sgl_sparse: %.1f MiB of %s's per-request buffers (%d request rows) taken from the KV budget",
                     fixed / 2**20, type(store).__name__, g.max_requests)
-    return result - fixed
+    return result - fixed - ring
 
 
 _REQUEST_ROWS: list[int] = []

@@ -21,7 +21,7 @@ from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.registry import create_method, registered_methods
 from sgl_sparse.request_methods import EVICTION, FLAG, POLICIES, default_policy, policy_problem
-from sgl_sparse.rules import pool_page_size
+from sgl_sparse.rules import PER_REQUEST_DECODE_WINDOW, decode_window, pool_page_size
 
 PROG = "python -m sgl_sparse.launch_server"
 
@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
         "sgl_sparse_config): 'eviction' lets it pick dense or any eviction method; 'off' serves --sparse-method to "
         "every request. Default: eviction when --sparse-method is an eviction method, else off (on a dense "
         "server 'eviction' replaces SGLang's stock attention lists by compacted ones).",
+    )
+    group.add_argument(
+        "--sparse-request-decode-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"With {FLAG} eviction: the decode queries a method chosen per request may score (its window_size, "
+        "e.g. h2o's 128). Each request row then keeps that many queries per layer on the device, from the KV "
+        f"budget, and --max-running-requests defaults to {DEFAULT_RUNNING_REQUESTS}. Default: "
+        f"{PER_REQUEST_DECODE_WINDOW} on CPU, 0 on CUDA (a request that asks for decode scoring gets HTTP 400).",
     )
     group.add_argument(ALLOW_UNVERIFIED, action="store_true", help=ALLOW_UNVERIFIED_HELP)
     return parser
@@ -185,21 +195,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         # builds its prefix lists from the host's extend lengths.
         args.cuda_graph_backend_prefill = DISABLED
         prefill_off = f"{method.name}'s extend attention (ragged new tokens + its quantized prefix) runs eagerly"
-    if (method.store is not None and type(method.store).fixed_bytes is not KVStore.fixed_bytes
-            and args.max_running_requests is None):
-        # Per-request buffers (KIVI's residual) are accounted for --max-running-requests rows before the pool
-        # is sized, so it must be known then.
-        args.max_running_requests = DEFAULT_STORE_RUNNING_REQUESTS
+    request_window = args.sparse_request_decode_window
+    if request_window is None:
+        request_window = PER_REQUEST_DECODE_WINDOW if device == "cpu" and policy == EVICTION else 0
+    elif request_window < 0 or (request_window > 0 and policy != EVICTION):
+        parser.error(f"--sparse-request-decode-window {request_window}: "
+                     + ("must be >= 0" if request_window < 0 else f"requests choose no method here ({FLAG} {policy})"))
+    if ((method.store is not None and type(method.store).fixed_bytes is not KVStore.fixed_bytes
+         or decode_window(method, request_window) > 0) and args.max_running_requests is None):
+        # Per-request buffers (KIVI's residual, the decode query ring) are accounted for --max-running-requests
+        # rows before the pool is sized, so it must be known then.
+        args.max_running_requests = DEFAULT_RUNNING_REQUESTS
     args.attention_backend = BACKEND_NAME
     # Both None, so SGLang resolves prefill and decode to our backend: a prefill == decode pair would
     # otherwise replace --attention-backend (arg_groups/overrides.py L2014-2018).
     args.prefill_attention_backend = args.decode_attention_backend = None
     args.radix_cache_backend = BACKEND_NAME
     args.page_size = page_size
-    decode_graphs = device != "cpu" and requested_graph_backend(args, "decode") != DISABLED
     return args, handoff.Handoff(method.name, method.config.to_dict(), device, base=base,
                                  prefill_cuda_graph_off=prefill_off, request_methods=policy,
-                                 decode_graphs=decode_graphs, scored_prune_problem=scored_prune_problem(args, device),
+                                 request_decode_window=request_window,
+                                 scored_prune_problem=scored_prune_problem(args, device),
                                  replay_prune_problem=replay_prune_problem(args, method, device, policy))
 
 
@@ -296,8 +312,9 @@ def with_replay_prompts(hand: handoff.Handoff, args: argparse.Namespace) -> hand
     return hand
 
 
-# --max-running-requests for a store with per-request buffers when the flag is not given.
-DEFAULT_STORE_RUNNING_REQUESTS = 64
+# --max-running-requests for a server with per-request buffers (a store's, the decode query ring) when the flag
+# is not given.
+DEFAULT_RUNNING_REQUESTS = 64
 
 # The one switch for combinations that have not run on hardware yet (see UNVERIFIED below).
 ALLOW_UNVERIFIED = "--sparse-allow-unverified"
@@ -531,11 +548,6 @@ UNSUPPORTED: tuple[Check, ...] = (
                     "eviction step and its host counters run once per scheduled batch; use 1"),
     UNVERIFIED[3],
     *(_graphs_on_cpu(phase) for phase in ("decode", "prefill")),
-    Check(lambda c: (c.gpu and c.method.observation_window() > 0 and c.method.observes_decode()
-                     and c.graph("decode") != DISABLED),
-          lambda c: f"{c.name} observes decode queries (snapkv's decode_interval > 0, h2o's evict_interval > 0, "
-                    "rkv and skipkv always), collected in Python, which decode CUDA graphs would skip: add "
-                    "--cuda-graph-backend-decode disabled (or, for snapkv and h2o, set that field to 0)"),
     Check(lambda c: c.gpu and c.method.observation_window() > 0 and c.graph_on("prefill"),
           lambda c: f"prefill CUDA graph backend {c.graph('prefill')} with {c.name}: a replayed prefill graph has "
                     "no request ids, so the method cannot capture its window queries; drop the flag (the launcher "

@@ -48,7 +48,7 @@ from sgl_sparse.request_methods import (
     parse_prune_param,
     prune_problem,
 )
-from sgl_sparse.rules import served_hooks_problem
+from sgl_sparse.rules import decode_window, served_hooks_problem
 from sgl_sparse.slots import retained_positions
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ class SparseRuntime:
     evicting: bool = field(init=False)
     # Whether any request may capture window queries, in prefill / in decode; fixed.
     observes: bool = field(init=False)
-    observes_decode: bool = field(init=False)
+    # Decode queries a request keeps in the device ring (capture.py), 0 where no request observes decode; fixed.
+    decode_window: int = field(init=False)
     # Whether any per-request work is needed (dense: none, the stock path runs untouched); fixed.
     active: bool = field(init=False)
 
@@ -112,7 +113,7 @@ class SparseRuntime:
         # An evicting server's requests may prune their own prompts with a scored keep, which reads the prompt's
         # last queries: capture in prefill there (a request that needs none costs a dict lookup per layer).
         self.observes = m.observation_window() > 0 or self.evicting
-        self.observes_decode = (m.observation_window() > 0 and m.observes_decode()) or per_request
+        self.decode_window = self.resolver.decode_window if self.resolver is not None else decode_window(m)
         self.active = self.evicting or self.observes
         self.capture = QueryCapture()
         self._default = Served(m, self.fingerprint, "server")
@@ -267,11 +268,6 @@ class SparseRuntime:
 
     def kept_tokens_running(self) -> int:
         return sum(t.running_state.num_kept for t in self.tracked.values())
-
-    # -- attention-side capture ------------------------------------------------------------------
-    def capture_queries(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int],
-                        scale: float) -> None:
-        self.capture.record(layer_id, q, rids, q_lens, scale)
 
     # -- around the forward step -----------------------------------------------------------------
     def before_forward(self, batch: Any, model_runner: Any) -> None:

@@ -43,6 +43,10 @@ def scheduler_sparse_state(scheduler: Any) -> dict[str, Any]:
         # requests running now.
         "request_methods": rt.resolver.policy if rt.resolver is not None else "off",
         "requests_by_method": rt.requests_by_method(),
+        # Decode queries a request keeps on the device (the ring decode CUDA graphs write; 0: none observes decode)
+        # and its bytes, from the KV budget.
+        "decode_window": rt.decode_window,
+        "decode_ring_bytes": sum(t.numel() * t.element_size() for t in rt.capture.ring or []),
         "tree_class": type(tree).__name__,
         "attention_backend_class": type(runner.attn_backend).__name__,
         "attention_base": hand.base,

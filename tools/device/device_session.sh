@@ -30,8 +30,8 @@
 #                                                32,768 in x 16: vanilla FlashInfer, then each selection method at its
 #                                                default config, one server a step; table32k prints them together.
 #   bash tools/device/device_session.sh evict130k   EVICT_METHODS (default h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (6), default
-#                                                configs, ours only, one server each; h2o/rkv/skipkv with decode CUDA graphs
-#                                                off (they observe decode queries; the launcher requires it). Run it
+#                                                configs, ours only, one server each, decode CUDA graphs on
+#                                                (EVICT_SERVER_ARGS: more server flags). Run it
 #                                                through `queue` (its servers then start one after another).
 #   bash tools/device/device_session.sh palu130k | palu130k6   Palu (rank ratio PALU_RATIO, default 0.5) at 130K x PALU_BATCH
 #                                                (default 12, what its 1.996x pool fits) and x 6, ours only (table130k
@@ -235,14 +235,13 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
       ${SELECTION_ARGS:-}
   ;;
 evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (default 6, vanilla's), default
-  install    # configs, ours only, one server each (~3 min each); h2o, rkv, skipkv observe decode queries, so their
-  # servers run decode without CUDA graphs (the launcher requires it; their own defaults, nothing tuned).
+  install    # configs and SGLang's defaults (decode CUDA graphs on), ours only, one server each (~3 min each);
+  # EVICT_SERVER_ARGS: more flags for ours (e.g. --max-running-requests 96 for a batch past the default 64).
   for m in ${EVICT_METHODS:-h2o rkv skipkv kvzip}; do
-    graphs=""; [ "$m" != kvzip ] && graphs="--cuda-graph-backend-decode disabled"
     CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/${m}130k.txt" python3 \
         benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 \
         --sparse-batch "${EVICT_BATCH:-6}" --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
-        "--sparse-server-args=$graphs" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
+        "--sparse-server-args=${EVICT_SERVER_ARGS:-}" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
   done
   ;;
 table130k)
@@ -339,12 +338,10 @@ quality16ksel)  # quality-large at 16K: quest, omnikv, retroinfer at their defau
   QUALITY_METHODS="${QUALITY_METHODS:-quest omnikv retroinfer}" QUALITY_TAG="${QUALITY_TAG:-selection}" \
       QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
-quality16kevict)  # quality-large at 16K: h2o, rkv, skipkv at their defaults (decode CUDA graphs off: h2o, rkv
-  # and skipkv observe decode queries, and one server flag serves all three). Not kvzip: a 16K prompt fills the
+quality16kevict)  # quality-large at 16K: h2o, rkv, skipkv at their defaults. Not kvzip: a 16K prompt fills the
   # model's 16,384-token context and leaves no room for its replay, so it would be served uncompressed (QUALITY.md);
   # `quality sgl_sparse/assets/quality-large 14300` with QUALITY_METHODS=kvzip leaves a 2,048-token chunk room.
   QUALITY_METHODS="${QUALITY_METHODS:-h2o rkv skipkv}" QUALITY_TAG="${QUALITY_TAG:-evict}" \
-      QUALITY_SERVER_ARGS="--cuda-graph-backend-decode disabled" \
       QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
 quality16kquant)  # quality-large at 16K: fp8_kv, kivi 4 and 2 bits, turboquant 4 bits (~1 min a method)
