@@ -19,6 +19,7 @@ DEFAULT_CSV = HERE / "results" / "decode_130k.csv"
 DEFAULT_PNG = HERE / "decode_130k.png"
 
 FAMILY_COLORS = {"vanilla": "black", "dense": "grey", "eviction": "tab:blue", "selection": "tab:orange",
+                 "compression": "tab:red",
                  "quantization": "tab:green"}
 MARKERS = "osD^v<>Ph*X"
 

@@ -78,6 +78,14 @@
 #                                                (fp8_kv, kivi 4 and 2 bits, turboquant) / h2o, rkv, skipkv (not kvzip: no replay room at 16K; decode
 #                                                graphs off), default configs, each ~1 min a method. QUALITY_SERVER_ARGS:
 #                                                more server flags for `quality`.
+#   bash tools/device/device_session.sh plan1 | plan2 | plan3 | plan4 | plan5   the benchmark plan, one session's GPU
+#                                                time each (~25 min at most), most important first, as a queue: plan1
+#                                                the eviction methods at 130K x 6 (evict130k), plan2 Palu (palu130k,
+#                                                palu130k6) and every decode kernel (quantdecode), plan3 the quantized
+#                                                pools at their largest batch, plan4 selection at 130K, plan5 selection
+#                                                at 32K x 16. Each starts with vanilla130k unless this machine has it.
+#   bash tools/device/device_session.sh rows       BENCHMARKS.md rows (benchmarks/bench_rows.py) of every result on
+#                                                this machine against its vanilla: /root/bench/rows130k.md, rows32k.md.
 #   bash tools/device/device_session.sh queue STEP...  the steps above one after another in one detached job
 #                                                (e.g. `queue gputests headline floorref`); its progress
 #                                                and each step's failure, if any, in /root/bench/queue.txt.
@@ -349,6 +357,32 @@ quality16kquant)  # quality-large at 16K: fp8_kv, kivi 4 and 2 bits, turboquant 
   QUALITY_METHODS="${QUALITY_METHODS:-$quant}" QUALITY_TAG="${QUALITY_TAG:-quant}" \
       QUALITY_GPU="${HEADLINE_GPU:-$DEFAULT_GPU}" bash "$0" quality sgl_sparse/assets/quality-large 16384
   ;;
+plan1|plan2|plan3|plan4|plan5)  # the benchmark plan, one GPU session each (~25 min of GPU time at most), most
+  # important first; vanilla once per machine (a later plan on the same warm machine reuses its JSON). The rows
+  # each step prints go into BENCHMARKS.md through `rows`.
+  case "$1" in
+  plan1) steps="evict130k" ;;  # h2o, rkv, skipkv, kvzip at 130K x 6, decode graphs on (~4 x 3 min)
+  plan2) steps="palu130k palu130k6 quantdecode" ;;  # Palu at its largest batch and at 6; every decode kernel
+  plan3) steps="fp8kv130k kivi130k turboquant130k" ;;  # the quantized pools at their largest batches
+  plan4) steps="quest130k6 omnikv130k retroinfer130k" ;;  # selection at 130K
+  plan5) steps="vanilla32k quest32k omnikv32k retroinfer32k" ;;  # selection at 32K x 16 (its own vanilla)
+  esac
+  [ -e /root/bench/vanilla130k.json ] || [ "$1" = plan5 ] || steps="vanilla130k $steps"
+  # shellcheck disable=SC2086  # the steps are words
+  bash "$0" queue $steps
+  ;;
+rows)  # BENCHMARKS.md rows from this machine's result JSONs (each against this machine's vanilla):
+  # ROWS_DATE, ROWS_GPU (default: from nvidia-smi), ROWS_RUN (the results folder it will be committed as)
+  gpu="${ROWS_GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*')}"
+  for base in vanilla130k vanilla32k; do
+    [ -e "/root/bench/$base.json" ] || continue
+    size=${base#vanilla}
+    # shellcheck disable=SC2046  # file names
+    python3 benchmarks/bench_rows.py --date "${ROWS_DATE:-$(date +%F)}" --gpu "$gpu" --run "${ROWS_RUN:-}" \
+        --notes "${ROWS_DATE:-$(date +%F)}/NOTES.md" "/root/bench/$base.json" \
+        $(ls /root/bench/*"$size"*.json 2>/dev/null | grep -v "/$base.json") | tee "/root/bench/rows$size.md"
+  done
+  ;;
 queue)  # queue STEP...: run the steps one after another, detached; progress in /root/bench/queue.txt
   shift
   install
@@ -428,6 +462,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|palu130k|palu130k6|quantdecode|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|palu130k|palu130k6|quantdecode|plan1|plan2|plan3|plan4|plan5|rows|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
