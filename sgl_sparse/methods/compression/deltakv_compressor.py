@@ -61,11 +61,13 @@ class Compressor(nn.Module):
     def encode(self, layer: int, kv: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
         """``kv``, ``centre`` ``[n, kv_dim]`` -> the residual latent ``[n, latent_dim]``."""
         down = self.down[str(layer)]
-        return down(kv) - down(centre)
+        out: torch.Tensor = down(kv) - down(centre)
+        return out
 
     def decode(self, layer: int, z: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
         """The latent ``[n, latent_dim]`` and its centre mean ``[n, kv_dim]`` -> ``kv`` ``[n, kv_dim]``."""
-        return self.up[str(layer)](z) + centre
+        out: torch.Tensor = self.up[str(layer)](z) + centre
+        return out
 
     def round_trip(self, layer: int, kv: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
         return self.decode(layer, self.encode(layer, kv, centre), centre)
