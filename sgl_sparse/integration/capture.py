@@ -40,6 +40,9 @@ class QueryCapture:
     scale: float | None = None
     capturing: dict[str, SparseRequest] = field(default_factory=dict)  # rid -> its record (record.capture set)
     ring: list[torch.Tensor] | None = None  # per layer: [request rows, W, heads, head_dim]
+    # The decode step's (rows, position mod W), computed at its first layer, and the last layer written.
+    _decode_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _decode_layer: int = field(default=-1, repr=False)
 
     @property
     def ring_width(self) -> int:
@@ -72,11 +75,15 @@ class QueryCapture:
     def write_decode(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                      scale: float) -> None:
         """A decode step's queries ``[batch, H, D]`` into the ring at each row's position (graph-safe: device
-        tensors only, no host sync)."""
+        tensors only, no host sync). The indices are computed at a forward's first layer (a layer id that does not
+        follow the last one) and reused by the others: one scatter a layer."""
         assert self.ring is not None
         self.scale = scale
+        if self._decode_index is None or layer_id <= self._decode_layer:
+            self._decode_index = (rows.long(), positions.long() % self.ring_width)
+        self._decode_layer = layer_id
         ring = self.ring[layer_id]
-        ring[rows.long(), positions.long() % ring.shape[1]] = q.to(ring.dtype)
+        ring[self._decode_index] = q.to(ring.dtype)
 
     def record(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int], scale: float,
                positions: torch.Tensor | None = None) -> None:
