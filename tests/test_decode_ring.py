@@ -113,3 +113,14 @@ def test_the_ring_is_allocated_once_per_shape() -> None:
     assert cap.ring is ring
     with pytest.raises(RuntimeError, match="exists as"):
         cap.allocate_ring(**{**args, "width": 8})  # type: ignore[arg-type]
+
+
+def test_a_query_shape_the_ring_was_not_built_for_is_a_clear_error() -> None:
+    cap = QueryCapture()
+    cap.allocate_ring(rows=3, num_layers=2, width=4, num_heads=HEADS, head_dim=DIM, dtype=torch.float32,
+                      device=torch.device("cpu"))
+    rows, positions = torch.tensor([1]), torch.tensor([5])
+    with pytest.raises(RuntimeError, match="the ring was built for 2 layers"):
+        cap.write_decode(2, torch.randn(1, HEADS, DIM), rows, positions, 1.0)
+    with pytest.raises(RuntimeError, match="decode queries of layer 0 are"):
+        cap.write_decode(0, torch.randn(1, HEADS, DIM + 1), rows, positions, 1.0)

@@ -15,9 +15,11 @@ Two homes, by whether the request's method observes decode:
   ``W`` queries whatever step made them. The ring's bytes are taken from the KV budget for
   ``--max-running-requests`` + 1 rows (integration/kv_pool.py), as a store's per-request buffers are.
 
-A method reads a window only in the step after a forward and before the next one writes (integration/step.py),
-and it observes at least once every ``w`` decode tokens, so the ring always holds what it reads. This module
-holds what is shared (the ring, layers, scale) and which records capture now, by rid.
+A method reads a window in the step after a forward, which runs before the next forward is launched and whose reads
+are queued on the forward's stream (integration/step.py, ``SparseRuntime.before_forward``): the ring then holds the
+last ``W`` queries up to the request's length, and a method reads at most ``W`` of them (a method that wants each
+decode query once, H2O, observes at least every ``w`` tokens). This module holds what is shared (the ring, layers,
+scale) and which records capture now, by rid.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class QueryCapture:
     # The decode step's (rows, position mod W), computed at its first layer, and the last layer written.
     _decode_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _decode_layer: int = field(default=-1, repr=False)
+    _decode_src: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def ring_width(self) -> int:
@@ -75,13 +78,16 @@ class QueryCapture:
     def write_decode(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                      scale: float) -> None:
         """A decode step's queries ``[batch, H, D]`` into the ring at each row's position (graph-safe: device
-        tensors only, no host sync). The indices are computed at a forward's first layer (a layer id that does not
-        follow the last one) and reused by the others: one scatter a layer."""
+        tensors only, no host sync). The indices are computed at a forward's first layer (another positions tensor,
+        or a layer id that does not follow the last one) and reused by the others: one scatter a layer."""
         assert self.ring is not None
+        if layer_id >= len(self.ring) or q.shape[1:] != self.ring[layer_id].shape[2:]:
+            raise RuntimeError(f"sgl_sparse: decode queries of layer {layer_id} are {tuple(q.shape[1:])} a token, "
+                               f"the ring was built for {len(self.ring)} layers of {tuple(self.ring[0].shape[2:])}")
         self.scale = scale
-        if self._decode_index is None or layer_id <= self._decode_layer:
+        if self._decode_index is None or positions is not self._decode_src or layer_id <= self._decode_layer:
             self._decode_index = (rows.long(), positions.long() % self.ring_width)
-        self._decode_layer = layer_id
+        self._decode_src, self._decode_layer = positions, layer_id
         ring = self.ring[layer_id]
         ring[self._decode_index] = q.to(ring.dtype)
 

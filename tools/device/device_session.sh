@@ -75,8 +75,8 @@
 #   bash tools/device/device_session.sh quality16k quality-large at 16K: dense, snapkv 2048 and 4096, streamingllm.
 #   bash tools/device/device_session.sh quality16ksel | quality16kquant | quality16kevict   quality-large at 16K for the
 #                                                selection methods (quest, omnikv, retroinfer) / the quantized pools
-#                                                (fp8_kv, kivi 4 and 2 bits, turboquant) / h2o, rkv, skipkv (not kvzip: no replay room at 16K; decode
-#                                                graphs off), default configs, each ~1 min a method. QUALITY_SERVER_ARGS:
+#                                                (fp8_kv, kivi 4 and 2 bits, turboquant) / h2o, rkv, skipkv (not kvzip: no replay
+#                                                room at 16K), default configs, each ~1 min a method. QUALITY_SERVER_ARGS:
 #                                                more server flags for `quality`.
 #   bash tools/device/device_session.sh plan1 | plan2 | plan3 | plan4 | plan5   the benchmark plan, one session's GPU
 #                                                time each (~25 min at most), most important first, as a queue: plan1
