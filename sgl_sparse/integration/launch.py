@@ -321,8 +321,8 @@ ALLOW_UNVERIFIED = "--sparse-allow-unverified"
 ALLOW_UNVERIFIED_HELP = (
     "Start combinations that have not run on hardware yet, which are otherwise launch errors naming this flag: "
     "an eviction method with --tp-size > 1 on CUDA, on CUDA a selection method or a quantized KV layout "
-    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and palu on CUDA (its kernels have run only under "
-    "the Triton interpreter). See docs/parallelism.md and docs/methods/palu.md.")
+    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and palu under an eviction method on CUDA (palu alone "
+    "has run there). See docs/parallelism.md and docs/methods/palu.md.")
 
 
 @dataclass(frozen=True)
@@ -398,8 +398,9 @@ def _graphs_on_cpu(phase: str) -> Check:
                            "drop the flag (the launcher turns CUDA graphs off on CPU)")
 
 
-# sgl_sparse's own KV layouts whose GPU kernels are tested under the Triton interpreter but not yet on a GPU.
-LAYOUTS_NOT_RUN_ON_GPU = ("palu",)
+# sgl_sparse's own KV layouts that have run on a GPU alone but not yet under an eviction method (a composition:
+# compacted rows, scores read through the store).
+LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION = ("palu",)
 # Combinations that have not run on hardware yet: each starts with ALLOW_UNVERIFIED.
 UNVERIFIED: tuple[Check, ...] = (
     Check(lambda c: (c.method.selector is not None and not c.method.evicts and c.gpu
@@ -414,11 +415,10 @@ UNVERIFIED: tuple[Check, ...] = (
                     "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and only sgl_sparse's own layouts "
                     f"have passed the GPU tests (tests/gpu/); it serves on --device cpu, or on CUDA with "
                     f"{ALLOW_UNVERIFIED}"),
-    Check(lambda c: (c.method.store is not None and c.gpu
-                     and getattr(c.method, "quantization", c.method).name in LAYOUTS_NOT_RUN_ON_GPU),
-          lambda c: f"--sparse-method {c.name}: its KV layout's GPU kernels have run only under the Triton "
-                    "interpreter, not yet on hardware (tests/gpu/ holds their tests); it serves on --device cpu, or "
-                    f"on CUDA with {ALLOW_UNVERIFIED}"),
+    Check(lambda c: (c.method.store is not None and c.gpu and c.method.evicts
+                     and getattr(c.method, "quantization", c.method).name in LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION),
+          lambda c: f"--sparse-method {c.name}: its KV layout has run on a GPU alone, not yet under an eviction "
+                    f"method; it serves on --device cpu, or on CUDA with {ALLOW_UNVERIFIED}"),
     # Every rank sums its scores over the TP group before selecting (integration/tp.py), tested with two gloo
     # ranks on CPU (tests/test_tp_eviction.py).
     Check(lambda c: c.method.evicts and (c.args.tp_size or 1) > 1 and c.gpu,

@@ -31,6 +31,7 @@ from sgl_sparse.integration import replay
 from sgl_sparse.integration.capture import QueryCapture
 from sgl_sparse.integration.frees import PendingFrees
 from sgl_sparse.integration.metrics import Counters
+from sgl_sparse.integration.syncs import allow_host_sync
 from sgl_sparse.integration.tp import TP_CHECK, check_ranks_agree, scores_all_reduce, scores_max_over_ranks
 from sgl_sparse.prune.keep import ReplayInputs, own_prune
 from sgl_sparse.prune.spec import KVZIP_GLOBAL, SNAPKV_WINDOW, PruneSpec
@@ -135,15 +136,20 @@ class StepPlanner:
                     replays = method.replays(st, info, room.tokens)  # the contract: the last plan runs
                 if replays:
                     replay.run(self.tree, batch, req, st, method, replays, model_runner)
-            if method.observation_window() > 0 and method.wants_observation(st, info):
-                if not is_prefill and not self.capture.observes_decode(rec):
-                    raise RuntimeError(f"sgl_sparse: {method.name}.wants_observation is true in decode but "
-                                       "observes_decode() is false, so no decode queries were captured")
-                method.on_observation(st, self._window(req, rec, model_runner, method.observation_window()))
-            if final:
-                rec.prompt_done = True
-                self.capture.prompt_done(rec)
-            plan = method.on_step_end(st, info)
+            observes = method.observation_window() > 0 and method.wants_observation(st, info)
+            # A step that scores a window may copy its scores to the host once (the keep is chosen there): the one
+            # sync a scoring method's step is allowed, every ``window``/``evict_interval`` decode tokens; every other
+            # decode step stays under the check.
+            with allow_host_sync() if observes else contextlib.nullcontext():
+                if observes:
+                    if not is_prefill and not self.capture.observes_decode(rec):
+                        raise RuntimeError(f"sgl_sparse: {method.name}.wants_observation is true in decode but "
+                                           "observes_decode() is false, so no decode queries were captured")
+                    method.on_observation(st, self._window(req, rec, model_runner, method.observation_window()))
+                if final:
+                    rec.prompt_done = True
+                    self.capture.prompt_done(rec)
+                plan = method.on_step_end(st, info)
             if plan is not None and (keep := check_keep_plan(method, plan, st.kept)).numel() < st.num_kept:
                 plans.append((req, rec, keep))
         if TP_CHECK:  # a scored keep's choice as much as a method's plan

@@ -5,8 +5,9 @@ the next step. ``SGLSPARSE_SYNC_DEBUG=warn|error`` runs our decode-step code (th
 around the forward and the KV-list build) under ``torch.cuda.set_sync_debug_mode``: a synchronizing
 CUDA call there is logged with its stack (``warn``) or raises (``error``, which the GPU tests use).
 Only our code is inside; SGLang's own syncs are not ours to flag. Prefill steps are left out: SnapKV's
-selection copies its scores to the host once per request there, by design; so does a decode-time
-re-selection (``decode_interval`` > 0), which ``error`` therefore refuses: use ``warn`` with it.
+selection copies its scores to the host once per request there, by design; so does a decode step that scores a
+window (H2O, R-KV, SkipKV, SnapKV's ``decode_interval``: every ``window``/``interval`` tokens), whose observation
+and plan run under :func:`allow_host_sync` (integration/step.py); the other decode steps stay checked.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@
 #                                                through `queue` (its servers then start one after another).
 #   bash tools/device/device_session.sh palu130k | palu130k6   Palu (rank ratio PALU_RATIO, default 0.5) at 130K x PALU_BATCH
 #                                                (default 12, what its 1.996x pool fits) and x 6, ours only (table130k
-#                                                adds them); PALU_SERVER_ARGS (default --sparse-allow-unverified).
+#                                                adds them); PALU_SERVER_ARGS: more flags for ours.
 #   bash tools/device/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
 #                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
 #                                                at the same batch (each ~6 min of prefill).
@@ -214,7 +214,7 @@ palu130k|palu130k6)  # Palu at rank ratio PALU_RATIO (default 0.5) at 130K: at i
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method palu --sparse-config "{\"rank_ratio\": ${PALU_RATIO:-0.5}}" \
-      --sparse-server-args "${PALU_SERVER_ARGS:---sparse-allow-unverified}" \
+      --sparse-server-args "${PALU_SERVER_ARGS:-}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
 snapkvfp8130k)  # SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH (default 24; SnapKV alone:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from sgl_sparse.config import MethodConfig
 from sgl_sparse.contract import Family, KeepPlan, ObservationWindow, RequestState, SparseMethod, StepInfo
+from sgl_sparse.slots import to_device
 
 POOLINGS = ("avgpool", "maxpool")
 WINDOW = "eviction_window"  # state.extra: this step's observation window, scored in on_step_end
@@ -111,7 +112,8 @@ def observation_scores(window: ObservationWindow, kernel_size: int, pooling: str
     for layer in range(window.num_layers):
         buf = window.key_buffer(layer)
         if on_device is None:
-            on_device = (window.key_rows.to(buf.device), window.q_pos.to(buf.device), window.k_pos.to(buf.device))
+            on_device = (to_device(window.key_rows, buf.device), to_device(window.q_pos, buf.device),
+                         to_device(window.k_pos, buf.device))
         s = window_scores(window.queries[layer], buf, *on_device, window.scale, kernel_size, pooling)
         total = s if total is None else total + s
     assert total is not None

@@ -97,10 +97,8 @@ def redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
     column_sum = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
     step = max(1, SIMILARITY_BLOCK_ELEMENTS // max(1, hkv * n))
     for start in range(0, n, step):
-        rows = cols[start:start + step]
         sim = torch.einsum("hrd,hnd->hrn", unit[:, start:start + step], unit)  # [Hkv, r, n]
-        local = torch.arange(rows.numel(), device=keys.device)
-        sim[:, local, rows] = 0.0
+        sim.diagonal(offset=start, dim1=1, dim2=2).zero_()  # each key's similarity to itself (no index_put)
         last = torch.where(sim > threshold, cols, 0).amax(dim=-1)  # most recent near-duplicate (0 if none)
         sim.scatter_(-1, last[..., None], 0.0)
         column_sum += sim.sum(dim=1)
