@@ -92,9 +92,9 @@ class QueryCapture:
         ring[self._decode_index] = q.to(ring.dtype)
 
     def record(self, layer_id: int, q: torch.Tensor, rids: list[str], q_lens: list[int], scale: float,
-               positions: torch.Tensor | None = None) -> None:
+               positions: torch.Tensor) -> None:
         """An extend step's queries ``[sum(q_lens), H, D]`` of one layer, request after request; ``positions``: each
-        query's position (the forward batch's, on the queries' device), needed where a request writes the ring."""
+        query's position (the forward batch's, on the queries' device), where a request writes the ring."""
         if not self.capturing:
             return
         self.scale = scale
@@ -106,7 +106,8 @@ class QueryCapture:
             rec = self.capturing.get(rid)
             if rec is None or (cap := rec.capture) is None:
                 continue
-            if cap.observes_decode and self.ring is not None and positions is not None:
+            if cap.observes_decode:  # start() saw the ring wide enough
+                assert self.ring is not None
                 t = min(n, self.ring_width)
                 ring = self.ring[layer_id]
                 ring[rec.pool_idx, positions[start - t:start].long() % ring.shape[1]] = q_req[-t:].to(ring.dtype)
@@ -127,10 +128,11 @@ class QueryCapture:
         cap = rec.capture
         if cap is None:
             return {}
-        if not (cap.observes_decode and self.ring is not None):
+        if not cap.observes_decode:
             return cap.queries
         if cap.ring_from < 0:
             return {}
+        assert self.ring is not None  # start() saw it wide enough
         end = rec.running_state.logical_len
         width = self.ring_width
         n = min(width, end - cap.ring_from)

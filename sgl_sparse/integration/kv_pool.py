@@ -105,8 +105,7 @@ def _ring_bytes(configurator: Any, rows: int) -> int:
     if width == 0:
         return 0
     g = _sizing_geometry(configurator, configurator.model_config.num_hidden_layers)
-    itemsize = torch.empty(0, dtype=configurator.model_config.dtype).element_size()
-    return rows * g.num_layers * width * g.num_q_heads * g.head_dim * itemsize
+    return rows * g.num_layers * width * g.num_q_heads * g.head_dim * configurator.model_config.dtype.itemsize
 
 
 def after_profile_available_bytes(result: int, configurator: Any, *args: Any, **kwargs: Any) -> int:
