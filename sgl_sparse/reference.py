@@ -120,7 +120,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
     rpi = torch.tensor([1])
     if sel is not None:
         sel.allocate(KVGeometry(model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim, ps,
-                                n_total + 2 * ps, torch.float32, torch.device("cpu")))
+                                n_total + 2 * ps, torch.float32, torch.device("cpu"), max_requests=r2t.shape[0]))
 
     steps = [(s, min(s + chunk_size, prompt_len)) for s in range(0, prompt_len, chunk_size)]
     steps += [(i, i + 1) for i in range(prompt_len, n_total)]
@@ -134,7 +134,7 @@ def run_request(method: SparseMethod[Any], model: ToyAttentionStack, tokens: lis
         kv_pos = torch.cat([retained[:start].nonzero().flatten(), q_pos])
         h = h_all[start:end]
         if sel is not None:
-            sel.bind([state], rpi)
+            sel.bind([state], rpi.tolist())
         for layer in range(model.n_layers):
             q, k, v = model.project(layer, h)
             keys[layer][start:end], vals[layer][start:end] = k, v

@@ -26,6 +26,7 @@ INTERPRETED_FILES = (
     "tests/test_kernels.py",
     "tests/test_kivi.py",
     "tests/test_kivi_decode.py",
+    "tests/test_layer_sets_kernel.py",
     "tests/test_omnikv.py",
     "tests/test_palu_kernels.py",
     "tests/test_quest_kernels.py",

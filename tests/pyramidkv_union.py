@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_sparse.contract import RequestState
-from sgl_sparse.methods.eviction.pyramidkv import LayerKeepSelector, LayerSets, PyramidKV, PyramidKVConfig
+from sgl_sparse.methods.eviction.pyramidkv import (
+    LayerKeepSelector,
+    LayerSets,
+    PyramidKV,
+    PyramidKVConfig,
+    max_layer_set,
+)
 from sgl_sparse.registry import register_method
 
 
@@ -29,4 +35,4 @@ class PyramidKVUnion(PyramidKV):
 
     def __init__(self, config: PyramidKVUnionConfig) -> None:
         super().__init__(config)
-        self._selector = UnionSelector()
+        self._selector = UnionSelector(max_layer_set(config))

@@ -190,7 +190,8 @@ def test_a_continuation_that_prunes_drops_the_restored_layer_sets_columns() -> N
     left, keeping what a plain reference keeps."""
     cfg = {"budget": 24, "beta": 3, "window_size": 4, "kernel_size": 3, "sink_tokens": 2}
     method = create_method("pyramidkv", cfg)
-    method.selector.allocate(KVGeometry(4, 4, 2, 8, 1, 256, torch.float32, torch.device("cpu")))
+    method.selector.allocate(KVGeometry(4, 4, 2, 8, 1, 256, torch.float32, torch.device("cpu"),
+                                               max_requests=2))
     first = run_request(method, ToyAttentionStack(n_layers=4), _tokens(70), prompt_len=60, chunk_size=16)
     payload = method.on_finish(first.state)
     kept1 = first.state.kept
@@ -273,8 +274,8 @@ def test_budget_covering_the_sequence_reproduces_dense() -> None:
 
 
 def _selector(layers: int = 2, hkv: int = 2) -> LayerKeepSelector:
-    sel = LayerKeepSelector()
-    sel.allocate(KVGeometry(layers, 4, hkv, 8, 1, 64, torch.float32, torch.device("cpu")))
+    sel = LayerKeepSelector(width=16)
+    sel.allocate(KVGeometry(layers, 4, hkv, 8, 1, 64, torch.float32, torch.device("cpu"), max_requests=3))
     return sel
 
 
@@ -287,7 +288,7 @@ def test_selector_rows_are_the_layer_sets_plus_the_tail_and_never_a_previous_own
     a, b, c = RequestState("a"), RequestState("b"), RequestState("c")
     sel.set_request(a, (positions, mask, 10))
     sel.set_request(b, None)
-    sel.bind([a, b, None], torch.tensor([1, 2, 0]))
+    sel.bind([a, b, None], [1, 2, 0])
     assert not a.extra and not b.extra  # handed over once
     seq = torch.tensor([13, 5])
     want0 = [0, 1, 4, 5, 6, 8, 9, 10, 11, 12]
@@ -299,7 +300,7 @@ def test_selector_rows_are_the_layer_sets_plus_the_tail_and_never_a_previous_own
         assert pages[2][pages[2] != UNUSED].tolist() == list(range(5))  # no sets: every live position
     # A new request in row 1: admitted with no sets, it reads its live positions, not "a"'s sets.
     sel.set_request(c, None)
-    sel.bind([c], torch.tensor([1]))
+    sel.bind([c], [1])
     pages = sel.select(1, None, r2t, torch.tensor([1]), torch.tensor([13]))
     assert pages[0][pages[0] != UNUSED].tolist() == [p for p in range(13) if p not in (2, 3, 7)]
 
@@ -331,7 +332,8 @@ def test_continuation_reselects_each_layer_over_its_own_set() -> None:
     (a position another layer dropped never comes back into it)."""
     method = create_method("pyramidkv", {"budget": 24, "beta": 3, "window_size": 4, "kernel_size": 3,
                                           "sink_tokens": 2})
-    method.selector.allocate(KVGeometry(4, 4, 2, 16, 1, 256, torch.float32, torch.device("cpu")))
+    method.selector.allocate(KVGeometry(4, 4, 2, 16, 1, 256, torch.float32, torch.device("cpu"),
+                                               max_requests=2))
     first = run_request(method, ToyAttentionStack(n_layers=4), _tokens(70), prompt_len=60, chunk_size=16)
     payload = method.on_finish(first.state)
     st = method.new_state("turn2")
@@ -385,12 +387,18 @@ def test_payload_of_a_request_that_never_selected_is_none() -> None:
     assert isinstance(TreePayload().data, dict)
 
 
-def test_launcher_refuses_pyramidkv_on_cuda_and_serves_it_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_launcher_gates_pyramidkv_on_cuda_until_its_gpu_tests_pass_and_serves_it_on_cpu(
+        capsys: pytest.CaptureFixture[str]) -> None:
     from sgl_sparse.integration.launch import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv"])
     assert e.value.code == 2
-    assert "per-layer selection" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kernels/layer_sets.py" in err and "--sparse-allow-unverified" in err
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv",
+                             "--sparse-allow-unverified"])
+    # the layer sets are per request row, accounted for before the pool is sized: the rows must be known
+    assert hand.method == "pyramidkv" and args.max_running_requests is not None
     args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "pyramidkv"])
     assert hand.method == "pyramidkv" and args.page_size == 1

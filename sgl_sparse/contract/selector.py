@@ -85,8 +85,14 @@ class PageSelector(ABC):
         """Device bytes of method metadata per KV token (rounded up), counted in SGLang's pool sizing."""
         return 0
 
+    def fixed_bytes(self, geometry: KVGeometry) -> int:
+        """Device bytes of per-request buffers (``geometry.max_requests`` rows), taken from the KV budget before
+        the pool is sized (e.g. PyramidKV's per-layer sets)."""
+        return 0
+
     def allocate(self, geometry: KVGeometry) -> None:
-        """Allocate the metadata buffers (once, after the KV pool, before CUDA-graph capture)."""
+        """Allocate the metadata buffers (once, after the KV pool, before CUDA-graph capture);
+        ``geometry.max_requests`` is the number of ``req_to_token`` rows."""
         return None
 
     def on_kv_write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, decode: bool = False) -> None:
@@ -127,9 +133,10 @@ class PageSelector(ABC):
         graphs, no host sync needed: the lengths are on the host)."""
         return None
 
-    def bind(self, states: Sequence[RequestState | None], req_pool_indices: torch.Tensor) -> None:
-        """Before each forward step's attention metadata is built (eager only, never inside a graph replay), for
-        a ``static`` selector (its rows hold what its method decided per request): the step's requests' states
-        (``None``: a request the method does not track) and their ``req_to_token`` rows, in batch order. What a
-        method hands its selector lives in the request's state, which owns it."""
+    def bind(self, states: Sequence[RequestState | None], rows: Sequence[int]) -> None:
+        """Before each forward step (eager or a CUDA-graph replay; called outside the graph, on the host), for a
+        ``static`` selector (its rows hold what its method decided per request): the step's requests' states
+        (``None``: a request the method does not track) and their ``req_to_token`` rows (host ints), in batch
+        order. What a method hands its selector lives in the request's state, which owns it; device writes go
+        through pinned memory without a sync (``slots.to_device``)."""
         return None

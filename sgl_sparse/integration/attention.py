@@ -103,8 +103,6 @@ class SparseBackendMixin:
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()
-        if self.selector is not None and self.selector.static and forward_batch.rids is not None:
-            self.selector.bind(self.runtime.states_of(forward_batch.rids), forward_batch.req_pool_indices)
         super().init_forward_metadata(forward_batch)  # type: ignore[misc]
         if self.store is None:
             return

@@ -57,6 +57,9 @@ def create_backend(model_runner: Any) -> SparseBackendMixin:
     if method.store is not None and method.evicts and model_runner.device != "cpu" and base != "flashinfer":
         raise ValueError(f"sgl_sparse: {method.name} (eviction over a method-owned layout) reads FlashInfer's "
                          "compacted decode lists on CUDA: use --attention-backend flashinfer")
+    if method.selector is not None and base == "triton":
+        raise ValueError(f"sgl_sparse: {method.name}'s decode reads a selection, which the flashinfer base (GPU) "
+                         "and torch_native (CPU) serve, not triton")
     if method.store is not None and base == "triton":
         raise ValueError(f"sgl_sparse: {method.name} (a method-owned KV layout) serves on the flashinfer base "
                          "(GPU) or torch_native (CPU), not triton")

@@ -109,22 +109,25 @@ def _ring_bytes(configurator: Any, rows: int) -> int:
 
 
 def after_profile_available_bytes(result: int, configurator: Any, *args: Any, **kwargs: Any) -> int:
-    """AFTER ``KVCacheConfigurator._profile_available_bytes``: per-request buffers (a store's fixed bytes, the
-    decode query ring) come out of the KV budget before SGLang divides it by the cell size."""
+    """AFTER ``KVCacheConfigurator._profile_available_bytes``: per-request buffers (a store's or a selector's
+    fixed bytes, the decode query ring) come out of the KV budget before SGLang divides it by the cell size."""
     rows = _accounted_requests(configurator)
     ring = _ring_bytes(configurator, rows)
     if ring:
         logger.info("sgl_sparse: %.1f MiB of decode query ring (%d request rows) taken from the KV budget",
                     ring / 2**20, rows)
-    store = _served_store()
-    if store is None:
+    store, selector = _served_store(), _served_selector()
+    if store is None and selector is None:
         return result - ring
     g = _sizing_geometry(configurator, configurator.model_config.num_hidden_layers)
     g = KVGeometry(**{**vars(g), "max_requests": rows})
-    fixed = store.fixed_bytes(g)
-    if fixed:
-        logger.info("sgl_sparse: %.1f MiB of %s's per-request buffers (%d request rows) taken from the KV budget",
-                    fixed / 2**20, type(store).__name__, g.max_requests)
+    fixed = 0
+    for owner in (store, selector):
+        own = owner.fixed_bytes(g) if owner is not None else 0
+        if own:
+            logger.info("sgl_sparse: %.1f MiB of %s's per-request buffers (%d request rows) taken from the KV "
+                        "budget", own / 2**20, type(owner).__name__, g.max_requests)
+        fixed += own
     return result - fixed - ring
 
 

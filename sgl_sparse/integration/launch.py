@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sgl_sparse.contract import KVStore
+from sgl_sparse.contract import KVStore, PageSelector
 from sgl_sparse.errors import SparseConfigError
 from sgl_sparse.integration import BACKEND_NAME, handoff
 from sgl_sparse.registry import create_method, registered_methods
@@ -202,9 +202,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
         parser.error(f"--sparse-request-decode-window {request_window}: "
                      + ("must be >= 0" if request_window < 0 else f"requests choose no method here ({FLAG} {policy})"))
     if ((method.store is not None and type(method.store).fixed_bytes is not KVStore.fixed_bytes
+         or method.selector is not None and type(method.selector).fixed_bytes is not PageSelector.fixed_bytes
          or decode_window(method, request_window) > 0) and args.max_running_requests is None):
-        # Per-request buffers (KIVI's residual, the decode query ring) are accounted for --max-running-requests
-        # rows before the pool is sized, so it must be known then.
+        # Per-request buffers (KIVI's residual, PyramidKV's layer sets, the decode query ring) are accounted for
+        # --max-running-requests rows before the pool is sized, so it must be known then.
         args.max_running_requests = DEFAULT_RUNNING_REQUESTS
     args.attention_backend = BACKEND_NAME
     # Both None, so SGLang resolves prefill and decode to our backend: a prefill == decode pair would
@@ -398,6 +399,14 @@ def _graphs_on_cpu(phase: str) -> Check:
                            "drop the flag (the launcher turns CUDA graphs off on CPU)")
 
 
+# sgl_sparse's own eviction methods with per-layer selection whose decode kernel has passed the GPU tests.
+GPU_VERIFIED_LAYER_SETS: tuple[str, ...] = ()
+
+
+def _gpu_verified(method: Any) -> bool:
+    return method.name in GPU_VERIFIED_LAYER_SETS and not _from_outside(method)
+
+
 # sgl_sparse's own KV layouts that have run on a GPU alone but not yet under an eviction method (a composition:
 # compacted rows, scores read through the store).
 LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION = ("palu",)
@@ -425,6 +434,10 @@ UNVERIFIED: tuple[Check, ...] = (
           lambda c: f"--tp-size {c.args.tp_size} with {c.name}: eviction under tensor parallelism (scores summed "
                     "over the TP group, so every rank keeps the same tokens) has not yet run on more than one GPU; "
                     f"see docs/parallelism.md ({ALLOW_UNVERIFIED} starts it)"),
+    Check(lambda c: c.method.selector is not None and c.method.evicts and c.gpu and not _gpu_verified(c.method),
+          lambda c: f"--sparse-method {c.name}: its per-layer sets' decode kernel (kernels/layer_sets.py) has passed "
+                    "its tests under the Triton interpreter, not yet on a GPU (tests/gpu/); it serves on --device "
+                    f"cpu, or on CUDA with {ALLOW_UNVERIFIED}"),
 )
 
 _FP8 = "fp8"
@@ -434,10 +447,7 @@ _FP8 = "fp8"
 UNSUPPORTED: tuple[Check, ...] = (
     Check(lambda c: _hooks_problem(c) is not None,
           lambda c: f"--sparse-method {c.name}: {_hooks_problem(c)}"),
-    Check(lambda c: c.method.selector is not None and c.method.evicts and c.gpu,
-          lambda c: f"--sparse-method {c.name}: eviction with per-layer selection (each layer reads its own kept "
-                    "set) serves on --device cpu only for now: the GPU selection path plans one list length per "
-                    "request from its sequence length, and per-layer sets differ in size"),
+    UNVERIFIED[4],
     UNVERIFIED[0],
     *(_replays(r) for r in REPLAY),
     Check(lambda c: c.args.enable_hierarchical_cache,

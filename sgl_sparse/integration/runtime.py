@@ -288,11 +288,29 @@ class SparseRuntime:
         mode = batch.forward_mode
         if mode.is_extend():
             self._before_prefill(batch)
+            self._bind_static(batch)
             return
         if not self.evicting or not mode.is_decode():
             return
         with no_host_sync():
             self._before_decode(batch, model_runner)
+            self._bind_static(batch)
+
+    def _bind_static(self, batch: Any) -> None:
+        """A static selector's rows get what the step's requests' states hand it (PyramidKV's layer sets), before
+        the forward (eager or a graph replay) reads them."""
+        sel = self.method.selector
+        if sel is None or not sel.static:
+            return
+        states: list[RequestState | None] = []
+        rows: list[int] = []
+        for req in batch.reqs:
+            if req.req_pool_idx is None:
+                continue
+            rec = record_of(req)
+            states.append(rec.state if rec is not None else None)
+            rows.append(int(req.req_pool_idx))
+        sel.bind(states, rows)
 
     def _before_decode(self, batch: Any, model_runner: Any) -> None:
         lens = []

@@ -32,7 +32,8 @@ def geometry_of(model_runner: Any) -> KVGeometry:
     tp = get_parallel().attn_tp_size
     return KVGeometry(num_layers=mc.num_hidden_layers, num_q_heads=mc.num_attention_heads // tp,
                       num_kv_heads=pool.head_num, head_dim=pool.head_dim, page_size=pool.page_size,
-                      num_slots=pool.size + pool.page_size, dtype=pool.dtype, device=torch.device(pool.device))
+                      num_slots=pool.size + pool.page_size, dtype=pool.dtype, device=torch.device(pool.device),
+                      max_requests=int(model_runner.req_to_token_pool.req_to_token.shape[0]))
 
 
 def allocate_once(selector: PageSelector, model_runner: Any) -> None:

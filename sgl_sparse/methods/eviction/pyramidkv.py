@@ -36,8 +36,9 @@ candidates are then its set less the pruned positions, and its budget counts wha
 Defaults: ``beta`` 20 (kvpress and KVCache-Factory); ``budget`` 8,192, ``window_size`` 32, ``kernel_size`` 5,
 ``pooling`` avgpool, ``sink_tokens`` 64, ``decode_interval`` 0 are our SnapKV's (SnapKV's original window,
 kernel and pooling; kvpress's PyramidKV uses window 64), so ``pyramidkv`` and ``snapkv`` at one config differ
-only in the per-layer schedule. Served on the CPU server only for now: the GPU selection path (FlashInfer lists
-per layer) plans list lengths from the sequence length alone, which per-layer sets of different sizes break.
+only in the per-layer schedule. Decode reads each layer's set through one kernel a layer on CUDA
+(:mod:`sgl_sparse.kernels.layer_sets`, CUDA-graph safe) and its torch reference on CPU; on CUDA a Chain Cache turn's
+prefill reads its cached prefix through FlashInfer's lists, the union (docs/methods/pyramidkv.md).
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ from sgl_sparse.contract import (
     StepInfo,
     TreePayload,
 )
+from sgl_sparse.kernels import layer_sets
 from sgl_sparse.methods.eviction.base import POOLINGS, Budget, ScoredEviction, topk_keep, window_scores
 from sgl_sparse.registry import register_method
-from sgl_sparse.slots import SENTINEL_SLOT
+from sgl_sparse.slots import SENTINEL_SLOT, to_device
 
 LAYERS = "pyramidkv_layers"  # state.extra / payload: [L, m] bool, layer l keeps state.kept[i] (i < m; later: all)
 SCORED = "pyramidkv_scored"  # state.extra: this step's per-layer candidates and budgets
@@ -131,82 +133,111 @@ def layer_budgets(n: int, num_layers: int, budget: int, fixed: int, beta: int, w
     return [fixed + round(max_num - layer * step) for layer in range(num_layers)]
 
 
+def max_layer_set(cfg: PyramidKVConfig) -> int:
+    """The most positions one layer's set can hold: the largest layer budget of any context, under twice the
+    mean (:func:`_span`: the largest layer's scored part is ``2 (budget - fixed) - min_num``)."""
+    return 2 * cfg.budget
+
+
 class LayerKeepSelector(PageSelector):
     """Each layer reads its own kept set: per request row and layer, the positions the last selection kept
-    (``keep[layer][row]``, ascending, ``UNUSED``-padded), plus every position from ``tail[row]`` on (appended
-    since). A row the method set no sets for has ``tail`` 0: every live position (sentinels skipped), i.e. the
-    union. The method hands a request's sets over in its state (:meth:`set_request`) and :meth:`bind` writes
-    them into the request's row before the next forward step reads it; every admission hands a row over, so a
-    reused row never shows its previous owner's sets.
+    (``keep[layer, row, :count[layer, row]]``, ascending), plus every position from ``tail[row]`` on (appended
+    since). A row the method set no sets for has ``count`` and ``tail`` 0: every live position (sentinels
+    skipped), i.e. the union. The method hands a request's sets over in its state (:meth:`set_request`) and
+    :meth:`bind` writes them into the request's row before the next forward step reads it; every admission hands
+    a row over, so a reused row never shows its previous owner's sets.
 
-    Memory: ``int64`` per kept position and layer per row, grown on demand (CPU server only, see the module)."""
+    Decode reads the sets through one kernel a layer (:mod:`sgl_sparse.kernels.layer_sets`: list lengths on the
+    device, fixed shapes, so CUDA graphs capture it); an extend's cached prefix reads them on the CPU server
+    (:meth:`select`). Memory: fixed buffers of ``width`` positions per layer and request row (int32), taken from
+    the KV budget before the pool is sized (:meth:`fixed_bytes`)."""
 
     page_size = 1
     static = True
+    attends = True
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
+        self.width = width  # the most positions one layer's set holds
         self.num_layers = 0
         self.num_kv_heads = 1
-        self.keep: torch.Tensor = torch.empty(0, 0, 0, dtype=torch.int64)  # [L, rows, width]
-        self.tail: torch.Tensor = torch.empty(0, dtype=torch.int64)  # [rows]
-        self.device = torch.device("cpu")
+        self.keep = torch.empty(0, 0, 0, dtype=torch.int32)  # [L, rows, width]
+        self.count = torch.empty(0, 0, dtype=torch.int32)  # [L, rows]
+        self.tail = torch.empty(0, dtype=torch.int32)  # [rows]
 
     def selects(self, layer_id: int) -> bool:
         return True
 
+    def fixed_bytes(self, g: KVGeometry) -> int:
+        return g.max_requests * 4 * (g.num_layers * (self.width + 1) + 1)
+
     def allocate(self, g: KVGeometry) -> None:
-        self.num_layers, self.num_kv_heads, self.device = g.num_layers, g.num_kv_heads, g.device
-        self.keep = torch.full((g.num_layers, 1, 0), UNUSED, dtype=torch.int64, device=g.device)
-        self.tail = torch.zeros(1, dtype=torch.int64, device=g.device)
+        if g.max_requests < 1:
+            raise ValueError("LayerKeepSelector needs the request rows (KVGeometry.max_requests)")
+        self.num_layers, self.num_kv_heads = g.num_layers, g.num_kv_heads
+        self.keep = torch.zeros(g.num_layers, g.max_requests, self.width, dtype=torch.int32, device=g.device)
+        self.count = torch.zeros(g.num_layers, g.max_requests, dtype=torch.int32, device=g.device)
+        self.tail = torch.zeros(g.max_requests, dtype=torch.int32, device=g.device)
 
     def set_request(self, state: RequestState, sets: LayerSets | None) -> None:
         """Hand ``state``'s sets over, written into its row at the next :meth:`bind`; ``None``: no sets."""
         state.extra[PENDING] = sets
 
-    def _grow(self, rows: int, width: int) -> None:
-        r, w = max(rows, self.keep.shape[1]), max(width, self.keep.shape[2])
-        if (r, w) != tuple(self.keep.shape[1:]):
-            keep = torch.full((self.num_layers, r, w), UNUSED, dtype=torch.int64, device=self.device)
-            keep[:, : self.keep.shape[1], : self.keep.shape[2]] = self.keep
-            tail = torch.zeros(r, dtype=torch.int64, device=self.device)
-            tail[: self.tail.numel()] = self.tail
-            self.keep, self.tail = keep, tail
-
-    def bind(self, states: Sequence[RequestState | None], req_pool_indices: torch.Tensor) -> None:
-        for state, row in zip(states, req_pool_indices.tolist(), strict=True):
+    def bind(self, states: Sequence[RequestState | None], rows: Sequence[int]) -> None:
+        device = self.keep.device
+        for state, row in zip(states, rows, strict=True):
             if state is None or PENDING not in state.extra:
                 continue
             sets = state.extra.pop(PENDING)
-            self._grow(row + 1, 0)
-            self.keep[:, row] = UNUSED
-            if sets is None:
-                self.tail[row] = 0
-                continue
-            positions, mask, tail = sets
-            self._grow(row + 1, int(mask.sum(1).max()) if mask.numel() else 0)
-            for layer in range(self.num_layers):
-                p = positions[mask[layer]].to(self.device)
-                self.keep[layer, row, : p.numel()] = p
-            self.tail[row] = tail
+            keep = torch.zeros(self.num_layers, self.width, dtype=torch.int32)
+            count = torch.zeros(self.num_layers, dtype=torch.int32)
+            tail = 0
+            if sets is not None:
+                positions, mask, tail = sets
+                for layer in range(self.num_layers):
+                    p = positions[mask[layer]]
+                    if p.numel() > self.width:
+                        raise RuntimeError(f"pyramidkv: layer {layer} keeps {p.numel()} positions, more than the "
+                                           f"selector's {self.width}")
+                    keep[layer, : p.numel()] = p.to(torch.int32)
+                    count[layer] = p.numel()
+            # Host -> device through pinned memory without blocking: enqueued on the stream before the forward
+            # that reads them, so a captured decode graph replays over the new sets.
+            self.keep[:, row] = to_device(keep, device)
+            self.count[:, row] = to_device(count, device)
+            self.tail[row : row + 1] = to_device(torch.tensor([tail], dtype=torch.int32), device)
 
     def visible(self, layer_id: int, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
         """``[bs, width]`` bool: the positions each row reads at this layer (``width = max(seq_lens)``)."""
         rows = req_pool_indices.long()
         width = int(seq_lens.max()) if rows.numel() else 0
-        self._grow(int(rows.max()) + 1 if rows.numel() else 0, 0)
         pos = torch.arange(width, device=rows.device)
         live = (req_to_token[rows, :width] != SENTINEL_SLOT) & (pos[None, :] < seq_lens[:, None])
+        listed = torch.arange(self.width, device=rows.device)[None, :] < self.count[layer_id, rows][:, None]
+        keep = torch.where(listed, self.keep[layer_id, rows].long(), width).clamp(max=width)
         member = torch.zeros(rows.numel(), width + 1, dtype=torch.bool, device=rows.device)
-        member.scatter_(1, self.keep[layer_id, rows].clamp(max=width), True)
+        member.scatter_(1, keep, True)
         return live & (member[:, :width] | (pos[None, :] >= self.tail[rows][:, None]))
 
     def select(self, layer_id: int, q: torch.Tensor | None, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """An extend's read of its cached prefix (CPU server): :meth:`visible` as sorted positions."""
         read = self.visible(layer_id, req_to_token, req_pool_indices, seq_lens)
         pos = torch.arange(read.shape[1], device=read.device)
         pages = torch.where(read, pos[None, :], UNUSED).sort(dim=1).values
         return pages.repeat_interleave(self.num_kv_heads, dim=0)
+
+    def attend(self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        args = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, self.keep[layer_id],
+                self.count[layer_id], self.tail, scale)
+        if q.is_cuda:
+            if k_cache.dtype != q.dtype:
+                raise ValueError(f"pyramidkv reads a {k_cache.dtype} KV cache with {q.dtype} queries: its decode "
+                                 "kernel reads the model dtype only")
+            return layer_sets.decode_attention(*args)
+        return layer_sets.decode_attention_torch(*args)
 
 
 @register_method
@@ -219,7 +250,7 @@ class PyramidKV(ScoredEviction[PyramidKVConfig]):
 
     def __init__(self, config: PyramidKVConfig) -> None:
         super().__init__(config)
-        self._selector = LayerKeepSelector()
+        self._selector = LayerKeepSelector(max_layer_set(config))
         self.counters = {"selections": 0, "union_tokens_total": 0, "layer_tokens_total": 0,
                          "max_layer_tokens_total": 0, "resumed_without_layer_sets": 0}
         self.last_budgets: list[int] = []
