@@ -29,7 +29,7 @@
 #   bash tools/device/device_session.sh vanilla32k | quest32k | omnikv32k | retroinfer32k | table32k
 #                                                32,768 in x 16: vanilla FlashInfer, then each selection method at its
 #                                                default config, one server a step; table32k prints them together.
-#   bash tools/device/device_session.sh evict130k   EVICT_METHODS (default h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (6), default
+#   bash tools/device/device_session.sh evict130k   EVICT_METHODS (default h2o rkv skipkv kvzip pyramidkv) at 130K x EVICT_BATCH (6), default
 #                                                configs, ours only, one server each, decode CUDA graphs on
 #                                                (EVICT_SERVER_ARGS: more server flags). Run it
 #                                                through `queue` (its servers then start one after another).
@@ -242,19 +242,21 @@ selection)  # Quest's per-layer selection stages (benchmarks/selection_overhead.
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/selection.txt python3 benchmarks/selection_overhead.py \
       ${SELECTION_ARGS:-}
   ;;
-evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip) at 130K x EVICT_BATCH (default 6, vanilla's), default
+evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip pyramidkv) at 130K x EVICT_BATCH (default 6, vanilla's), default
   install    # configs and SGLang's defaults (decode CUDA graphs on), ours only, one server each (~3 min each);
   # EVICT_SERVER_ARGS: more flags for ours (e.g. --max-running-requests 96 for a batch past the default 64).
-  for m in ${EVICT_METHODS:-h2o rkv skipkv kvzip}; do
+  for m in ${EVICT_METHODS:-h2o rkv skipkv kvzip pyramidkv}; do
+    # pyramidkv: behind --sparse-allow-unverified until tests/gpu/test_gpu_pyramidkv.py passes (launch.py)
+    extra="${EVICT_SERVER_ARGS:-}"; [ "$m" = pyramidkv ] && extra="$extra --sparse-allow-unverified"
     CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/${m}130k.txt" python3 \
         benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 \
         --sparse-batch "${EVICT_BATCH:-6}" --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
-        "--sparse-server-args=${EVICT_SERVER_ARGS:-}" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
+        "--sparse-server-args=$extra" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
   done
   ;;
 table130k)
   python3 benchmarks/decode_throughput.py --table-from /root/bench/vanilla130k.json \
-      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,quest130k6,omnikv130k,retroinfer130k,retroinfer130k6,h2o130k,rkv130k,skipkv130k,kvzip130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k,palu130k6,palu130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
+      $(ls /root/bench/{dense130k,snapkv130k6,snapkv130k,snapkvfp8130k,streamingllm,quest130k,quest130k6,omnikv130k,retroinfer130k,retroinfer130k6,h2o130k,rkv130k,skipkv130k,kvzip130k,pyramidkv130k,fp8kv130k6,fp8kv130k,kivi130k6,kivi130k,turboquant130k6,turboquant130k,palu130k6,palu130k}.json /root/bench/*130k*-*.json 2>/dev/null) | tee /root/bench/table130k.txt
   ;;
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install

@@ -1,0 +1,213 @@
+"""DeltaKV's layout over the pool (issue 49, part 2): what a slot of each layer holds, how a token is written into
+it and read back. Not served yet: the method, its launch checks and the server's wiring (a store that reads its
+request's row at write time, an extend that reads its new tokens back from the pool) are the next part.
+
+Layers the compressor has no ``down``/``up`` for are **full**: they keep the post-RoPE K and V as SGLang would.
+On a **sparse** layer every slot holds the token's position (int32) and, per page of ``stride`` slots (SGLang's
+paged allocator with ``--page-size stride``: a page is ``stride`` consecutive positions of one request, and the
+page's first slot is the position that is a multiple of ``stride``), the **centre** is the page's first token:
+its raw pre-RoPE ``kv`` (K with the rotation undone, then V, flattened) in a per-page buffer. Every other token
+keeps the latent residual ``z = down(kv) - down(c)`` (model dtype) and the slots of its ``neighbors`` nearest
+centres (int32, ``-1`` unused): the centres of its own request's pages at positions before it (L2 over ``kv``,
+``deltakv_compressor.nearest_centres``), ``c`` their mean. It is read back as ``up(z) + c`` with K rotated again at
+its position.
+
+Everything a slot holds is a function of the request's tokens up to and including the slot's position (a centre
+is the page's first token, a token's candidates are its request's earlier centres), so a prefix shared through
+the radix tree reads back exactly as it was written, whichever request wrote it and however its prompt was cut
+into chunks. The tree frees a request's pages from the end, so a page's centre outlives every token pointing at
+it; freeing a range in the middle (Prefix-Cache Pruning) would not, and must stay refused for this layout.
+
+Per token on a sparse layer: ``latent_dim`` values in the model dtype, ``neighbors`` + 1 int32 and a
+``stride``-th of a raw ``kv``; on a Llama-3-8B layer (kv 2,048 wide) at latent 128, 4 neighbours, stride 10:
+~682 bytes against bf16's 4,096.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sgl_sparse.contract import KVGeometry, KVStore, ModelKV, RotaryTable
+from sgl_sparse.kernels.rope import rotate
+from sgl_sparse.methods.compression.deltakv_compressor import Compressor, centre_mean, nearest_centres
+from sgl_sparse.slots import SENTINEL_SLOT
+
+INT32 = 4
+
+
+class DeltaKVStore(KVStore):
+    """Full layers: ``k``/``v`` ``[slots, Hkv, D]``. Sparse layers: ``latent`` ``[slots, latent_dim]``,
+    ``pointers`` ``[slots, neighbors]`` int32 (centre slots), ``pos`` ``[slots]`` int32 and ``centre``
+    ``[pages, kv_dim]`` (model dtype). :meth:`attach_rows` hands it ``req_to_token``, where a write finds the
+    request's earlier centres."""
+
+    needs_model = True
+    slot_move_problem = "a compressed token points at its request's centre slots"
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.compressor = compressor.eval().requires_grad_(False)
+        cfg = compressor.config
+        self.page_size = cfg.stride
+        self.stride, self.neighbors = cfg.stride, cfg.neighbors
+        self.latent_dim, self.kv_dim = cfg.latent_dim, cfg.kv_dim
+        self.sparse_layers = frozenset(cfg.layers)
+        self.rotary: RotaryTable | None = None
+        self.req_to_token: torch.Tensor | None = None
+        self.num_kv_heads, self.head_dim = 0, 0
+        self.dtype = torch.bfloat16
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.latent: dict[int, torch.Tensor] = {}
+        self.pointers: dict[int, torch.Tensor] = {}
+        self.pos: dict[int, torch.Tensor] = {}
+        self.centre: dict[int, torch.Tensor] = {}
+
+    # -- layout ----------------------------------------------------------------------------------------
+    def sparse_bytes(self, itemsize: int) -> int:
+        """Bytes per token of one sparse layer (the centre's share rounded up)."""
+        return self.latent_dim * itemsize + (self.neighbors + 1) * INT32 + -(-self.kv_dim * itemsize // self.stride)
+
+    def bytes_per_token(self, g: KVGeometry) -> int:
+        full = 2 * g.num_kv_heads * g.head_dim * g.dtype.itemsize
+        sparse = sum(1 for layer in range(g.num_layers) if layer in self.sparse_layers)
+        return (g.num_layers - sparse) * full + sparse * self.sparse_bytes(g.dtype.itemsize)
+
+    def load_model(self, model: ModelKV) -> None:
+        if model.v_head_dim != model.head_dim:
+            raise ValueError(f"deltakv: K and V head dims differ ({model.head_dim}, {model.v_head_dim})")
+        kv_dim = 2 * model.num_kv_heads * model.head_dim
+        if kv_dim != self.kv_dim:
+            raise ValueError(f"deltakv: the compressor reads kv {self.kv_dim} wide, this model's layers {kv_dim} "
+                             f"({model.num_kv_heads} KV heads of {model.head_dim})")
+        beyond = sorted(layer for layer in self.sparse_layers if layer >= len(model.layers))
+        if beyond:
+            raise ValueError(f"deltakv: the compressor has layers {beyond}, the model {len(model.layers)}")
+        self.num_kv_heads, self.head_dim, self.rotary = model.num_kv_heads, model.head_dim, model.rotary
+
+    def attach_rows(self, req_to_token: torch.Tensor) -> None:
+        """SGLang's ``req_to_token`` (rows by ``req_pool_idx``): a write finds its request's centres there."""
+        self.req_to_token = req_to_token
+
+    def allocate(self, g: KVGeometry) -> None:
+        if g.page_size != self.stride:
+            raise ValueError(f"deltakv: the pool's page size is {g.page_size}, its centre stride {self.stride}")
+        if g.num_kv_heads != self.num_kv_heads:
+            raise ValueError(f"deltakv: the pool has {g.num_kv_heads} KV heads, the model {self.num_kv_heads} "
+                             "(load_model first)")
+        dev, dt = g.device, g.dtype
+        self.dtype = dt
+        self.compressor.to(dev)
+        for layer in range(g.num_layers):
+            if layer not in self.sparse_layers:
+                self.k[layer] = torch.zeros(g.num_slots, g.num_kv_heads, g.head_dim, dtype=dt, device=dev)
+                self.v[layer] = torch.zeros_like(self.k[layer])
+                continue
+            self.latent[layer] = torch.zeros(g.num_slots, self.latent_dim, dtype=dt, device=dev)
+            self.pointers[layer] = torch.full((g.num_slots, self.neighbors), -1, dtype=torch.int32, device=dev)
+            self.pos[layer] = torch.zeros(g.num_slots, dtype=torch.int32, device=dev)
+            self.centre[layer] = torch.zeros(g.num_pages, self.kv_dim, dtype=dt, device=dev)
+        if self.rotary is not None:
+            r = self.rotary
+            self.rotary = RotaryTable(r.cos_sin.to(dev, torch.float32), r.rotary_dim, r.neox)
+
+    def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
+        if layer_id not in self.sparse_layers:
+            return [self.k[layer_id], self.v[layer_id]]
+        return [self.latent[layer_id], self.pointers[layer_id], self.pos[layer_id]]
+
+    def describe(self) -> dict[str, Any]:
+        return {"latent_dim": self.latent_dim, "stride": self.stride, "neighbors": self.neighbors,
+                "sparse_layers": sorted(self.sparse_layers)}
+
+    # -- encode / decode ---------------------------------------------------------------------------------
+    def _rope(self, k: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+        r = self.rotary
+        if r is None:
+            return k.float()
+        return rotate(k, r.cos_sin[positions.long()], r.rotary_dim, r.neox, inverse=inverse)
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE ``k``, ``v`` ``[n, Hkv, D]`` -> pre-RoPE ``kv`` ``[n, kv_dim]`` in the model dtype (as a centre
+        stores it, so a token's distance to a centre compares what both are read back from)."""
+        n = k.shape[0]
+        return torch.cat([self._rope(k, positions, inverse=True).reshape(n, -1), v.float().reshape(n, -1)],
+                         dim=1).to(self.dtype)
+
+    def _split(self, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv`` ``[n, kv_dim]`` -> K (rotated at ``positions``) and V ``[n, Hkv, D]`` in the model dtype."""
+        n, half = kv.shape[0], self.kv_dim // 2
+        k = kv[:, :half].reshape(n, self.num_kv_heads, self.head_dim)
+        v = kv[:, half:].reshape(n, self.num_kv_heads, self.head_dim)
+        return self._rope(k, positions, inverse=False).to(self.dtype), v.to(self.dtype)
+
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              decode: bool, positions: torch.Tensor | None = None) -> None:
+        if layer_id not in self.sparse_layers:
+            self.k[layer_id][loc] = k.to(self.dtype)
+            self.v[layer_id][loc] = v.to(self.dtype)
+            return
+        if positions is None or self.req_to_token is None:
+            raise ValueError("deltakv: a sparse layer's write needs each token's position and req_to_token "
+                             "(attach_rows)")
+        loc, positions = loc.long(), positions.long()
+        kv = self._kv(k, v, positions)
+        self.pos[layer_id][loc] = positions.to(torch.int32)
+        centre = positions % self.stride == 0
+        # Centres first: a token of this write may point at its own page's centre, written in the same step.
+        self.centre[layer_id][loc[centre] // self.stride] = kv[centre]
+        self.pointers[layer_id][loc[centre]] = -1
+        rest = (~centre).nonzero().flatten()
+        for row in torch.unique(rows[rest]).tolist():
+            mine = rest[rows[rest] == row]
+            self._encode_row(layer_id, int(row), loc[mine], kv[mine], positions[mine])
+
+    def _encode_row(self, layer_id: int, row: int, loc: torch.Tensor, kv: torch.Tensor,
+                    positions: torch.Tensor) -> None:
+        """Non-centre tokens of one request: their nearest earlier centres of the row, and the residual latents."""
+        assert self.req_to_token is not None
+        last = int(positions.max())
+        centre_pos = torch.arange(0, last + 1, self.stride, device=positions.device)
+        centre_slots = self.req_to_token[row, centre_pos].long()
+        live = centre_slots != SENTINEL_SLOT
+        centre_pos, centre_slots = centre_pos[live], centre_slots[live]
+        centre_kv = self.centre[layer_id][centre_slots // self.stride]
+        idx = nearest_centres(kv, positions, centre_kv, centre_pos, self.neighbors)
+        mean = centre_mean(centre_kv.float(), idx)
+        z = self.compressor.encode(layer_id, kv.float(), mean)
+        self.latent[layer_id][loc] = z.to(self.dtype)
+        self.pointers[layer_id][loc] = torch.where(idx >= 0, centre_slots[idx.clamp(min=0)], -1).to(torch.int32)
+
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_id not in self.sparse_layers:
+            return self.k[layer_id][slots], self.v[layer_id][slots]
+        slots = slots.long()
+        ptr = self.pointers[layer_id][slots].long()  # [n, neighbors] centre slots
+        valid = ptr >= 0
+        gathered = self.centre[layer_id][(ptr.clamp(min=0) // self.stride)].float() * valid[..., None]
+        mean = gathered.sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
+        kv = self.compressor.decode(layer_id, self.latent[layer_id][slots].float(), mean)
+        centre = slots % self.stride == 0
+        kv[centre] = self.centre[layer_id][slots[centre] // self.stride].float()
+        return self._split(kv, self.pos[layer_id][slots])
+
+    def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole sequence from position 0 (``positions`` ``0..n-1``) as the layout reads it back: a token's
+        centres are earlier tokens of the same sequence, which this call sees (the server reads an extend's new
+        tokens back from the pool instead, where the prefix's centres are)."""
+        if layer_id not in self.sparse_layers:
+            return k.to(self.dtype), v.to(self.dtype)
+        n = k.shape[0]
+        positions = torch.arange(n, device=k.device) if positions is None else positions.long()
+        if not torch.equal(positions, torch.arange(n, device=k.device)):
+            raise ValueError("deltakv: round_trip reads a whole sequence from position 0")
+        kv = self._kv(k, v, positions)
+        centre = positions % self.stride == 0
+        idx = nearest_centres(kv, positions, kv[centre], positions[centre], self.neighbors)
+        mean = centre_mean(kv[centre].float(), idx)
+        z = self.compressor.encode(layer_id, kv.float(), mean).to(self.dtype)  # stored in the model dtype
+        out = self.compressor.decode(layer_id, z.float(), mean)
+        out[centre] = kv[centre].float()
+        return self._split(out.to(self.dtype), positions)

@@ -1,0 +1,123 @@
+"""DeltaKV's layout (sgl_sparse/methods/compression/deltakv_store.py) against DeltaKV written out here in plain
+torch: a sequence written into the pool in prefill chunks and decode steps, by two requests that share a prefix
+through their rows, reads back as the reference compresses the whole sequence at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
+from sgl_sparse.kernels.rope import rotate
+from sgl_sparse.methods.compression.deltakv_compressor import Compressor, CompressorConfig
+from sgl_sparse.methods.compression.deltakv_store import DeltaKVStore
+
+HKV, D, LAYERS, STRIDE, K = 2, 8, 3, 5, 3
+SPARSE = (1, 2)
+
+
+def _table(n: int) -> torch.Tensor:
+    inv = 1.0 / 10_000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    f = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([f.cos(), f.sin()], dim=-1).float()
+
+
+def _store(dtype: torch.dtype = torch.float32) -> tuple[DeltaKVStore, RotaryTable]:
+    torch.manual_seed(0)
+    comp = Compressor(CompressorConfig(kv_dim=2 * HKV * D, latent_dim=6, intermediate=16, layers=SPARSE,
+                                       stride=STRIDE, neighbors=K))
+    store = DeltaKVStore(comp)
+    rot = RotaryTable(_table(256), D, True)
+    proj = AttentionProjections(torch.zeros(HKV * D, 4), torch.zeros(HKV * D, 4))
+    store.load_model(ModelKV((proj,) * LAYERS, HKV, D, D, rot))
+    store.allocate(KVGeometry(LAYERS, 2 * HKV, HKV, D, STRIDE, 40 * STRIDE, dtype, torch.device("cpu")))
+    return store, rot
+
+
+def _reference(comp: Compressor, layer: int, k: torch.Tensor, v: torch.Tensor, rot: RotaryTable,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeltaKV over a whole sequence, one token at a time: K un-rotated, kv = [K, V]; every STRIDE-th token kept;
+    every other one as up(down(kv) - down(c)) + c, c the mean of its K nearest earlier centres (L2, ties to the
+    earlier centre); K rotated back."""
+    n = k.shape[0]
+    pos = torch.arange(n)
+    pre = rotate(k, rot.cos_sin[pos], D, True, inverse=True)
+    kv = torch.cat([pre.reshape(n, -1), v.float().reshape(n, -1)], dim=1).to(dtype).float()
+    out = kv.clone()
+    for t in range(n):
+        if t % STRIDE == 0:
+            continue
+        cands = list(range(0, t, STRIDE))
+        dist = sorted((float(torch.dist(kv[t], kv[c])), c) for c in cands)
+        chosen = [c for _, c in dist[:K]]
+        c = kv[chosen].mean(0, keepdim=True)
+        with torch.no_grad():
+            z = (comp.down[str(layer)](kv[t:t + 1]) - comp.down[str(layer)](c)).to(dtype).float()
+            out[t] = (comp.up[str(layer)](z) + c)[0]
+    half = HKV * D
+    kr = rotate(out[:, :half].reshape(n, HKV, D), rot.cos_sin[pos], D, True).to(dtype)
+    return kr, out[:, half:].reshape(n, HKV, D).to(dtype)
+
+
+def _write(store: DeltaKVStore, layer: int, r2t: torch.Tensor, row: int, k: torch.Tensor, v: torch.Tensor,
+           start: int, end: int) -> None:
+    loc = r2t[row, start:end].long()
+    store.write(layer, loc, k[start:end], v[start:end], torch.full((end - start,), row), decode=end - start == 1,
+                positions=torch.arange(start, end))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_writes_by_two_requests_sharing_a_prefix_read_back_as_the_whole_sequence(dtype: torch.dtype) -> None:
+    store, rot = _store(dtype)
+    g = torch.Generator().manual_seed(1)
+    n_a, shared, n_b = 43, 30, 52  # B matches A's first 30 positions (6 whole pages) and goes on
+    k = torch.randn(n_b, HKV, D, generator=g)
+    v = torch.randn(n_b, HKV, D, generator=g)
+    k_a, v_a = k[:n_a].clone(), v[:n_a].clone()
+    k_a[shared:], v_a[shared:] = torch.randn(n_a - shared, HKV, D, generator=g), torch.randn(n_a - shared, HKV, D,
+                                                                                            generator=g)
+    store.attach_rows(r2t := torch.zeros(3, 64, dtype=torch.int32))
+    # pages of STRIDE slots: A's rows on pages 1-9, B shares A's first 6 pages and continues on pages 20+
+    r2t[1, :50] = torch.arange(STRIDE, STRIDE + 50, dtype=torch.int32)
+    r2t[2, :shared] = r2t[1, :shared]
+    r2t[2, shared:60] = torch.arange(20 * STRIDE, 20 * STRIDE + 60 - shared, dtype=torch.int32)
+    for layer in range(LAYERS):
+        for start, end in [(0, 17), (17, 40), *((i, i + 1) for i in range(40, n_a))]:  # chunks, then decode
+            _write(store, layer, r2t, 1, k_a, v_a, start, end)
+        for start, end in [(shared, shared + 9), *((i, i + 1) for i in range(shared + 9, n_b))]:
+            _write(store, layer, r2t, 2, k, v, start, end)
+    for layer in range(LAYERS):
+        for row, (kk, vv) in ((1, (k_a, v_a)), (2, (k, v))):
+            n = kk.shape[0]
+            got_k, got_v = store.read(layer, r2t[row, :n].long())
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            if layer in SPARSE:
+                want_k, want_v = _reference(store.compressor, layer, kk, vv, rot, dtype)
+                # round_trip is what the pool reads, up to the latent's rounding: the MLPs' fp32 sums depend on how
+                # many tokens one call encodes, and a one-ulp flip of a bf16 latent moves the token by ~1e-2
+                rt_k, rt_v = store.round_trip(layer, kk, vv, torch.arange(n))
+                torch.testing.assert_close(rt_k.float(), got_k.float(), atol=tol, rtol=tol)
+                torch.testing.assert_close(rt_v.float(), got_v.float(), atol=tol, rtol=tol)
+            else:
+                want_k, want_v = kk.to(dtype), vv.to(dtype)
+            torch.testing.assert_close(got_k.float(), want_k.float(), atol=tol, rtol=tol)
+            torch.testing.assert_close(got_v.float(), want_v.float(), atol=tol, rtol=tol)
+    # a compressed token differs from its raw K/V (the layout is lossy), a centre does not
+    raw_v = v_a[1:STRIDE].to(dtype)
+    assert not torch.allclose(store.read(1, r2t[1, 1:STRIDE].long())[1].float(), raw_v.float(), atol=1e-3)
+    torch.testing.assert_close(store.read(1, r2t[1, :1].long())[1], v_a[:1].to(dtype))
+
+
+def test_bytes_per_token_and_launch_time_errors() -> None:
+    store, _ = _store(torch.bfloat16)
+    g = KVGeometry(LAYERS, 2 * HKV, HKV, D, STRIDE, 10, torch.bfloat16, torch.device("cpu"))
+    full = 2 * HKV * D * 2
+    sparse = 6 * 2 + (K + 1) * 4 + -(-(2 * HKV * D * 2) // STRIDE)
+    assert store.bytes_per_token(g) == full + 2 * sparse
+    with pytest.raises(ValueError, match="page size"):
+        store.allocate(KVGeometry(LAYERS, 2 * HKV, HKV, D, 1, 10, torch.bfloat16, torch.device("cpu")))
+    proj = AttentionProjections(torch.zeros(4 * D, 4), torch.zeros(4 * D, 4))
+    with pytest.raises(ValueError, match="kv 32 wide"):
+        store.load_model(ModelKV((proj,) * LAYERS, 4, D, D, None))
+    with pytest.raises(ValueError, match=r"layers \[1, 2\], the model 1"):
+        store.load_model(ModelKV((proj,), HKV, D, D, None))
