@@ -32,7 +32,7 @@ SERVER_FILE_ORDER = [
     "test_request_methods_e2e", "test_hook_order_e2e",
     # streamingllm / snapkv / fp8_kv / kivi shared by these
     "test_eviction_e2e", "test_chain_traffic_e2e", "test_compose_e2e", "test_quant_e2e", "test_palu_e2e",
-    "test_h2o_e2e", "test_rkv_e2e", "test_skipkv_e2e", "test_pyramidkv_e2e", "test_kvzip_e2e",
+    "test_deltakv_e2e", "test_h2o_e2e", "test_rkv_e2e", "test_skipkv_e2e", "test_pyramidkv_e2e", "test_kvzip_e2e",
     "test_selection_e2e", "test_server_flags_e2e", "test_triton_backend_e2e", "test_router_e2e",
     "test_request_prune_e2e", "test_tp_e2e",
 ]

@@ -51,7 +51,7 @@ def test_fingerprint_covers_both_members() -> None:
     ("quest+fp8_kv", None, "quest is a dynamic selection method"),
     ("snapkv+omnikv", None, "omnikv is a dynamic selection method"),
     ("dense+fp8_kv", None, "dense neither evicts nor owns the KV layout"),
-    ("snapkv+nope", None, r"snapkv\+nope: unknown sparse method 'nope'; registered methods: dense"),
+    ("snapkv+nope", None, r"snapkv\+nope: unknown sparse method 'nope'; registered methods: deltakv, dense"),
     ("snapkv+", None, "a composition is two methods joined by"),
     ("snapkv+fp8_kv+kivi", None, "a composition is two methods joined by"),
     ("snapkv+snapkv", None, "names snapkv twice"),

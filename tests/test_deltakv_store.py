@@ -26,7 +26,7 @@ def _store(dtype: torch.dtype = torch.float32) -> tuple[DeltaKVStore, RotaryTabl
     torch.manual_seed(0)
     comp = Compressor(CompressorConfig(kv_dim=2 * HKV * D, latent_dim=6, intermediate=16, layers=SPARSE,
                                        stride=STRIDE, neighbors=K))
-    store = DeltaKVStore(comp)
+    store = DeltaKVStore(comp.config, lambda: comp)
     rot = RotaryTable(_table(256), D, True)
     proj = AttentionProjections(torch.zeros(HKV * D, 4), torch.zeros(HKV * D, 4))
     store.load_model(ModelKV((proj,) * LAYERS, HKV, D, D, rot))

@@ -223,6 +223,22 @@ def _abort_after(server: ServerProcess, rid: str, delay: float) -> None:
     requests.post(f"{server.base_url}/abort_request", json={"rid": rid}, timeout=30)
 
 
+def shared_prefix_answers_as_cold(srv: ServerProcess, rng: random.Random, system_len: int, cached: int) -> None:
+    """Two conversations share a ``system_len``-token prompt: the second, after the first, matches ``cached`` tokens
+    (at least) of it in the tree and gives the greedy tokens it gives cold (the tree flushed)."""
+    system = _ids(rng, system_len)
+    first, second = system + _ids(rng, 55), system + _ids(rng, 73)
+    fresh(srv)
+    srv.generate(input_ids=first, max_new_tokens=8, ignore_eos=True)
+    warm = srv.generate(input_ids=second, max_new_tokens=24, ignore_eos=True)
+    assert warm["meta_info"]["cached_tokens"] >= cached
+    fresh(srv)
+    cold = srv.generate(input_ids=second, max_new_tokens=24, ignore_eos=True)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["output_ids"] == cold["output_ids"]
+    _assert_idle_and_sound(srv)
+
+
 def abort_mid_prefill_and_mid_decode(server: ServerProcess, rng: random.Random, tag: str) -> None:
     """Abort one request during a 3,000-token prefill and one mid-decode; the server ends idle and sound
     after each."""

@@ -26,7 +26,7 @@ def _launch(*args: str) -> subprocess.CompletedProcess[str]:
 def test_unknown_method_fails_naming_registered_methods() -> None:
     r = _launch("--model-path", "unused", "--sparse-method", "nope")
     assert r.returncode == 2, r.stderr
-    assert "unknown sparse method 'nope'; registered methods: dense" in r.stderr
+    assert "unknown sparse method 'nope'; registered methods: deltakv, dense" in r.stderr
 
 
 def test_help_shows_our_group() -> None:

@@ -24,6 +24,7 @@ from tests.test_eviction_e2e import (
     _state,
     abort_mid_prefill_and_mid_decode,
     chain_cache_three_turns,
+    shared_prefix_answers_as_cold,
 )
 
 pytestmark = pytest.mark.server
@@ -55,19 +56,7 @@ def test_server_reports_the_latent_layout(palu_servers: dict) -> None:
 def test_a_shared_system_prompt_from_the_tree_answers_as_a_cold_request(palu_servers: dict) -> None:
     """Two conversations share a 400-token system prompt: the second reads it from the latents the first wrote
     (a prefix hit) and gives the greedy tokens it gives cold, with the tree flushed."""
-    srv = palu_servers["palu"]
-    rng = random.Random(11)
-    system = _ids(rng, 400)
-    first, second = system + _ids(rng, 60), system + _ids(rng, 70)
-    fresh(srv)
-    srv.generate(input_ids=first, max_new_tokens=8, ignore_eos=True)
-    warm = srv.generate(input_ids=second, max_new_tokens=24, ignore_eos=True)
-    assert warm["meta_info"]["cached_tokens"] >= 400
-    fresh(srv)
-    cold = srv.generate(input_ids=second, max_new_tokens=24, ignore_eos=True)
-    assert cold["meta_info"]["cached_tokens"] == 0
-    assert warm["output_ids"] == cold["output_ids"]
-    _assert_idle_and_sound(srv)
+    shared_prefix_answers_as_cold(palu_servers["palu"], random.Random(11), 400, cached=400)
 
 
 def test_snapkv_over_the_latents_resumes_from_the_compacted_prefix(palu_servers: dict) -> None:

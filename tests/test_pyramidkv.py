@@ -387,18 +387,15 @@ def test_payload_of_a_request_that_never_selected_is_none() -> None:
     assert isinstance(TreePayload().data, dict)
 
 
-def test_launcher_gates_pyramidkv_on_cuda_until_its_gpu_tests_pass_and_serves_it_on_cpu(
+def test_launcher_serves_pyramidkv_on_cuda_and_cpu_and_accounts_for_its_layer_sets(
         capsys: pytest.CaptureFixture[str]) -> None:
     from sgl_sparse.integration.launch import parse_args
 
-    with pytest.raises(SystemExit) as e:
-        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "kernels/layer_sets.py" in err and "--sparse-allow-unverified" in err
-    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv",
-                             "--sparse-allow-unverified"])
+    args, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv"])
     # the layer sets are per request row, accounted for before the pool is sized: the rows must be known
     assert hand.method == "pyramidkv" and args.max_running_requests is not None
     args, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", "pyramidkv"])
     assert hand.method == "pyramidkv" and args.page_size == 1
+    with pytest.raises(SystemExit):  # the selection path serves on flashinfer and torch_native only
+        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "pyramidkv",
+                    "--attention-backend", "triton"])

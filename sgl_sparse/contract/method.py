@@ -100,6 +100,12 @@ class SparseMethod(ABC, Generic[C]):
         return None
 
     # -- what the method declares (asked at launch and admission) ----------------------------------
+    def for_model(self, model_path: str) -> dict[str, Any]:
+        """Config fields resolved from the model folder at launch (e.g. where DeltaKV's compressor lives); the
+        launcher re-creates the method with them, so the scheduler gets the resolved config. Raise
+        ``SparseConfigError`` naming the field for a folder the method cannot serve. Default: nothing."""
+        return {}
+
     def observation_window(self) -> int:
         """How many trailing queries per layer :meth:`on_observation` needs (0: never called). The runtime keeps
         the last ``w`` queries of each request (prompt, and decode if :meth:`observes_decode`)."""

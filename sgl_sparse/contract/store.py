@@ -59,6 +59,22 @@ class KVStore(PrefixReadPolicy, ABC):
     slot_move_problem: ClassVar[str | None] = None
     # Whether the layout derives from the model's weights (:meth:`load_model`, before :meth:`allocate`).
     needs_model: ClassVar[bool] = False
+    # Whether a token's encoding depends on earlier tokens of its request, which the store then finds through the
+    # row it was handed (:meth:`attach_rows`): an extend writes its new tokens first and reads them back from the
+    # pool (:meth:`read`) for their own attention, instead of :meth:`round_trip` (which sees only the new tokens).
+    reads_back_new_tokens: ClassVar[bool] = False
+
+    @property
+    def encoding_group(self) -> int:
+        """Tokens stored together as one group (KIVI's keys per channel): an extend reads a cached prefix's whole
+        groups only and its open group beside the new tokens. The page size by default; 1 for a layout whose pages
+        only keep a request's tokens together (DeltaKV's centres)."""
+        return self.page_size
+
+    def attach_rows(self, req_to_token: torch.Tensor) -> None:
+        """SGLang's ``req_to_token`` (rows by ``req_pool_idx``), handed over once the pools exist, for a layout that
+        reads a request's earlier slots when it writes (``reads_back_new_tokens``)."""
+        return None
 
     @abstractmethod
     def bytes_per_token(self, geometry: KVGeometry) -> int:

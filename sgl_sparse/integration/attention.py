@@ -76,6 +76,8 @@ class SparseBackendMixin:
         if self.selector is not None:
             allocate_once(self.selector, model_runner)
         self.store = self.method.store
+        if self.store is not None:
+            self.store.attach_rows(model_runner.req_to_token_pool.req_to_token)
         self.store_lists: ExtendLists | None = None  # the extend step's prefix lists (method-owned layouts)
         if self.store is not None and model_runner.device != "cpu" and not self.dense_prefix_on_gpu:
             try:
@@ -109,7 +111,7 @@ class SparseBackendMixin:
         req_to_token = self.req_to_token_pool.req_to_token
         if forward_batch.forward_mode.is_extend():
             lists = self.store_lists = extend_lists(forward_batch, req_to_token, compact=self.skip_sentinels,
-                                                    dequantize=self.dequantize_prefix, group=self.store.page_size)
+                                                    dequantize=self.dequantize_prefix, group=self.store.encoding_group)
             if self.dequantize_prefix and lists.has_prefix:
                 c = self.runtime.counters
                 if lists.dense is not None:

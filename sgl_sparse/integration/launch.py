@@ -142,6 +142,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
     args = parser.parse_args(argv)
     try:
         method = create_method(args.sparse_method, args.sparse_config)
+        if resolved := method.for_model(args.model_path):
+            method = create_method(args.sparse_method, {**method.config.to_dict(), **resolved})
     except SparseConfigError as e:
         parser.error(str(e))
     if args.radix_cache_backend not in (None, BACKEND_NAME):
@@ -160,6 +162,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, handoff.Handoff]:
                else "eviction frees single slots" if method.evicts else "only page-based methods use other sizes")
         parser.error(f"--page-size {args.page_size}: --sparse-method {method.name} is served with page size "
                      f"{page_size} ({why}); drop the flag")
+    if (args.chunked_prefill_size or 0) > 0 and args.chunked_prefill_size % page_size:
+        parser.error(f"--chunked-prefill-size {args.chunked_prefill_size}: --sparse-method {method.name} is served "
+                     f"with page size {page_size}, and SGLang cuts prefill chunks in whole pages; use a multiple of "
+                     f"{page_size}")
     device = _resolve_device(args)
     base, problems = choose_base(args, device)
     problems += unsupported_combinations(args, method, device)
@@ -400,7 +406,7 @@ def _graphs_on_cpu(phase: str) -> Check:
 
 
 # sgl_sparse's own eviction methods with per-layer selection whose decode kernel has passed the GPU tests.
-GPU_VERIFIED_LAYER_SETS: tuple[str, ...] = ()
+GPU_VERIFIED_LAYER_SETS: tuple[str, ...] = ("pyramidkv",)  # tests/gpu/test_gpu_pyramidkv.py
 
 
 def _gpu_verified(method: Any) -> bool:
@@ -435,9 +441,10 @@ UNVERIFIED: tuple[Check, ...] = (
                     "over the TP group, so every rank keeps the same tokens) has not yet run on more than one GPU; "
                     f"see docs/parallelism.md ({ALLOW_UNVERIFIED} starts it)"),
     Check(lambda c: c.method.selector is not None and c.method.evicts and c.gpu and not _gpu_verified(c.method),
-          lambda c: f"--sparse-method {c.name}: its per-layer sets' decode kernel (kernels/layer_sets.py) has passed "
-                    "its tests under the Triton interpreter, not yet on a GPU (tests/gpu/); it serves on --device "
-                    f"cpu, or on CUDA with {ALLOW_UNVERIFIED}"),
+          lambda c: f"--sparse-method {c.name}: eviction with per-layer selection loaded from outside sgl_sparse "
+                    "(SGLSPARSE_METHOD_MODULES) has not run on a GPU; only PyramidKV's layer sets have passed the GPU "
+                    f"tests (tests/gpu/test_gpu_pyramidkv.py); it serves on --device cpu, or on CUDA with "
+                    f"{ALLOW_UNVERIFIED}"),
 )
 
 _FP8 = "fp8"
@@ -447,6 +454,9 @@ _FP8 = "fp8"
 UNSUPPORTED: tuple[Check, ...] = (
     Check(lambda c: _hooks_problem(c) is not None,
           lambda c: f"--sparse-method {c.name}: {_hooks_problem(c)}"),
+    Check(lambda c: c.method.selector is not None and c.gpu and c.args.attention_backend == "triton",
+          lambda c: f"--attention-backend triton with {c.name}: its decode reads a selection, which sgl_sparse "
+                    "serves on the flashinfer base (CUDA) and torch_native (CPU); drop the flag"),
     UNVERIFIED[4],
     UNVERIFIED[0],
     *(_replays(r) for r in REPLAY),
@@ -640,6 +650,13 @@ def main(argv: list[str] | None = None) -> None:
     if hand.prefill_cuda_graph_off:
         logger.info("sgl_sparse: prefill CUDA graph disabled: %s", hand.prefill_cuda_graph_off)
     server_args = ServerArgs.from_cli_args(args)
+    chunk, page = server_args.chunked_prefill_size, server_args.page_size
+    if chunk and chunk > 0 and page and chunk % page:
+        # SGLang's default chunk (a power of two) in whole pages of a method's page size (DeltaKV's 10): the flag
+        # was not given (parse_args refuses a given one that does not divide).
+        server_args.chunked_prefill_size = max(page, chunk - chunk % page)
+        logger.info("sgl_sparse: --chunked-prefill-size %d (SGLang's default %d in whole pages of %d)",
+                    server_args.chunked_prefill_size, chunk, page)
     try:
         run_server(server_args)
     finally:

@@ -375,7 +375,18 @@ def store_extend(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
     q3 = q.reshape(-1, hq, d).contiguous()
     k3, v3 = k.reshape(-1, hkv, d).contiguous(), v.reshape(-1, hkv, layer.v_head_dim).contiguous()
-    if lists.open is not None:
+    if store.reads_back_new_tokens:
+        # Each new token as the pool stores it, its encoding reading its request's earlier tokens (the cached
+        # prefix's included): written first, then read back.
+        if not save_kv_cache:
+            raise RuntimeError(f"sgl_sparse: {type(store).__name__} reads an extend's new tokens back from the pool, "
+                               "and this forward does not store them")
+        store.write(layer.layer_id, forward_batch.out_cache_loc, k3, v3, lists.rows, decode=False,
+                    positions=forward_batch.positions)
+        save_kv_cache = False
+        ks, vs = store.read(layer.layer_id, forward_batch.out_cache_loc)
+        o, lse = new_tokens(q3, ks.to(k3.dtype), vs.to(v3.dtype), layer, lists)
+    elif lists.open is not None:
         kb, vb = open_page_kv(store, layer.layer_id, k3, v3, lists.open)
         o, lse = open_pages_fn(q3, kb, vb, layer, lists)
     else:

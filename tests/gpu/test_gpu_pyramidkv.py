@@ -5,8 +5,8 @@ budget serves vanilla FlashInfer's tokens (every layer reads every position thro
 tolerated), a small budget keeps a different set per layer, evicts what no layer keeps, gives the same tokens with
 decode CUDA graphs on and off, continues a conversation from its Chain Cache, and ends idle and sound.
 
-Until this file passes on a GPU, PyramidKV on CUDA needs ``--sparse-allow-unverified`` (``GPU_VERIFIED_LAYER_SETS``
-in ``integration/launch.py``); the servers here pass it.
+Passed 4 of 4 on an H100 (2026-12-07), so PyramidKV serves on CUDA by default (``GPU_VERIFIED_LAYER_SETS`` in
+``integration/launch.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from sgl_sparse.server_process import ServerProcess, running
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 HKV, G, D = 8, 4, 128  # Llama-3-8B's attention
-ALLOW = ["--sparse-allow-unverified"]
 
 
 def _sets(gen: torch.Generator, lens: list[int], width: int, rows: int) -> tuple[torch.Tensor, ...]:
@@ -105,9 +104,9 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
     sync = {"SGLSPARSE_SYNC_DEBUG": "error"}
     procs = {
         "vanilla": vanilla("pyramidkv-vanilla-flashinfer"),
-        "covering": ours("pyramidkv-covering", "pyramidkv", COVERING, extra=ALLOW, env=sync),
-        "small": ours("pyramidkv-small-graph", "pyramidkv", SMALL, extra=ALLOW, env=sync),
-        "small-eager": ours("pyramidkv-small-eager", "pyramidkv", SMALL, extra=[*ALLOW, "--disable-cuda-graph"]),
+        "covering": ours("pyramidkv-covering", "pyramidkv", COVERING, env=sync),
+        "small": ours("pyramidkv-small-graph", "pyramidkv", SMALL, env=sync),
+        "small-eager": ours("pyramidkv-small-eager", "pyramidkv", SMALL, extra=["--disable-cuda-graph"]),
     }
     with running(*procs.values()):
         yield procs

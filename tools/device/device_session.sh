@@ -246,8 +246,7 @@ evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip pyramidkv) at 130K x 
   install    # configs and SGLang's defaults (decode CUDA graphs on), ours only, one server each (~3 min each);
   # EVICT_SERVER_ARGS: more flags for ours (e.g. --max-running-requests 96 for a batch past the default 64).
   for m in ${EVICT_METHODS:-h2o rkv skipkv kvzip pyramidkv}; do
-    # pyramidkv: behind --sparse-allow-unverified until tests/gpu/test_gpu_pyramidkv.py passes (launch.py)
-    extra="${EVICT_SERVER_ARGS:-}"; [ "$m" = pyramidkv ] && extra="$extra --sparse-allow-unverified"
+    extra="${EVICT_SERVER_ARGS:-}"
     CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/${m}130k.txt" python3 \
         benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 \
         --sparse-batch "${EVICT_BATCH:-6}" --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \

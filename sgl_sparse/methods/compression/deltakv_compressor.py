@@ -85,11 +85,7 @@ class Compressor(nn.Module):
         return out
 
 
-def load_compressor(path: str | Path) -> Compressor:
-    """A compressor saved by :meth:`Compressor.save`: ``path`` is its folder or the model folder holding it. A
-    missing or inconsistent file raises ``ValueError`` naming it."""
-    from safetensors.torch import load_file
-
+def _files(path: str | Path) -> tuple[Path, Path]:
     folder = Path(path)
     if (folder / SUBDIR).is_dir():
         folder = folder / SUBDIR
@@ -97,10 +93,29 @@ def load_compressor(path: str | Path) -> Compressor:
     for f in (cfg_file, weights):
         if not f.is_file():
             raise ValueError(f"deltakv: no compressor file {f}")
+    return cfg_file, weights
+
+
+def read_compressor_config(path: str | Path) -> CompressorConfig:
+    """The :class:`CompressorConfig` of a saved compressor (``path`` as :func:`load_compressor`'s), without its
+    weights: no torch work, so a launcher that forks its server's processes afterwards may call it."""
+    cfg_file, _ = _files(path)
     try:
-        comp = Compressor(CompressorConfig.from_json(cfg_file.read_text()))
+        return CompressorConfig.from_json(cfg_file.read_text())
+    except (TypeError, KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"deltakv: {cfg_file} is not a compressor config: {e}") from None
+
+
+def load_compressor(path: str | Path) -> Compressor:
+    """A compressor saved by :meth:`Compressor.save`: ``path`` is its folder or the model folder holding it. A
+    missing or inconsistent file raises ``ValueError`` naming it."""
+    from safetensors.torch import load_file
+
+    cfg_file, weights = _files(path)
+    comp = Compressor(read_compressor_config(path))
+    try:
         comp.load_state_dict({k: v.float() for k, v in load_file(str(weights)).items()})
-    except (TypeError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+    except (KeyError, RuntimeError) as e:
         raise ValueError(f"deltakv: {weights} does not match {cfg_file}: {e}") from None
     return comp.eval()
 

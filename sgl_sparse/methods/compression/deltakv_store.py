@@ -1,6 +1,5 @@
-"""DeltaKV's layout over the pool (issue 49, part 2): what a slot of each layer holds, how a token is written into
-it and read back. Not served yet: the method, its launch checks and the server's wiring (a store that reads its
-request's row at write time, an extend that reads its new tokens back from the pool) are the next part.
+"""DeltaKV's layout over the pool (``methods/compression/deltakv.py`` serves it): what a slot of each layer holds, how
+a token is written into it and read back.
 
 Layers the compressor has no ``down``/``up`` for are **full**: they keep the post-RoPE K and V as SGLang would.
 On a **sparse** layer every slot holds the token's position (int32) and, per page of ``stride`` slots (SGLang's
@@ -25,13 +24,19 @@ Per token on a sparse layer: ``latent_dim`` values in the model dtype, ``neighbo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sgl_sparse.contract import KVGeometry, KVStore, ModelKV, RotaryTable
 from sgl_sparse.kernels.rope import rotate
-from sgl_sparse.methods.compression.deltakv_compressor import Compressor, centre_mean, nearest_centres
+from sgl_sparse.methods.compression.deltakv_compressor import (
+    Compressor,
+    CompressorConfig,
+    centre_mean,
+    nearest_centres,
+)
 from sgl_sparse.slots import SENTINEL_SLOT
 
 INT32 = 4
@@ -44,11 +49,23 @@ class DeltaKVStore(KVStore):
     request's earlier centres."""
 
     needs_model = True
+    reads_back_new_tokens = True
     slot_move_problem = "a compressed token points at its request's centre slots"
 
-    def __init__(self, compressor: Compressor) -> None:
-        self.compressor = compressor.eval().requires_grad_(False)
-        cfg = compressor.config
+    @property
+    def encoding_group(self) -> int:
+        return 1  # every token is encoded alone when written; a page only keeps one request's tokens together
+
+    def __init__(self, config: CompressorConfig, load: Callable[[], Compressor],
+                 prefix_attention: str = "auto") -> None:
+        """``config``: the compressor's shapes (the pool is sized from them); ``load``: its weights, called in
+        :meth:`load_model` (the server's scheduler: torch work in a launcher that forks its children afterwards
+        can hang them)."""
+        self.choose_prefix_attention(prefix_attention)
+        self._load = load
+        self.compressor: Compressor | None = None
+        cfg = config
+        self.config = config
         self.page_size = cfg.stride
         self.stride, self.neighbors = cfg.stride, cfg.neighbors
         self.latent_dim, self.kv_dim = cfg.latent_dim, cfg.kv_dim
@@ -85,6 +102,10 @@ class DeltaKVStore(KVStore):
         if beyond:
             raise ValueError(f"deltakv: the compressor has layers {beyond}, the model {len(model.layers)}")
         self.num_kv_heads, self.head_dim, self.rotary = model.num_kv_heads, model.head_dim, model.rotary
+        comp = self._load()
+        if comp.config != self.config:
+            raise ValueError(f"deltakv: the compressor's weights are of {comp.config}, its config {self.config}")
+        self.compressor = comp.eval().requires_grad_(False)
 
     def attach_rows(self, req_to_token: torch.Tensor) -> None:
         """SGLang's ``req_to_token`` (rows by ``req_pool_idx``): a write finds its request's centres there."""
@@ -98,7 +119,7 @@ class DeltaKVStore(KVStore):
                              "(load_model first)")
         dev, dt = g.device, g.dtype
         self.dtype = dt
-        self.compressor.to(dev)
+        self._model().to(dev)
         for layer in range(g.num_layers):
             if layer not in self.sparse_layers:
                 self.k[layer] = torch.zeros(g.num_slots, g.num_kv_heads, g.head_dim, dtype=dt, device=dev)
@@ -118,10 +139,16 @@ class DeltaKVStore(KVStore):
         return [self.latent[layer_id], self.pointers[layer_id], self.pos[layer_id]]
 
     def describe(self) -> dict[str, Any]:
-        return {"latent_dim": self.latent_dim, "stride": self.stride, "neighbors": self.neighbors,
-                "sparse_layers": sorted(self.sparse_layers)}
+        out: dict[str, Any] = {"latent_dim": self.latent_dim, "stride": self.stride, "neighbors": self.neighbors,
+                               "sparse_layers": sorted(self.sparse_layers)}
+        return {**out, **self.describe_prefix_attention()}
 
     # -- encode / decode ---------------------------------------------------------------------------------
+    def _model(self) -> Compressor:
+        if self.compressor is None:
+            raise RuntimeError("deltakv: the compressor is loaded with the model (load_model first)")
+        return self.compressor
+
     def _rope(self, k: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
         r = self.rotary
         if r is None:
@@ -175,7 +202,7 @@ class DeltaKVStore(KVStore):
         centre_kv = self.centre[layer_id][centre_slots // self.stride]
         idx = nearest_centres(kv, positions, centre_kv, centre_pos, self.neighbors)
         mean = centre_mean(centre_kv.float(), idx)
-        z = self.compressor.encode(layer_id, kv.float(), mean)
+        z = self._model().encode(layer_id, kv.float(), mean)
         self.latent[layer_id][loc] = z.to(self.dtype)
         self.pointers[layer_id][loc] = torch.where(idx >= 0, centre_slots[idx.clamp(min=0)], -1).to(torch.int32)
 
@@ -187,7 +214,7 @@ class DeltaKVStore(KVStore):
         valid = ptr >= 0
         gathered = self.centre[layer_id][(ptr.clamp(min=0) // self.stride)].float() * valid[..., None]
         mean = gathered.sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
-        kv = self.compressor.decode(layer_id, self.latent[layer_id][slots].float(), mean)
+        kv = self._model().decode(layer_id, self.latent[layer_id][slots].float(), mean)
         centre = slots % self.stride == 0
         kv[centre] = self.centre[layer_id][slots[centre] // self.stride].float()
         return self._split(kv, self.pos[layer_id][slots])
@@ -207,7 +234,7 @@ class DeltaKVStore(KVStore):
         centre = positions % self.stride == 0
         idx = nearest_centres(kv, positions, kv[centre], positions[centre], self.neighbors)
         mean = centre_mean(kv[centre].float(), idx)
-        z = self.compressor.encode(layer_id, kv.float(), mean).to(self.dtype)  # stored in the model dtype
-        out = self.compressor.decode(layer_id, z.float(), mean)
+        z = self._model().encode(layer_id, kv.float(), mean).to(self.dtype)  # stored in the model dtype
+        out = self._model().decode(layer_id, z.float(), mean)
         out[centre] = kv[centre].float()
         return self._split(out.to(self.dtype), positions)
