@@ -362,7 +362,7 @@ plan1|plan2|plan3|plan4|plan5)  # the benchmark plan, one GPU session each (~25 
   # important first; vanilla once per machine (a later plan on the same warm machine reuses its JSON). The rows
   # each step prints go into BENCHMARKS.md through `rows`.
   case "$1" in
-  plan1) steps="evict130k" ;;  # h2o, rkv, skipkv, kvzip at 130K x 6, decode graphs on (~4 x 3 min)
+  plan1) steps="evict130k" ;;  # h2o, rkv, skipkv, kvzip, pyramidkv at 130K x 6, decode graphs on (~5 x 3 min)
   plan2) steps="palu130k palu130k6 quantdecode" ;;  # Palu at its largest batch and at 6; every decode kernel
   plan3) steps="fp8kv130k kivi130k turboquant130k" ;;  # the quantized pools at their largest batches
   plan4) steps="quest130k6 omnikv130k retroinfer130k" ;;  # selection at 130K
