@@ -112,6 +112,9 @@ def test_launcher_resolves_the_compressor_or_names_what_is_missing(tmp_path: Pat
         parse_args(["--model-path", small, "--device", "cpu", "--sparse-method", "deltakv",
                     "--chunked-prefill-size", "128"])
     assert "use a multiple of 10" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", small, "--device", "cpu", "--sparse-method", "deltakv", "--tp-size", "2"])
+    assert "--tp-size 2 with deltakv: its layout encodes every KV head" in capsys.readouterr().err
 
 
 def test_a_random_compressor_is_made_once_from_the_model_config(tmp_path: Path,

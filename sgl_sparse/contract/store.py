@@ -63,6 +63,9 @@ class KVStore(PrefixReadPolicy, ABC):
     # row it was handed (:meth:`attach_rows`): an extend writes its new tokens first and reads them back from the
     # pool (:meth:`read`) for their own attention, instead of :meth:`round_trip` (which sees only the new tokens).
     reads_back_new_tokens: ClassVar[bool] = False
+    # Whether a token is encoded from all of its KV heads together (DeltaKV's compressor), so a tensor-parallel rank,
+    # which holds a share of the heads, cannot encode it.
+    reads_whole_tokens: ClassVar[bool] = False
 
     @property
     def encoding_group(self) -> int:

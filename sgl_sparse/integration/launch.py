@@ -511,6 +511,9 @@ UNSUPPORTED: tuple[Check, ...] = (
                     "torch, which cannot run inside CUDA graphs); it serves on --device cpu"),
     UNVERIFIED[1],
     UNVERIFIED[2],
+    Check(lambda c: c.method.store is not None and c.method.store.reads_whole_tokens and (c.args.tp_size or 1) > 1,
+          lambda c: f"--tp-size {c.args.tp_size} with {c.name}: its layout encodes every KV head of a token together, "
+                    "and a tensor-parallel rank holds a share of them; use --tp-size 1 (or --dp-size)"),
     Check(lambda c: c.method.store is not None and c.kv_dtype != "auto",
           lambda c: f"--kv-cache-dtype {c.kv_dtype} with {c.name}: the method owns the KV layout (its codes and "
                     "scales); drop the flag"),

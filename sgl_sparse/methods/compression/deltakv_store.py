@@ -50,6 +50,7 @@ class DeltaKVStore(KVStore):
 
     needs_model = True
     reads_back_new_tokens = True
+    reads_whole_tokens = True
     slot_move_problem = "a compressed token points at its request's centre slots"
 
     @property
