@@ -23,7 +23,6 @@ the per-step decision, the plan checks and the graph-decode plan lengths need no
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,14 +253,6 @@ class SparseRuntime:
     def kv_slots_used(allocator: Any) -> int:
         """Physical slots not free: held by running requests or by the prefix tree."""
         return int(allocator.size - allocator.available_size())
-
-    def states_of(self, rids: Sequence[str]) -> list[RequestState | None]:
-        """The started requests' method states, in ``rids``' order (``None``: not tracked)."""
-        out: list[RequestState | None] = []
-        for rid in rids:
-            rec = self.tracked.get(rid)
-            out.append(rec.state if rec is not None else None)
-        return out
 
     def logical_tokens_running(self) -> int:
         return sum(t.running_state.logical_len for t in self.tracked.values())

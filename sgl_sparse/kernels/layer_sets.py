@@ -24,6 +24,7 @@ from sgl_sparse.kernels.splits import (
     group_queries,
     merge_splits,
     softmax_step,
+    split_bounds,
     split_workspace,
     store_split,
 )
@@ -73,10 +74,7 @@ def _decode_kernel(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens
     c = tl.load(count + row)
     t = tl.load(tail + row)
     sl = tl.load(seq_lens + i)
-    n = c + tl.maximum(sl - t, 0)
-    per = tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK) * BLOCK
-    lo = pid * per
-    hi = tl.minimum(lo + per, n)
+    lo, hi = split_bounds(c + tl.maximum(sl - t, 0), pid, BLOCK, NSPLIT)
     d = tl.arange(0, D)
     qv = group_queries(q, i, h, stride_qb, stride_qh, G, GP, D)
     qv = qv.to(q.dtype.element_ty) if NATIVE else qv

@@ -47,9 +47,16 @@ def split_span(seq_lens, HKV: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.cons
     pid = tl.program_id(1)
     i = rh // HKV
     n = tl.load(seq_lens + i)
+    lo, hi = split_bounds(n, pid, BLOCK, NSPLIT)
+    return rh, pid, i, rh % HKV, n, lo, hi
+
+
+@triton.jit
+def split_bounds(n, pid, BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+    """Split ``pid``'s share ``[lo, hi)`` of a row's ``n`` positions (or list entries), in whole ``BLOCK``s."""
     per = tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK) * BLOCK
     lo = pid * per
-    return rh, pid, i, rh % HKV, n, lo, tl.minimum(lo + per, n)
+    return lo, tl.minimum(lo + per, n)
 
 
 @triton.jit

@@ -23,11 +23,10 @@ from gpu_common import (
     generate,
     log_mark,
     log_since,
-    ours,
     prose,
+    selection_servers,
     state,
     token_agreement,
-    vanilla,
 )
 
 from sgl_sparse.integration.syncs import sync_debug
@@ -101,13 +100,7 @@ OUT = 160
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
-    sync = {"SGLSPARSE_SYNC_DEBUG": "error"}
-    procs = {
-        "vanilla": vanilla("pyramidkv-vanilla-flashinfer"),
-        "covering": ours("pyramidkv-covering", "pyramidkv", COVERING, env=sync),
-        "small": ours("pyramidkv-small-graph", "pyramidkv", SMALL, env=sync),
-        "small-eager": ours("pyramidkv-small-eager", "pyramidkv", SMALL, extra=["--disable-cuda-graph"]),
-    }
+    procs = selection_servers("pyramidkv", COVERING, SMALL)
     with running(*procs.values()):
         yield procs
 

@@ -141,9 +141,10 @@ def nearest_centres(kv: torch.Tensor, positions: torch.Tensor, centre_kv: torch.
 
 
 def centre_mean(centre_kv: torch.Tensor, pointers: torch.Tensor) -> torch.Tensor:
-    """The mean ``kv`` of each token's centres (``pointers`` ``[n, k]`` into ``centre_kv``, ``-1`` unused)."""
+    """The mean ``kv`` of each token's centres (``pointers`` ``[n, k]`` into ``centre_kv``, ``-1`` unused), fp32 (the
+    gathered centres are upcast, so a pool in the model dtype is read as a fp32 copy of them is)."""
     valid = pointers >= 0
-    gathered = centre_kv[pointers.clamp(min=0)] * valid[..., None]
+    gathered = centre_kv[pointers.clamp(min=0)].float() * valid[..., None]
     return gathered.sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
 
 

@@ -65,12 +65,11 @@ class DeltaKVStore(KVStore):
         self.choose_prefix_attention(prefix_attention)
         self._load = load
         self.compressor: Compressor | None = None
-        cfg = config
         self.config = config
-        self.page_size = cfg.stride
-        self.stride, self.neighbors = cfg.stride, cfg.neighbors
-        self.latent_dim, self.kv_dim = cfg.latent_dim, cfg.kv_dim
-        self.sparse_layers = frozenset(cfg.layers)
+        self.page_size = config.stride
+        self.stride, self.neighbors = config.stride, config.neighbors
+        self.latent_dim, self.kv_dim = config.latent_dim, config.kv_dim
+        self.sparse_layers = frozenset(config.layers)
         self.rotary: RotaryTable | None = None
         self.req_to_token: torch.Tensor | None = None
         self.num_kv_heads, self.head_dim = 0, 0
@@ -202,7 +201,7 @@ class DeltaKVStore(KVStore):
         centre_pos, centre_slots = centre_pos[live], centre_slots[live]
         centre_kv = self.centre[layer_id][centre_slots // self.stride]
         idx = nearest_centres(kv, positions, centre_kv, centre_pos, self.neighbors)
-        mean = centre_mean(centre_kv.float(), idx)
+        mean = centre_mean(centre_kv, idx)
         z = self._model().encode(layer_id, kv.float(), mean)
         self.latent[layer_id][loc] = z.to(self.dtype)
         self.pointers[layer_id][loc] = torch.where(idx >= 0, centre_slots[idx.clamp(min=0)], -1).to(torch.int32)
@@ -212,9 +211,7 @@ class DeltaKVStore(KVStore):
             return self.k[layer_id][slots], self.v[layer_id][slots]
         slots = slots.long()
         ptr = self.pointers[layer_id][slots].long()  # [n, neighbors] centre slots
-        valid = ptr >= 0
-        gathered = self.centre[layer_id][(ptr.clamp(min=0) // self.stride)].float() * valid[..., None]
-        mean = gathered.sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
+        mean = centre_mean(self.centre[layer_id], torch.where(ptr >= 0, ptr // self.stride, -1))
         kv = self._model().decode(layer_id, self.latent[layer_id][slots].float(), mean)
         centre = slots % self.stride == 0
         kv[centre] = self.centre[layer_id][slots[centre] // self.stride].float()
@@ -234,7 +231,7 @@ class DeltaKVStore(KVStore):
         kv = self._kv(k, v, positions)
         centre = positions % self.stride == 0
         idx = nearest_centres(kv, positions, kv[centre], positions[centre], self.neighbors)
-        mean = centre_mean(kv[centre].float(), idx)
+        mean = centre_mean(kv[centre], idx)
         z = self._model().encode(layer_id, kv.float(), mean).to(self.dtype)  # stored in the model dtype
         out = self._model().decode(layer_id, z.float(), mean)
         out[centre] = kv[centre].float()
