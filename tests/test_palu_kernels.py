@@ -71,6 +71,42 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
+@pytest.mark.parametrize("heads", [1, 2])
+def test_decode_kernel_in_the_model_dtype_matches_the_torch_path(heads: int) -> None:
+    """The GPU's form (``native``: score and value dots in the model dtype, an fp16 rotary table) at an fp16
+    model (the interpreter has no bf16 dot), one or two KV heads a program: within the model dtype's rounding of
+    the fp32 path."""
+    from sgl_sparse.kernels import palu_attention
+
+    store, table, rows, q = _filled(4, 8, 0.5, 1, True, [37, 50, 5], seed=3)
+    seq = torch.tensor([37, 50, 5])
+    want = store.decode(1, q, table, rows, seq, D ** -0.5)
+    rot = store.rotary
+    assert rot is not None
+    got = palu_attention.decode_attention(q.half(), store.zk[1].half(), store.zv[1].half(), store.pos[1],
+                                          store.k_basis[1].half(), store.v_basis[1], rot.cos_sin.half(), rot.neox,
+                                          table, rows, seq, D ** -0.5, splits=4, native=True, heads=heads)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
+def test_two_heads_a_program_match_the_torch_path_with_grouped_heads() -> None:
+    """Two KV heads a program over a group of 2 heads sharing one latent (rank 48, not a power of two)."""
+    from sgl_sparse.kernels import palu_attention
+
+    store, table, rows, q = _filled(4, 4, 0.75, 2, False, [64, 1, 23], seed=9)
+    seq = torch.tensor([64, 1, 23])
+    want = store.decode(1, q, table, rows, seq, D ** -0.5)
+    rot = store.rotary
+    assert rot is not None
+    got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+                                          store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, D ** -0.5,
+                                          splits=3, heads=2)
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_palu_kernel_under_the_interpreter() -> None:
     assert_interpreted_passed(__file__)

@@ -2,8 +2,9 @@
 (quality-large, bf16, FlashInfer base for new tokens and the reconstructed prefix) with CUDA graphs on and off,
 against vanilla FlashInfer bf16 at rank ratio 0.75, and leak-free.
 
-Passed 5 of 5 on an H100 (2026-12-07), so Palu alone serves on CUDA by default; under an eviction method it still
-needs ``--sparse-allow-unverified`` (``LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION`` in ``integration/launch.py``).
+Also ``snapkv+palu``: at a covering budget the same tokens as Palu alone, and at a small one graphs = eager. Until
+these pass on a GPU, Palu under an eviction method needs ``--sparse-allow-unverified``
+(``LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION`` in ``integration/launch.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from sgl_sparse.server_process import ServerProcess, running
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 HKV, G, D, HIDDEN = 8, 4, 128, 4096  # Llama-3-8B's attention
+COVERING = {"snapkv": {"budget": 16384}}  # above every prompt + output here: nothing is evicted
+SMALL = {"snapkv": {"budget": 1024}}
 
 
 def _table(max_pos: int) -> torch.Tensor:
@@ -71,18 +74,24 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
     assert rot is not None
     with sync_debug("error"):
         got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
-                                              store.v_basis[0], rot.cos_sin, True, r2t, rpi, seq, D**-0.5)
+                                              store.v_basis[0], store.kernel_cos_sin, True, r2t, rpi, seq,
+                                              D**-0.5)
     want = KVStore.decode(store, 0, q, r2t, rpi, seq, D**-0.5)  # the contract's torch default: read, attend
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
-    cfg, allow = {"rank_ratio": 0.75}, []
+    cfg, sync = {"rank_ratio": 0.75}, {"SGLSPARSE_SYNC_DEBUG": "error"}
+    allow = ["--sparse-allow-unverified"]  # Palu under an eviction method: what these tests verify
     procs = {
         "vanilla": vanilla("palu-vanilla-flashinfer"),
-        "palu": ours("palu-graph", "palu", cfg, extra=allow, env={"SGLSPARSE_SYNC_DEBUG": "error"}),
-        "palu-eager": ours("palu-eager", "palu", cfg, extra=[*allow, "--disable-cuda-graph"]),
+        "palu": ours("palu-graph", "palu", cfg, env=sync),
+        "palu-eager": ours("palu-eager", "palu", cfg, extra=["--disable-cuda-graph"]),
+        "covering": ours("snapkv-palu-covering", "snapkv+palu", {**COVERING, "palu": cfg}, extra=allow, env=sync),
+        "small": ours("snapkv-palu-small", "snapkv+palu", {**SMALL, "palu": cfg}, extra=allow, env=sync),
+        "small-eager": ours("snapkv-palu-small-eager", "snapkv+palu", {**SMALL, "palu": cfg},
+                            extra=[*allow, "--disable-cuda-graph"]),
     }
     with running(*procs.values()):
         yield procs
@@ -109,3 +118,27 @@ def test_greedy_text_near_vanilla_bf16_at_rank_ratio_three_quarters(servers: dic
     same = token_agreement(generate(servers["vanilla"], prompts, 48), generate(servers["palu"], prompts, 48))
     assert same >= 0.6, same
     assert_idle_and_sound(servers["palu"])
+
+
+def test_snapkv_over_palu_at_a_covering_budget_serves_exactly_palu_alone(servers: dict[str, ServerProcess]) -> None:
+    """Nothing evicted: every request reads the same latents through the compacted lists as Palu alone reads
+    through its rows (later chunks: the compacted prefix reconstructed), so the tokens are the same."""
+    prompts = [prose(1300 + i, n) for i, n in enumerate(SELECTION_LENS)]
+    before = state(servers["covering"])["evicted_tokens_total"]
+    assert_same_tokens(generate(servers["palu"], prompts, 64), generate(servers["covering"], prompts, 64),
+                       "palu", "snapkv+palu covering", "batch of 5")
+    assert state(servers["covering"])["evicted_tokens_total"] == before
+    assert_idle_and_sound(servers["covering"])
+
+
+def test_snapkv_over_palu_evicts_and_graphs_equal_eager(servers: dict[str, ServerProcess]) -> None:
+    """SnapKV 1,024 over Palu (its scores read the reconstructed keys): each request keeps its budget, the graph
+    server (our decode code raising on a host sync) gives the eager server's tokens, and nothing leaks."""
+    prompts = [prose(1400 + i, n) for i, n in enumerate(SELECTION_LENS)]
+    before = state(servers["small"])["evicted_tokens_total"]
+    eager = generate(servers["small-eager"], prompts, 96)
+    graph = generate(servers["small"], prompts, 96)
+    assert_same_tokens(eager, graph, "snapkv+palu eager", "snapkv+palu graph", "batch of 5")
+    assert state(servers["small"])["evicted_tokens_total"] > before
+    for name in ("small", "small-eager"):
+        assert_idle_and_sound(servers[name])

@@ -102,6 +102,7 @@ class PaluStore(KVStore):
         self.k_basis: list[torch.Tensor] = []
         self.v_basis: list[torch.Tensor] = []
         self.rotary: RotaryTable | None = None
+        self.kernel_cos_sin: torch.Tensor | None = None
         self.zk: list[torch.Tensor] = []
         self.zv: list[torch.Tensor] = []
         self.pos: list[torch.Tensor] = []
@@ -160,6 +161,8 @@ class PaluStore(KVStore):
         if self.rotary is not None:
             r = self.rotary
             self.rotary = RotaryTable(r.cos_sin.to(g.device, torch.float32), r.rotary_dim, r.neox)
+            # the decode kernel's copy: fp16 halves what it gathers a position, and rounds below a bf16 key
+            self.kernel_cos_sin = r.cos_sin.to(g.device, torch.float16) if g.device.type == "cuda" else None
         self.dtype, self.geometry = g.dtype, g
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
@@ -216,13 +219,13 @@ class PaluStore(KVStore):
 
     def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        r = self.rotary
-        if q.device.type != "cuda" or r is None or r.rotary_dim != self.head_dim:
+        r, table = self.rotary, self.kernel_cos_sin
+        if q.device.type != "cuda" or r is None or table is None or r.rotary_dim != self.head_dim:
             return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
         from sgl_sparse.kernels import palu_attention
 
         return palu_attention.decode_attention(q, self.zk[layer_id], self.zv[layer_id], self.pos[layer_id],
-                                               self.k_basis[layer_id], self.v_basis[layer_id], r.cos_sin, r.neox,
+                                               self.k_basis[layer_id], self.v_basis[layer_id], table, r.neox,
                                                req_to_token, req_pool_indices, seq_lens, scale)
 
     def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
