@@ -16,8 +16,8 @@ Pool contents are random codes with small scales: timing does not depend on them
 the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
 choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
 these positions an iteration, KIVI's at these pages (x each of ``--warps``); ``--palu-tiles``: Palu's at these
-``BLOCKxWARPSxSTAGES[xHEADS]`` (HEADS: KV heads a program); ``--palu-fp32``: also Palu's kernel with fp32 dots
-and rotary table (its interpreter form).
+``BLOCKxWARPSxSTAGES[xPREFETCH]`` (PREFETCH: tiles of slots read ahead); ``--palu-fp32``: also Palu's kernel
+with fp32 dots and rotary table (its interpreter form).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
 value.
@@ -66,15 +66,13 @@ def llama3_model_kv() -> ModelKV:
 
 def fill_pool(store: object) -> None:
     """Random codes in every uint8 buffer, 0.05 in the scales elsewhere (zeros would decode to a constant row);
-    Palu: random latents at random positions, its factors as computed."""
+    Palu: random latents (positions: ``_row`` writes them as served), its factors as computed."""
     for name, value in vars(store).items():
         if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
             for t in value:
                 if t.dtype == torch.uint8:
                     t.random_(0, 256)
                     t[(t & 0x7F) == 0x7F] = 0  # no E4M3 NaN codes (the check against the torch path)
-                elif name == "pos":
-                    t.random_(0, WIDTH)  # Palu's positions: every rotary angle of the context
                 elif name in ("zk", "zv"):
                     t.normal_(0, 0.5)  # Palu's latents: coordinates in its bases
                 elif t.is_floating_point() and t.dim() >= 2 and name not in ("k_basis", "v_basis"):
@@ -82,18 +80,18 @@ def fill_pool(store: object) -> None:
 
 
 def _decode(label: str, store: Any, warps: int | None, block: int | None = None,
-            stages: int | None = None, fp32: bool = False, heads: int = 1) -> Callable[..., torch.Tensor]:
+            stages: int | None = None, fp32: bool = False, prefetch: int = 0) -> Callable[..., torch.Tensor]:
     """The store's CUDA decode, or its kernel called with ``warps`` and ``block`` (FP8: positions an iteration,
-    KIVI: pages an iteration) and, for FP8 and Palu, ``stages``; ``fp32``: Palu's kernel in its fp32 form, ``heads``:
-    its KV heads a program."""
-    if warps is None and block is None and stages is None and not fp32 and heads == 1:
+    KIVI: pages an iteration) and, for FP8 and Palu, ``stages``; ``fp32``: Palu's kernel in its fp32 form, ``prefetch``:
+    its tiles of slots read ahead."""
+    if warps is None and block is None and stages is None and not fp32 and not prefetch:
         return store.decode
     if label.startswith("palu"):
         rot = store.rotary
         table = rot.cos_sin if fp32 else store.kernel_cos_sin
         return lambda layer, q, *rest: palu_attention.decode_attention(
             q, store.zk[layer], store.zv[layer], store.pos[layer], store.k_basis[layer], store.v_basis[layer], table,
-            rot.neox, *rest, block=block, warps=warps, stages=stages, native=not fp32, heads=heads)
+            rot.neox, *rest, block=block, warps=warps, stages=stages, native=not fp32, prefetch=prefetch)
     if label == "fp8_kv":
         return lambda layer, q, *rest: fp8_attention.decode_attention(
             q, store.k_codes[layer], store.k_scale[layer], store.v_codes[layer], store.v_scale[layer], *rest,
@@ -106,7 +104,7 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None,
 
 
 def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | None = None,
-         stages: int | None = None, fp32: bool = False, heads: int = 1) -> str:
+         stages: int | None = None, fp32: bool = False, prefetch: int = 0) -> str:
     name, config = METHODS[label]
     method = create_method(name, config)
     store = method.store
@@ -120,13 +118,15 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
                    dtype=torch.bfloat16, device=torch.device("cuda"), max_requests=bs + 1)
     store.allocate(g)
     fill_pool(store)
+    for t in getattr(store, "pos", []):  # Palu's positions as served: a row's t-th slot holds position t
+        t.copy_(((torch.arange(slots, device="cuda") - ps) % row_slots).clamp(max=WIDTH - 1))
     r2t = torch.zeros(bs + 1, WIDTH, dtype=torch.int32, device="cuda")
     r2t[1:] = (torch.arange(bs, device="cuda")[:, None] * row_slots + torch.arange(WIDTH, device="cuda") + ps).int()
     rpi = torch.arange(1, bs + 1, device="cuda")
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
-    decode = _decode(label, store, warps, block, stages, fp32, heads)
+    decode = _decode(label, store, warps, block, stages, fp32, prefetch)
     us = graph_us(lambda: decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     # The kernel against the store's torch path (the CPU server's, the tests' reference) on the same pool.
     got = decode(0, q, r2t, rpi, seq, scale).float()
@@ -142,10 +142,10 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     pool += sum(b.numel() * b.element_size() for b in getattr(store, "k_basis", []) + getattr(store, "v_basis", []))
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
-    if warps is not None or block is not None or stages is not None or fp32 or heads > 1:
+    if warps is not None or block is not None or stages is not None or fp32 or prefetch:
         unit = "pages" if label.startswith("kivi") else "positions"
         parts = (block and f"{block} {unit}", warps and f"{warps} warps", stages and f"{stages} stages",
-                 fp32 and "fp32 dots and table", heads > 1 and f"{heads} heads a program")
+                 fp32 and "fp32 dots and table", prefetch and f"slots {prefetch} tiles ahead")
         label = f"{label} ({', '.join(x for x in parts if x)})"
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
@@ -189,8 +189,10 @@ def main() -> None:
     p.add_argument("--fp8-stages", nargs="*", type=int, default=[],
                    help="also time FP8's kernel at these pipeline stages (its default tile and warps)")
     p.add_argument("--palu-tiles", nargs="*", default=[],
-                   help="also time Palu's kernel at these BLOCKxWARPSxSTAGES[xHEADS]")
+                   help="also time Palu's kernel at these BLOCKxWARPSxSTAGES[xPREFETCH]")
     p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and table")
+    p.add_argument("--palu-tiles-only", action="store_true",
+                   help="Palu's --palu-tiles rows only (its first launch then is the first tile's: for ncu -c 1)")
     args = p.parse_args()
     print("| pool | batch x context | us/layer | step ms (32 layers) | pool MB read | pool floor us | % of floor | "
           "bf16 MB | bf16 floor us | bf16 floor / ours | max error / max of the torch path |")
@@ -201,13 +203,14 @@ def main() -> None:
             if label == FLASHINFER:
                 print(_flashinfer_row(bs, n), flush=True)
                 continue
-            print(_row(label, bs, n), flush=True)
+            if not (args.palu_tiles_only and label.startswith("palu")):
+                print(_row(label, bs, n), flush=True)
             if label.startswith("palu"):
                 if args.palu_fp32:
                     print(_row(label, bs, n, fp32=True), flush=True)
                 for tile in args.palu_tiles:
-                    b, w, st, *hd = (int(x) for x in tile.split("x"))
-                    print(_row(label, bs, n, w, b, st, heads=hd[0] if hd else 1), flush=True)
+                    b, w, st, *ahead = (int(x) for x in tile.split("x"))
+                    print(_row(label, bs, n, w, b, st, prefetch=ahead[0] if ahead else 0), flush=True)
                 continue
             tiles = {"fp8_kv": args.fp8_blocks, "turboquant": args.tq_blocks}.get(label, args.kivi_pages)
             for b in tiles or [None]:

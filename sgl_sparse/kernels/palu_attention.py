@@ -32,7 +32,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
                    stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, RK: tl.constexpr,
                    RKP: tl.constexpr, RV: tl.constexpr, RVP: tl.constexpr, BLOCK: tl.constexpr,
-                   NSPLIT: tl.constexpr, NATIVE: tl.constexpr):
+                   NSPLIT: tl.constexpr, NATIVE: tl.constexpr, PREFETCH: tl.constexpr):
     rh, pid, i, h, _, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
     grp = h // GS
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
@@ -55,115 +55,60 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, RVP], tl.float32)
+    # A tile's reads chain three gathers (its slots, then their latents and positions, then the positions'
+    # angles). PREFETCH 1 reads the next tile's slots and positions while this tile computes, 2 its slots one
+    # tile earlier still, so a tile waits on one gather's latency instead of three.
+    if PREFETCH > 0:
+        pn = lo + tl.arange(0, BLOCK)
+        slot_n = tl.load(row_ptr + pn, mask=pn < hi, other=0).to(tl.int64)
+        tp_n = tl.load(pos_buf + slot_n, mask=pn < hi, other=0).to(tl.int64)
+        if PREFETCH > 1:
+            slot_nn = tl.load(row_ptr + pn + BLOCK, mask=pn + BLOCK < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK):
         p = start + tl.arange(0, BLOCK)
         ok = p < hi
-        slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int64)
+        if PREFETCH > 0:
+            slot = slot_n
+            tp = tp_n
+        else:
+            slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int64)
+            tp = tl.load(pos_buf + slot, mask=ok, other=0).to(tl.int64)
         z = tl.load(zk + slot[:, None] * stride_zks + grp * stride_zkg + rk[None, :],
                     mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
-        k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, HALF] fp32: the pair's first dimension, before RoPE
-        k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
-        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(tl.int64)
+        zvt = tl.load(zv + slot[:, None] * stride_zvs + grp * stride_zvg + rv[None, :],
+                      mask=ok[:, None] & (rv < RV)[None, :], other=0.0)
         cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
         c = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
         s = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        if PREFETCH > 0:
+            pn = p + BLOCK
+            if PREFETCH > 1:
+                slot_n = slot_nn
+                slot_nn = tl.load(row_ptr + pn + BLOCK, mask=pn + BLOCK < hi, other=0).to(tl.int64)
+            else:
+                slot_n = tl.load(row_ptr + pn, mask=pn < hi, other=0).to(tl.int64)
+            tp_n = tl.load(pos_buf + slot_n, mask=pn < hi, other=0).to(tl.int64)
+        k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, HALF] fp32: the pair's first dimension, before RoPE
+        k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
         r1 = (k1 * c - k2 * s).to(dt)
         r2 = (k2 * c + k1 * s).to(dt)
         logits = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
-        zvt = tl.load(zv + slot[:, None] * stride_zvs + grp * stride_zvg + rv[None, :],
-                      mask=ok[:, None] & (rv < RV)[None, :], other=0.0)
-        m, den, p, alpha = softmax_step(m, den, logits)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), zvt.to(dt))
+        m, den, pr, alpha = softmax_step(m, den, logits)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(dt), zvt.to(dt))
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, RVP)
 
-
-@triton.jit
-def _head_bases(bk, hh, stride_bkg, stride_bkd, d1, d2, rk, GS: tl.constexpr, D: tl.constexpr, RK: tl.constexpr):
-    """KV head ``hh``'s key basis rows of the rotation pairs' first and second dimensions, ``[HALF, RKP]`` each."""
-    base = bk + (hh // GS) * stride_bkg + ((hh % GS) * D).to(tl.int64) * stride_bkd
-    b1 = tl.load(base + d1[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)
-    b2 = tl.load(base + d2[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)
-    return b1, b2
-
-
-@triton.jit
-def _head_step(zk, zv, slot, ok, grp, b1, b2, q1, q2, c, s, m, den, acc, stride_zks, stride_zkg, stride_zvs,
-               stride_zvg, scale, rk, rv, dt: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr):
-    """One head's tile: reconstruct the keys, rotate them by ``c``/``s``, score, accumulate the value latents."""
-    z = tl.load(zk + slot[:, None] * stride_zks + grp * stride_zkg + rk[None, :],
-                mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
-    k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))
-    k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
-    r1 = (k1 * c - k2 * s).to(dt)
-    r2 = (k2 * c + k1 * s).to(dt)
-    logits = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * scale
-    logits = tl.where(ok[None, :], logits, float("-inf"))
-    zvt = tl.load(zv + slot[:, None] * stride_zvs + grp * stride_zvg + rv[None, :],
-                  mask=ok[:, None] & (rv < RV)[None, :], other=0.0)
-    m, den, p, alpha = softmax_step(m, den, logits)
-    return m, den, acc * alpha[:, None] + tl.dot(p.to(dt), zvt.to(dt))
-
-
-@triton.jit
-def _decode_kernel_pair(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l,
-                        ws_acc, stride_qb, stride_qh, stride_zks, stride_zkg, stride_zvs, stride_zvg, stride_bkg,
-                        stride_bkd, stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr,
-                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
-                        RK: tl.constexpr, RKP: tl.constexpr, RV: tl.constexpr, RVP: tl.constexpr,
-                        BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NATIVE: tl.constexpr):
-    """:func:`_decode_kernel` over two KV heads a program: a position's slot, stored position and rotary angles
-    are gathered once for both."""
-    _, pid, i, hp, _, lo, hi = split_span(seq_lens, HKV // 2, BLOCK, NSPLIT)
-    ha = 2 * hp
-    hb = ha + 1
-    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
-    j = tl.arange(0, HALF)
-    d1 = j if NEOX else 2 * j
-    d2 = j + HALF if NEOX else 2 * j + 1
-    gi = tl.arange(0, GP)
-    dt = q.dtype.element_ty if NATIVE else tl.float32
-    qa = q + i * stride_qb + (ha * G + gi)[:, None] * stride_qh
-    qb = qa + G * stride_qh
-    qa1 = tl.load(qa + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(dt)
-    qa2 = tl.load(qa + d2[None, :], mask=(gi < G)[:, None], other=0.0).to(dt)
-    qb1 = tl.load(qb + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(dt)
-    qb2 = tl.load(qb + d2[None, :], mask=(gi < G)[:, None], other=0.0).to(dt)
-    rk = tl.arange(0, RKP)
-    rv = tl.arange(0, RVP)
-    ba1, ba2 = _head_bases(bk, ha, stride_bkg, stride_bkd, d1, d2, rk, GS, D, RK)
-    bb1, bb2 = _head_bases(bk, hb, stride_bkg, stride_bkd, d1, d2, rk, GS, D, RK)
-    ma = tl.full([GP], float("-inf"), tl.float32)
-    mb = tl.full([GP], float("-inf"), tl.float32)
-    la = tl.zeros([GP], tl.float32)
-    lb = tl.zeros([GP], tl.float32)
-    acca = tl.zeros([GP, RVP], tl.float32)
-    accb = tl.zeros([GP, RVP], tl.float32)
-    for start in range(lo, hi, BLOCK):
-        p = start + tl.arange(0, BLOCK)
-        ok = p < hi
-        slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int64)
-        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(tl.int64)
-        cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
-        c = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
-        s = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-        ma, la, acca = _head_step(zk, zv, slot, ok, ha // GS, ba1, ba2, qa1, qa2, c, s, ma, la, acca, stride_zks,
-                                  stride_zkg, stride_zvs, stride_zvg, scale, rk, rv, dt, RK, RV)
-        mb, lb, accb = _head_step(zk, zv, slot, ok, hb // GS, bb1, bb2, qb1, qb2, c, s, mb, lb, accb, stride_zks,
-                                  stride_zkg, stride_zvs, stride_zvg, scale, rk, rv, dt, RK, RV)
-    store_split(ws_m, ws_l, ws_acc, i * HKV + ha, pid, ma, la, acca, NSPLIT, G, GP, RVP)
-    store_split(ws_m, ws_l, ws_acc, i * HKV + hb, pid, mb, lb, accb, NSPLIT, G, GP, RVP)
 
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
                      k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      splits: int | None = None, block: int | None = None, warps: int | None = None,
-                     stages: int | None = None, native: bool | None = None, heads: int = 1) -> torch.Tensor:
+                     stages: int | None = None, native: bool | None = None, prefetch: int = 0) -> torch.Tensor:
     """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
     ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
     rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
     ``block`` (positions an iteration), ``warps``, ``stages``: the tile, for benchmarks/quant_decode.py's sweeps;
-    ``native``: dots in the model dtype (default: on the GPU); ``heads``: KV heads a program."""
+    ``native``: dots in the model dtype (default: on the GPU); ``prefetch``: tiles of slots read ahead (0-2)."""
     bs, hq, d = q.shape
     groups, gd, rk = k_basis.shape
     gs = gd // d
@@ -177,16 +122,13 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     if splits is None:
         splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, rvp, q.device)
-    assert hkv % heads == 0, f"{heads} KV heads a program do not divide {hkv}"
-    assert heads in (1, 2), "one or two KV heads a program"
-    kernel = _decode_kernel if heads == 1 else _decode_kernel_pair
-    kernel[(bs * hkv // heads, splits)](
+    _decode_kernel[(bs * hkv, splits)](
         q, zk, zv, positions, k_basis, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
         GP=max(16, triton.next_power_of_2(g)), D=d, HALF=d // 2, NEOX=neox, RK=rk, RKP=triton.next_power_of_2(rk),
         RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits,
-        NATIVE=q.is_cuda if native is None else native, num_warps=warps or 4,
+        NATIVE=q.is_cuda if native is None else native, PREFETCH=prefetch, num_warps=warps or 4,
         **({"num_stages": stages} if stages else {}))
     lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
     vb = v_basis.view(groups, gs, d, rv).to(torch.float32)
