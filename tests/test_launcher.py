@@ -509,21 +509,12 @@ def test_quantized_layouts_with_gpu_kernels_serve_on_gpu(capsys: pytest.CaptureF
     assert hand.method == "own_fp8"
 
 
-def test_palu_under_eviction_on_gpu_needs_the_unverified_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    """Palu alone has passed its GPU tests (tests/gpu/test_gpu_palu.py) and serves on CUDA; under an eviction method
-    it has not run there: a launch error naming --sparse-allow-unverified, which starts it; on CPU it serves."""
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", "palu"])
-    assert hand.method == "palu"
-    name, cfg = "snapkv+palu", '{"snapkv": {"budget": 512}}'
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", name, "--sparse-config", cfg])
-    assert f"--sparse-method {name}: its KV layout has run on a GPU alone, not yet under an eviction" in (
-        capsys.readouterr().err)
-    _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", name, "--sparse-config", cfg,
-                          "--sparse-allow-unverified"])
-    assert hand.method == name
-    _, hand = parse_args(["--model-path", "m", "--device", "cpu", "--sparse-method", name, "--sparse-config", cfg])
-    assert hand.method == name
+def test_palu_alone_and_under_eviction_serves_on_gpu() -> None:
+    """Palu alone and under an eviction method have passed their GPU tests (tests/gpu/test_gpu_palu.py): no
+    launch error on CUDA."""
+    for name in ("palu", "snapkv+palu"):
+        _, hand = parse_args(["--model-path", "m", "--device", "cuda", "--sparse-method", name])
+        assert hand.method == name
 
 
 def test_a_composition_launches_on_cpu_and_hands_off_both_members() -> None:

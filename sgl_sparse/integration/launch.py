@@ -413,39 +413,34 @@ def _gpu_verified(method: Any) -> bool:
     return method.name in GPU_VERIFIED_LAYER_SETS and not _from_outside(method)
 
 
-# sgl_sparse's own KV layouts that have run on a GPU alone but not yet under an eviction method (a composition:
-# compacted rows, scores read through the store).
-LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION = ("palu",)
 # Combinations that have not run on hardware yet: each starts with ALLOW_UNVERIFIED.
-UNVERIFIED: tuple[Check, ...] = (
-    Check(lambda c: (c.method.selector is not None and not c.method.evicts and c.gpu
-                     and _from_outside(c.method)),
-          lambda c: f"--sparse-method {c.name}: its GPU decode path (page selection read through FlashInfer) has "
-                    "not run on hardware: it is loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and "
-                    "only sgl_sparse's own selection methods have passed the GPU tests (tests/gpu/); it serves on "
-                    f"--device cpu, or on CUDA with {ALLOW_UNVERIFIED}"),
-    Check(lambda c: (c.method.store is not None and c.gpu and c.method.store.gpu_kernels
-                     and _from_outside(getattr(c.method, "quantization", c.method))),
-          lambda c: f"--sparse-method {c.name}: its KV layout's GPU kernels have not run on hardware: it is "
-                    "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and only sgl_sparse's own layouts "
-                    f"have passed the GPU tests (tests/gpu/); it serves on --device cpu, or on CUDA with "
-                    f"{ALLOW_UNVERIFIED}"),
-    Check(lambda c: (c.method.store is not None and c.gpu and c.method.evicts
-                     and getattr(c.method, "quantization", c.method).name in LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION),
-          lambda c: f"--sparse-method {c.name}: its KV layout has run on a GPU alone, not yet under an eviction "
-                    f"method; it serves on --device cpu, or on CUDA with {ALLOW_UNVERIFIED}"),
-    # Every rank sums its scores over the TP group before selecting (integration/tp.py), tested with two gloo
-    # ranks on CPU (tests/test_tp_eviction.py).
-    Check(lambda c: c.method.evicts and (c.args.tp_size or 1) > 1 and c.gpu,
-          lambda c: f"--tp-size {c.args.tp_size} with {c.name}: eviction under tensor parallelism (scores summed "
-                    "over the TP group, so every rank keeps the same tokens) has not yet run on more than one GPU; "
-                    f"see docs/parallelism.md ({ALLOW_UNVERIFIED} starts it)"),
-    Check(lambda c: c.method.selector is not None and c.method.evicts and c.gpu and not _gpu_verified(c.method),
-          lambda c: f"--sparse-method {c.name}: eviction with per-layer selection loaded from outside sgl_sparse "
-                    "(SGLSPARSE_METHOD_MODULES) has not run on a GPU; only PyramidKV's layer sets have passed the GPU "
-                    f"tests (tests/gpu/test_gpu_pyramidkv.py); it serves on --device cpu, or on CUDA with "
-                    f"{ALLOW_UNVERIFIED}"),
-)
+_OUTSIDE_SELECTION = Check(
+    lambda c: c.method.selector is not None and not c.method.evicts and c.gpu and _from_outside(c.method),
+    lambda c: f"--sparse-method {c.name}: its GPU decode path (page selection read through FlashInfer) has "
+              "not run on hardware: it is loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and "
+              "only sgl_sparse's own selection methods have passed the GPU tests (tests/gpu/); it serves on "
+              f"--device cpu, or on CUDA with {ALLOW_UNVERIFIED}")
+_OUTSIDE_LAYOUT = Check(
+    lambda c: (c.method.store is not None and c.gpu and c.method.store.gpu_kernels
+               and _from_outside(getattr(c.method, "quantization", c.method))),
+    lambda c: f"--sparse-method {c.name}: its KV layout's GPU kernels have not run on hardware: it is "
+              "loaded from outside sgl_sparse (SGLSPARSE_METHOD_MODULES), and only sgl_sparse's own layouts "
+              f"have passed the GPU tests (tests/gpu/); it serves on --device cpu, or on CUDA with "
+              f"{ALLOW_UNVERIFIED}")
+# Every rank sums its scores over the TP group before selecting (integration/tp.py), tested with two gloo
+# ranks on CPU (tests/test_tp_eviction.py).
+_TP_EVICTION = Check(
+    lambda c: c.method.evicts and (c.args.tp_size or 1) > 1 and c.gpu,
+    lambda c: f"--tp-size {c.args.tp_size} with {c.name}: eviction under tensor parallelism (scores summed "
+              "over the TP group, so every rank keeps the same tokens) has not yet run on more than one GPU; "
+              f"see docs/parallelism.md ({ALLOW_UNVERIFIED} starts it)")
+_OUTSIDE_LAYER_SETS = Check(
+    lambda c: c.method.selector is not None and c.method.evicts and c.gpu and not _gpu_verified(c.method),
+    lambda c: f"--sparse-method {c.name}: eviction with per-layer selection loaded from outside sgl_sparse "
+              "(SGLSPARSE_METHOD_MODULES) has not run on a GPU; only PyramidKV's layer sets have passed the GPU "
+              f"tests (tests/gpu/test_gpu_pyramidkv.py); it serves on --device cpu, or on CUDA with "
+              f"{ALLOW_UNVERIFIED}")
+UNVERIFIED: tuple[Check, ...] = (_OUTSIDE_SELECTION, _OUTSIDE_LAYOUT, _TP_EVICTION, _OUTSIDE_LAYER_SETS)
 
 _FP8 = "fp8"
 
@@ -457,8 +452,8 @@ UNSUPPORTED: tuple[Check, ...] = (
     Check(lambda c: c.method.selector is not None and c.gpu and c.args.attention_backend == "triton",
           lambda c: f"--attention-backend triton with {c.name}: its decode reads a selection, which sgl_sparse "
                     "serves on the flashinfer base (CUDA) and torch_native (CPU); drop the flag"),
-    UNVERIFIED[4],
-    UNVERIFIED[0],
+    _OUTSIDE_LAYER_SETS,
+    _OUTSIDE_SELECTION,
     *(_replays(r) for r in REPLAY),
     Check(lambda c: c.args.enable_hierarchical_cache,
           lambda c: "--enable-hierarchical-cache: HiCache is not supported with sgl_sparse yet"),
@@ -509,8 +504,7 @@ UNSUPPORTED: tuple[Check, ...] = (
     Check(lambda c: c.method.store is not None and c.gpu and not c.method.store.gpu_kernels,
           lambda c: f"--sparse-method {c.name}: its GPU kernels are not written yet (its layout runs in plain "
                     "torch, which cannot run inside CUDA graphs); it serves on --device cpu"),
-    UNVERIFIED[1],
-    UNVERIFIED[2],
+    _OUTSIDE_LAYOUT,
     Check(lambda c: c.method.store is not None and c.method.store.reads_whole_tokens and (c.args.tp_size or 1) > 1,
           lambda c: f"--tp-size {c.args.tp_size} with {c.name}: its layout encodes every KV head of a token together, "
                     "and a tensor-parallel rank holds a share of them; use --tp-size 1 (or --dp-size)"),
@@ -569,7 +563,7 @@ UNSUPPORTED: tuple[Check, ...] = (
     Check(lambda c: c.method.evicts and (c.args.num_continuous_decode_steps or 1) > 1,
           lambda c: f"--num-continuous-decode-steps {c.args.num_continuous_decode_steps} with {c.name}: the "
                     "eviction step and its host counters run once per scheduled batch; use 1"),
-    UNVERIFIED[3],
+    _TP_EVICTION,
     *(_graphs_on_cpu(phase) for phase in ("decode", "prefill")),
     Check(lambda c: c.gpu and c.method.observation_window() > 0 and c.graph_on("prefill"),
           lambda c: f"prefill CUDA graph backend {c.graph('prefill')} with {c.name}: a replayed prefill graph has "

@@ -32,7 +32,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
                    stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, RK: tl.constexpr,
                    RKP: tl.constexpr, RV: tl.constexpr, RVP: tl.constexpr, BLOCK: tl.constexpr,
-                   NSPLIT: tl.constexpr, NATIVE: tl.constexpr, PREFETCH: tl.constexpr):
+                   NSPLIT: tl.constexpr, NATIVE: tl.constexpr):
     rh, pid, i, h, _, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
     grp = h // GS
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
@@ -55,47 +55,26 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, RVP], tl.float32)
-    # A tile's reads chain three gathers (its slots, then their latents and positions, then the positions'
-    # angles). PREFETCH 1 reads the next tile's slots and positions while this tile computes, 2 its slots one
-    # tile earlier still, so a tile waits on one gather's latency instead of three.
-    if PREFETCH > 0:
-        pn = lo + tl.arange(0, BLOCK)
-        slot_n = tl.load(row_ptr + pn, mask=pn < hi, other=0).to(tl.int64)
-        tp_n = tl.load(pos_buf + slot_n, mask=pn < hi, other=0).to(tl.int64)
-        if PREFETCH > 1:
-            slot_nn = tl.load(row_ptr + pn + BLOCK, mask=pn + BLOCK < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK):
         p = start + tl.arange(0, BLOCK)
         ok = p < hi
-        if PREFETCH > 0:
-            slot = slot_n
-            tp = tp_n
-        else:
-            slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int64)
-            tp = tl.load(pos_buf + slot, mask=ok, other=0).to(tl.int64)
+        slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int64)
         z = tl.load(zk + slot[:, None] * stride_zks + grp * stride_zkg + rk[None, :],
                     mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
-        zvt = tl.load(zv + slot[:, None] * stride_zvs + grp * stride_zvg + rv[None, :],
-                      mask=ok[:, None] & (rv < RV)[None, :], other=0.0)
+        k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, HALF] fp32: the pair's first dimension, before RoPE
+        k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
+        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(tl.int64)
         cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
         c = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
         s = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-        if PREFETCH > 0:
-            pn = p + BLOCK
-            if PREFETCH > 1:
-                slot_n = slot_nn
-                slot_nn = tl.load(row_ptr + pn + BLOCK, mask=pn + BLOCK < hi, other=0).to(tl.int64)
-            else:
-                slot_n = tl.load(row_ptr + pn, mask=pn < hi, other=0).to(tl.int64)
-            tp_n = tl.load(pos_buf + slot_n, mask=pn < hi, other=0).to(tl.int64)
-        k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, HALF] fp32: the pair's first dimension, before RoPE
-        k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
         r1 = (k1 * c - k2 * s).to(dt)
         r2 = (k2 * c + k1 * s).to(dt)
         logits = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * scale
         logits = tl.where(ok[None, :], logits, float("-inf"))
-        m, den, pr, alpha = softmax_step(m, den, logits)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(dt), zvt.to(dt))
+        zvt = tl.load(zv + slot[:, None] * stride_zvs + grp * stride_zvg + rv[None, :],
+                      mask=ok[:, None] & (rv < RV)[None, :], other=0.0)
+        m, den, p, alpha = softmax_step(m, den, logits)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), zvt.to(dt))
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, RVP)
 
 
@@ -103,12 +82,12 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
                      k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      splits: int | None = None, block: int | None = None, warps: int | None = None,
-                     stages: int | None = None, native: bool | None = None, prefetch: int = 0) -> torch.Tensor:
+                     stages: int | None = None, native: bool | None = None) -> torch.Tensor:
     """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
     ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
     rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
     ``block`` (positions an iteration), ``warps``, ``stages``: the tile, for benchmarks/quant_decode.py's sweeps;
-    ``native``: dots in the model dtype (default: on the GPU); ``prefetch``: tiles of slots read ahead (0-2)."""
+    ``native``: dots in the model dtype (default: on the GPU)."""
     bs, hq, d = q.shape
     groups, gd, rk = k_basis.shape
     gs = gd // d
@@ -128,7 +107,7 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
         GP=max(16, triton.next_power_of_2(g)), D=d, HALF=d // 2, NEOX=neox, RK=rk, RKP=triton.next_power_of_2(rk),
         RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits,
-        NATIVE=q.is_cuda if native is None else native, PREFETCH=prefetch, num_warps=warps or 4,
+        NATIVE=q.is_cuda if native is None else native, num_warps=warps or 4,
         **({"num_stages": stages} if stages else {}))
     lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
     vb = v_basis.view(groups, gs, d, rv).to(torch.float32)

@@ -2,9 +2,10 @@
 (quality-large, bf16, FlashInfer base for new tokens and the reconstructed prefix) with CUDA graphs on and off,
 against vanilla FlashInfer bf16 at rank ratio 0.75, and leak-free.
 
-Also ``snapkv+palu``: at a covering budget the same tokens as Palu alone, and at a small one graphs = eager. Until
-these pass on a GPU, Palu under an eviction method needs ``--sparse-allow-unverified``
-(``LAYOUTS_NOT_RUN_ON_GPU_UNDER_EVICTION`` in ``integration/launch.py``).
+Also ``snapkv+palu``: at a covering budget the same tokens as Palu alone, and at a small one graphs = eager.
+
+Passed 7 of 7 on an H100 (2026-12-07, the kernel's model-dtype dots), so Palu alone and under an eviction method
+serve on CUDA by default.
 """
 
 from __future__ import annotations
@@ -83,15 +84,14 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
     cfg, sync = {"rank_ratio": 0.75}, {"SGLSPARSE_SYNC_DEBUG": "error"}
-    allow = ["--sparse-allow-unverified"]  # Palu under an eviction method: what these tests verify
     procs = {
         "vanilla": vanilla("palu-vanilla-flashinfer"),
         "palu": ours("palu-graph", "palu", cfg, env=sync),
         "palu-eager": ours("palu-eager", "palu", cfg, extra=["--disable-cuda-graph"]),
-        "covering": ours("snapkv-palu-covering", "snapkv+palu", {**COVERING, "palu": cfg}, extra=allow, env=sync),
-        "small": ours("snapkv-palu-small", "snapkv+palu", {**SMALL, "palu": cfg}, extra=allow, env=sync),
+        "covering": ours("snapkv-palu-covering", "snapkv+palu", {**COVERING, "palu": cfg}, env=sync),
+        "small": ours("snapkv-palu-small", "snapkv+palu", {**SMALL, "palu": cfg}, env=sync),
         "small-eager": ours("snapkv-palu-small-eager", "snapkv+palu", {**SMALL, "palu": cfg},
-                            extra=[*allow, "--disable-cuda-graph"]),
+                            extra=["--disable-cuda-graph"]),
     }
     with running(*procs.values()):
         yield procs

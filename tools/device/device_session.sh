@@ -2,7 +2,8 @@
 # One device session (nvidia-h200 or nvidia-h200-x2), each part detached: it outlives the command that
 # starts it; poll from later commands, each sent right after the previous one returns (the machine is
 # released 30 s after a command ends, and detached work dies with it). Run from the project root after
-# the bootstrap commands (tools/device/device_site_parts.sh; tools/device/README.md lists them).
+# the bootstrap commands (tools/device/device_site_parts.sh; tools/device/README.md lists them). The 130K
+# steps' batches below are an H200's; on an H100 each default is scaled to its pool (VANILLA_BATCH: 3 there).
 #
 #   bash tools/device/device_session.sh headline   the 130K headline on GPU HEADLINE_GPU (default 1 on a
 #                                                two-GPU machine, else 0): vanilla, then sgl_sparse SnapKV 8192 at
@@ -34,7 +35,7 @@
 #                                                (EVICT_SERVER_ARGS: more server flags). Run it
 #                                                through `queue` (its servers then start one after another).
 #   bash tools/device/device_session.sh palu130k | palu130k6   Palu (rank ratio PALU_RATIO, default 0.5) at 130K x PALU_BATCH
-#                                                (default 12, what its 1.996x pool fits) and x 6, ours only (table130k
+#                                                (default 2 x vanilla's batch: its 1.996x pool) and x 6, ours only (table130k
 #                                                adds them); PALU_SERVER_ARGS: more flags for ours.
 #   bash tools/device/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
 #                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
@@ -119,6 +120,11 @@ MODEL=.device-site/models/llama3-8b-shape
 # GPU 1 on a two-GPU machine (GPU 0 trains or runs quality beside it), else GPU 0.
 DEFAULT_GPU=$([ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ] && echo 1 || echo 0)
 mkdir -p /root/bench /root/train
+# Vanilla's batch at 130K: 6 on an H200 (141 GB), 3 on an H100 (80 GB). Every 130K step's default batch (a
+# method's largest, and the "...6" steps' "at vanilla's batch") is the H200's scaled by VB / 6; the *_BATCH
+# variables below override a step's outright.
+VB=${VANILLA_BATCH:-$([ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null || echo 0)" -gt 100000 ] && echo 6 || echo 3)}
+scaled() { echo $(( $1 * VB / 6 )); }
 
 install() { python3 -m pip install -q --no-deps --no-build-isolation -e .; }
 # launch LOG CMD...: detached (one part per command), or in the foreground inside a queue.
@@ -143,20 +149,20 @@ case "${1:-}" in
 headline)
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/headline.txt python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${SPARSE_BATCH:-28}" --output-len 256 \
+      --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "${SPARSE_BATCH:-$(scaled 28)}" --output-len 256 \
       --sparse-method snapkv --sparse-config '{"budget": 8192}' \
       --log-dir /root/bench/headline --json /root/bench/headline.json
   ;;
 vanilla130k|dense130k|snapkv130k|snapkv130k6)  # the 130K table one server per step: vanilla x 6, ours dense x 6,
   install           # SnapKV 8192 x SPARSE_BATCH (default 60) and x 6 (vanilla's batch); `table130k` prints them together
   case "$1" in
-  vanilla130k) only=(--only vanilla) batch=6 cfg=(--sparse-method dense) ;;
-  dense130k) only=(--only sgl_sparse) batch=6 cfg=(--sparse-method dense --sparse-config '{}') ;;
-  snapkv130k) only=(--only sgl_sparse) batch="${SPARSE_BATCH:-60}" cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
-  snapkv130k6) only=(--only sgl_sparse) batch=6 cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
+  vanilla130k) only=(--only vanilla) batch="$VB" cfg=(--sparse-method dense) ;;
+  dense130k) only=(--only sgl_sparse) batch="$VB" cfg=(--sparse-method dense --sparse-config '{}') ;;
+  snapkv130k) only=(--only sgl_sparse) batch="${SPARSE_BATCH:-$(scaled 60)}" cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
+  snapkv130k6) only=(--only sgl_sparse) batch="$VB" cfg=(--sparse-method snapkv --sparse-config '{"budget": 8192}') ;;
   esac
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$batch" --output-len 256 "${only[@]}" "${cfg[@]}" \
+      --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$batch" --output-len 256 "${only[@]}" "${cfg[@]}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
 quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / RetroInfer (default configs) at 130K x 6, ours
@@ -164,9 +170,9 @@ quest130k|omnikv130k|retroinfer130k)  # Quest / OmniKV (2,048-token budget) / Re
   m=${1%130k}
   # Quest's page summaries (1/16 of K+V) leave a pool of 744,944 slots, RetroInfer's index 738,800: 5 x 130K
   # fit, not 6 (2026-12-03); OmniKV keeps vanilla's 788,603.
-  b="${SELECT_BATCH:-$([ "$m" = omnikv ] && echo 6 || echo 5)}"
+  b="${SELECT_BATCH:-$([ "$m" = omnikv ] && echo "$VB" || scaled 5)}"
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
-      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" \
+      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$b" \
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
@@ -174,7 +180,7 @@ quest130k6|retroinfer130k6)  # Quest / RetroInfer at vanilla's batch, 6 x 130K: 
   install                    # beside the KV's 131,072) needs --mem-fraction-static 0.834 where vanilla's 6 fit in
   m=${1%130k6}               # 0.80, so ours gets SELECT_MEM (default 0.85; vanilla at 0.85 still fits 6, not 7)
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" \
-      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch 6 \
+      python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$VB" \
       --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
       --sparse-server-args "--mem-fraction-static ${SELECT_MEM:-0.85}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
@@ -196,32 +202,32 @@ fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6)  # a qua
   install  # largest batch and at 6 (ours only). Largest: QUANT_BATCH, default 11 for fp8_kv (1.94x vanilla's pool),
            # 19 for kivi 4-bit (3.2x), 22 for turboquant 4-bit (3.76x: 1,088 bytes a token and layer, no residual)
   case "$1" in
-  fp8kv130k) m=fp8_kv b="${QUANT_BATCH:-11}" ;;
-  kivi130k) m=kivi b="${QUANT_BATCH:-19}" ;;
-  turboquant130k) m=turboquant b="${QUANT_BATCH:-22}" ;;
-  fp8kv130k6) m=fp8_kv b=6 ;;
-  kivi130k6) m=kivi b=6 ;;
-  turboquant130k6) m=turboquant b=6 ;;
+  fp8kv130k) m=fp8_kv b="${QUANT_BATCH:-$(scaled 11)}" ;;
+  kivi130k) m=kivi b="${QUANT_BATCH:-$(scaled 19)}" ;;
+  turboquant130k) m=turboquant b="${QUANT_BATCH:-$(scaled 22)}" ;;
+  fp8kv130k6) m=fp8_kv b="$VB" ;;
+  kivi130k6) m=kivi b="$VB" ;;
+  turboquant130k6) m=turboquant b="$VB" ;;
   esac
   name="$1${QUANT_TAG:+-$QUANT_TAG}"  # QUANT_CONFIG: the method's --sparse-config (QUANT_TAG names its files)
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$name.txt" python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
+      --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method "$m" --sparse-config "${QUANT_CONFIG:-{\}}" --log-dir "/root/bench/$name" --json "/root/bench/$name.json"
   ;;
 palu130k|palu130k6)  # Palu at rank ratio PALU_RATIO (default 0.5) at 130K: at its largest batch PALU_BATCH (default 12:
   install          # 2,052 bytes a token and layer against bf16's 4,096, 1.996x vanilla's pool) and at 6, ours only.
-  b=$([ "$1" = palu130k ] && echo "${PALU_BATCH:-12}" || echo 6)
+  b=$([ "$1" = palu130k ] && echo "${PALU_BATCH:-$(scaled 12)}" || echo "$VB")
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
+      --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method palu --sparse-config "{\"rank_ratio\": ${PALU_RATIO:-0.5}}" \
       --sparse-server-args "${PALU_SERVER_ARGS:-}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
 snapkvfp8130k)  # SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH (default 24; SnapKV alone:
   install        # snapkv130k at SPARSE_BATCH=24 beside it), ours only
-  b="${COMPOSE_BATCH:-24}"
+  b="${COMPOSE_BATCH:-$(scaled 24)}"
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/snapkvfp8130k.txt" python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "$b" --output-len 256 --only sgl_sparse \
+      --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method snapkv+fp8_kv --sparse-config '{"snapkv": {"budget": 8192}}' --log-dir /root/bench/snapkvfp8130k \
       --json /root/bench/snapkvfp8130k.json
   ;;
@@ -248,7 +254,7 @@ evict130k)  # EVICT_METHODS (default: h2o rkv skipkv kvzip pyramidkv) at 130K x 
   for m in ${EVICT_METHODS:-h2o rkv skipkv kvzip pyramidkv}; do
     extra="${EVICT_SERVER_ARGS:-}"
     CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/${m}130k.txt" python3 \
-        benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch 6 \
+        benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch "$VB" \
         --sparse-batch "${EVICT_BATCH:-6}" --output-len 256 --only sgl_sparse --sparse-method "$m" --sparse-config '{}' \
         "--sparse-server-args=$extra" --log-dir "/root/bench/${m}130k" --json "/root/bench/${m}130k.json" || true
   done
@@ -260,7 +266,7 @@ table130k)
 streamingllm)  # StreamingLLM (default config) at 130K, STREAM_BATCH requests (default 24: ~6 min of prefill); ours only
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/streamingllm.txt python3 benchmarks/decode_throughput.py \
-      --model-path $MODEL --input-len 130000 --batch 6 --sparse-batch "${STREAM_BATCH:-24}" --output-len 256 \
+      --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "${STREAM_BATCH:-$(scaled 24)}" --output-len 256 \
       --only sgl_sparse --sparse-method streamingllm --sparse-config '{}' \
       --log-dir /root/bench/streamingllm --json /root/bench/streamingllm.json
   ;;
