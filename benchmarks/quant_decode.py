@@ -16,7 +16,7 @@ Pool contents are random codes with small scales: timing does not depend on them
 the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
 choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
 these positions an iteration, KIVI's at these pages (x each of ``--warps``); ``--palu-tiles``: Palu's at these
-``BLOCKxWARPSxSTAGES``; ``--palu-fp32``: also Palu's kernel with fp32 dots and angles (its interpreter
+``BLOCKxWARPSxSTAGES``; ``--palu-fp32``: also Palu's kernel with fp32 dots and rotary table (its interpreter
 form).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
@@ -87,10 +87,10 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None,
         return store.decode
     if label.startswith("palu"):
         rot = store.rotary
-        angles = store.angles.float() if fp32 else store.angles
+        table = rot.cos_sin if fp32 else store.kernel_cos_sin
         return lambda layer, q, *rest: palu_attention.decode_attention(
-            q, store.zk[layer], store.zv[layer], store.k_basis[layer], store.v_basis[layer], angles, rot.neox, *rest,
-            block=block, warps=warps, stages=stages, native=not fp32)
+            q, store.zk[layer], store.zv[layer], store.pos[layer], store.k_basis[layer], store.v_basis[layer], table,
+            rot.neox, *rest, block=block, warps=warps, stages=stages, native=not fp32)
     if label == "fp8_kv":
         return lambda layer, q, *rest: fp8_attention.decode_attention(
             q, store.k_codes[layer], store.k_scale[layer], store.v_codes[layer], store.v_scale[layer], *rest,
@@ -119,8 +119,6 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     fill_pool(store)
     for t in getattr(store, "pos", []):  # Palu's positions as served: a row's t-th slot holds position t
         t.copy_(((torch.arange(slots, device="cuda") - ps) % row_slots).clamp(max=WIDTH - 1))
-    if getattr(store, "angles", None) is not None:  # and its kernel's angles, by slot
-        store.angles.copy_(store.rotary.cos_sin[store.pos[0].long()])
     r2t = torch.zeros(bs + 1, WIDTH, dtype=torch.int32, device="cuda")
     r2t[1:] = (torch.arange(bs, device="cuda")[:, None] * row_slots + torch.arange(WIDTH, device="cuda") + ps).int()
     rpi = torch.arange(1, bs + 1, device="cuda")
@@ -146,7 +144,7 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     if warps is not None or block is not None or stages is not None or fp32:
         unit = "pages" if label.startswith("kivi") else "positions"
         parts = (block and f"{block} {unit}", warps and f"{warps} warps", stages and f"{stages} stages",
-                 fp32 and "fp32 dots and angles")
+                 fp32 and "fp32 dots and table")
         label = f"{label} ({', '.join(x for x in parts if x)})"
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
@@ -191,7 +189,7 @@ def main() -> None:
                    help="also time FP8's kernel at these pipeline stages (its default tile and warps)")
     p.add_argument("--palu-tiles", nargs="*", default=[],
                    help="also time Palu's kernel at these BLOCKxWARPSxSTAGES")
-    p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and angles")
+    p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and table")
     p.add_argument("--palu-tiles-only", action="store_true",
                    help="Palu's --palu-tiles rows only (its first launch then is the first tile's: for ncu -c 1)")
     args = p.parse_args()

@@ -65,9 +65,9 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
     want = store.decode(1, q, table, rows, seq, D ** -0.5)  # the torch default: read() then attend
     rot = store.rotary
     assert rot is not None
-    angles = rot.cos_sin[store.pos[1].long()]  # by slot, as the GPU store keeps them
-    got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.k_basis[1], store.v_basis[1], angles,
-                                          rot.neox, table, rows, seq, D ** -0.5, splits=splits)
+    got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+                                          store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, D ** -0.5,
+                                          splits=splits)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
@@ -82,10 +82,9 @@ def test_decode_kernel_in_the_model_dtype_matches_the_torch_path() -> None:
     want = store.decode(1, q, table, rows, seq, D ** -0.5)
     rot = store.rotary
     assert rot is not None
-    angles = rot.cos_sin[store.pos[1].long()].half()
-    got = palu_attention.decode_attention(q.half(), store.zk[1].half(), store.zv[1].half(), store.k_basis[1].half(),
-                                          store.v_basis[1], angles, rot.neox, table, rows, seq, D ** -0.5, splits=4,
-                                          native=True)
+    got = palu_attention.decode_attention(q.half(), store.zk[1].half(), store.zv[1].half(), store.pos[1],
+                                          store.k_basis[1].half(), store.v_basis[1], rot.cos_sin.half(), rot.neox,
+                                          table, rows, seq, D ** -0.5, splits=4, native=True)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want, rtol=3e-3, atol=3e-3)
 

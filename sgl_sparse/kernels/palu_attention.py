@@ -6,10 +6,9 @@ The value basis is applied once per query head after the splits merge, not per t
 it runs inside SGLang's decode CUDA graph.
 
 On the GPU the scores and the value accumulation run on the tensor cores in the model dtype (``NATIVE``): the
-rotated key is rounded to it as a dense pool stores it, the probabilities as FlashInfer's decode rounds them. A
-key's rotary angles come from a table indexed by its *slot* (the store keeps one for all layers), so they are read
-beside its latents rather than after a gather of its position; the table may be fp16 (its rounding is below the
-model dtype's). Under the interpreter the dots run in fp32."""
+rotated key is rounded to it as a dense pool stores it, the probabilities as FlashInfer's decode rounds them; the
+rotary table may be fp16 (half the bytes a position; its rounding is below the model dtype's). Under the
+interpreter both run in fp32."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from sgl_sparse.kernels.splits import (
 
 
 @triton.jit
-def _decode_kernel(q, zk, zv, bk, angles, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
+def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
                    stride_qb, stride_qh, stride_zks, stride_zkg, stride_zvs, stride_zvg, stride_bkg, stride_bkd,
                    stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, RK: tl.constexpr,
@@ -64,7 +63,8 @@ def _decode_kernel(q, zk, zv, bk, angles, req_to_token, req_pool_indices, seq_le
                     mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
         k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, HALF] fp32: the pair's first dimension, before RoPE
         k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
-        cs = angles + slot[:, None] * stride_cs + j[None, :]  # the slot's angles: read beside its latents
+        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(tl.int64)
+        cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
         c = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
         s = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
         r1 = (k1 * c - k2 * s).to(dt)
@@ -78,14 +78,14 @@ def _decode_kernel(q, zk, zv, bk, angles, req_to_token, req_pool_indices, seq_le
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, RVP)
 
 
-def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, k_basis: torch.Tensor,
-                     v_basis: torch.Tensor, angles: torch.Tensor, neox: bool,
+def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
+                     k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      splits: int | None = None, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, native: bool | None = None) -> torch.Tensor:
-    """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``;
-    ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``angles`` each slot's rotary cosines then sines
-    ``[slots, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
+    """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
+    ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
+    rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
     ``block`` (positions an iteration), ``warps``, ``stages``: the tile, for benchmarks/quant_decode.py's sweeps;
     ``native``: dots in the model dtype (default: on the GPU)."""
     bs, hq, d = q.shape
@@ -94,7 +94,7 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, k_basi
     hkv, rv = groups * gs, v_basis.shape[2]
     if bs == 0:
         return torch.empty_like(q)
-    assert d & (d - 1) == 0 and angles.shape[1] == d, "a power-of-two head dim, every dimension rotated"
+    assert d & (d - 1) == 0 and cos_sin.shape[1] == d, "a power-of-two head dim, every dimension rotated"
     assert q.stride(2) == 1 and zk.stride(2) == 1 and zv.stride(2) == 1 and k_basis.stride(2) == 1
     g = hq // hkv
     rvp = triton.next_power_of_2(rv)
@@ -102,9 +102,9 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, k_basi
         splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, rvp, q.device)
     _decode_kernel[(bs * hkv, splits)](
-        q, zk, zv, k_basis, angles, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
+        q, zk, zv, positions, k_basis, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
-        k_basis.stride(1), angles.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
+        k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
         GP=max(16, triton.next_power_of_2(g)), D=d, HALF=d // 2, NEOX=neox, RK=rk, RKP=triton.next_power_of_2(rk),
         RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits,
         NATIVE=q.is_cuda if native is None else native, num_warps=warps or 4,

@@ -29,6 +29,7 @@ from gpu_common import (
 
 from sgl_sparse.contract import AttentionProjections, KVGeometry, KVStore, ModelKV, RotaryTable
 from sgl_sparse.integration.syncs import sync_debug
+from sgl_sparse.kernels import palu_attention
 from sgl_sparse.methods.compression.palu import PaluStore
 from sgl_sparse.server_process import ServerProcess, running
 
@@ -70,44 +71,14 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
     rpi = torch.tensor([1, 2, 3, 4, 5, 6, 0, 0], device=DEV)
     seq = torch.tensor(lens, device=DEV)
     q = torch.randn(len(lens), HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
-    assert store.angles is not None
+    rot = store.rotary
+    assert rot is not None
     with sync_debug("error"):
-        got = store.decode(0, q, r2t, rpi, seq, D**-0.5)  # the kernel, over the store's slot angles
+        got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
+                                              store.v_basis[0], store.kernel_cos_sin, True, r2t, rpi, seq,
+                                              D**-0.5)
     want = KVStore.decode(store, 0, q, r2t, rpi, seq, D**-0.5)  # the contract's torch default: read, attend
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-
-
-
-def test_slot_angles_move_with_their_slots() -> None:
-    """A slot move (what compaction and Chain Cache do through the pool's ``move_kv_cache``) copies every tensor of
-    ``slot_tensors``: the kernel's slot angles, listed once with layer 0, follow the latents of both layers."""
-    gen = torch.Generator().manual_seed(1)
-    layers = tuple(AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
-                                        torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
-                   for _ in range(2))
-    store = PaluStore(0.5, 1)
-    store.load_model(ModelKV(layers, HKV, D, D, RotaryTable(_table(8192), D, True)))
-    store.allocate(KVGeometry(2, HKV * G, HKV, D, 1, 4096, torch.bfloat16, torch.device(DEV)))
-    n = 1500
-    src = torch.arange(1, n + 1, device=DEV)
-    for layer in range(2):
-        k = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
-        v = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
-        store.write(layer, src, k, v, torch.ones(n, device=DEV, dtype=torch.long), decode=False,
-                    positions=torch.arange(n, device=DEV) * 3 + 17)
-    dst = torch.randperm(4096 - n - 1, generator=gen)[:n].to(DEV) + n + 1
-    for layer in range(2):
-        for t in store.slot_tensors(layer):
-            t[dst] = t[src]
-            t[src] = 0  # the old slots freed and reused: nothing may still read them
-    r2t = torch.zeros(2, 4096, dtype=torch.int32, device=DEV)
-    r2t[1, :n] = dst.to(torch.int32)
-    rpi, seq = torch.tensor([1], device=DEV), torch.tensor([n], device=DEV)
-    q = torch.randn(1, HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
-    for layer in range(2):
-        got = store.decode(layer, q, r2t, rpi, seq, D**-0.5)
-        want = KVStore.decode(store, layer, q, r2t, rpi, seq, D**-0.5)
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture(scope="module")

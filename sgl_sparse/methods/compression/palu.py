@@ -36,7 +36,6 @@ from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
 POSITION_BYTES = 4  # int32 position per slot and layer
-ANGLE_BYTES = 2  # fp16 cosine or sine per slot and rotated dimension, once for all layers (CUDA)
 
 
 @dataclass(frozen=True)
@@ -103,8 +102,7 @@ class PaluStore(KVStore):
         self.k_basis: list[torch.Tensor] = []
         self.v_basis: list[torch.Tensor] = []
         self.rotary: RotaryTable | None = None
-        # The decode kernel's rotary angles by slot (cosines, then sines, fp16), one table for every layer.
-        self.angles: torch.Tensor | None = None
+        self.kernel_cos_sin: torch.Tensor | None = None
         self.zk: list[torch.Tensor] = []
         self.zv: list[torch.Tensor] = []
         self.pos: list[torch.Tensor] = []
@@ -124,14 +122,9 @@ class PaluStore(KVStore):
         g = self.group_size
         return group_rank(g * head_dim, self.rank_ratio), group_rank(g * v_head_dim, self.rank_ratio)
 
-    def _kernel_angles(self, g: KVGeometry) -> bool:
-        """Whether the pool keeps the decode kernel's angle table: on CUDA, every dimension rotated."""
-        return g.device.type == "cuda" and self.rotary is not None and self.rotary.rotary_dim == g.head_dim
-
     def bytes_per_token(self, g: KVGeometry) -> int:
         rk, rv = self.ranks(g.head_dim, g.head_dim)
-        per_layer = self._groups(g.num_kv_heads) * (rk + rv) * g.dtype.itemsize + POSITION_BYTES
-        return g.num_layers * per_layer + (g.head_dim * ANGLE_BYTES if self._kernel_angles(g) else 0)
+        return g.num_layers * (self._groups(g.num_kv_heads) * (rk + rv) * g.dtype.itemsize + POSITION_BYTES)
 
     def load_model(self, model: ModelKV) -> None:
         groups = self._groups(model.num_kv_heads)
@@ -168,13 +161,12 @@ class PaluStore(KVStore):
         if self.rotary is not None:
             r = self.rotary
             self.rotary = RotaryTable(r.cos_sin.to(g.device, torch.float32), r.rotary_dim, r.neox)
-            if self._kernel_angles(g):
-                self.angles = torch.zeros(g.num_slots, g.head_dim, dtype=torch.float16, device=g.device)
+            # the decode kernel's copy: fp16 halves what it gathers a position, and rounds below a bf16 key
+            self.kernel_cos_sin = r.cos_sin.to(g.device, torch.float16) if g.device.type == "cuda" else None
         self.dtype, self.geometry = g.dtype, g
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
-        shared = [self.angles] if layer_id == 0 and self.angles is not None else []  # moved once, with layer 0
-        return [self.zk[layer_id], self.zv[layer_id], self.pos[layer_id], *shared]
+        return [self.zk[layer_id], self.zv[layer_id], self.pos[layer_id]]
 
     def describe(self) -> dict[str, Any]:
         factors = ("svd of the K/V projections" if self.calibration == "none" else
@@ -221,21 +213,19 @@ class PaluStore(KVStore):
         self.zv[layer_id][loc] = zv.to(self.dtype)
         assert positions is not None  # _encode raised otherwise
         self.pos[layer_id][loc] = positions.to(torch.int32)
-        if layer_id == 0 and self.angles is not None and self.rotary is not None:
-            self.angles[loc] = self.rotary.cos_sin[positions.long()].to(self.angles.dtype)
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._decode(layer_id, self.zk[layer_id][slots], self.zv[layer_id][slots], self.pos[layer_id][slots])
 
     def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        r, angles = self.rotary, self.angles
-        if q.device.type != "cuda" or r is None or angles is None:
+        r, table = self.rotary, self.kernel_cos_sin
+        if q.device.type != "cuda" or r is None or table is None or r.rotary_dim != self.head_dim:
             return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
         from sgl_sparse.kernels import palu_attention
 
-        return palu_attention.decode_attention(q, self.zk[layer_id], self.zv[layer_id], self.k_basis[layer_id],
-                                               self.v_basis[layer_id], angles, r.neox,
+        return palu_attention.decode_attention(q, self.zk[layer_id], self.zv[layer_id], self.pos[layer_id],
+                                               self.k_basis[layer_id], self.v_basis[layer_id], table, r.neox,
                                                req_to_token, req_pool_indices, seq_lens, scale)
 
     def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
