@@ -82,11 +82,13 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
                      k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      splits: int | None = None, block: int | None = None, warps: int | None = None,
-                     stages: int | None = None, native: bool | None = None) -> torch.Tensor:
+                     stages: int | None = None, native: bool | None = None,
+                     maxnreg: int | None = None) -> torch.Tensor:
     """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
     ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
     rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
-    ``block`` (positions an iteration), ``warps``, ``stages``: the tile, for benchmarks/quant_decode.py's sweeps;
+    ``block`` (positions an iteration), ``warps``, ``stages``, ``maxnreg`` (registers a thread at most: more blocks
+    an SM): the tile, for benchmarks/quant_decode.py's sweeps;
     ``native``: dots in the model dtype (default: on the GPU)."""
     bs, hq, d = q.shape
     groups, gd, rk = k_basis.shape
@@ -108,7 +110,7 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         GP=max(16, triton.next_power_of_2(g)), D=d, HALF=d // 2, NEOX=neox, RK=rk, RKP=triton.next_power_of_2(rk),
         RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits,
         NATIVE=q.is_cuda if native is None else native, num_warps=warps or 4,
-        **({"num_stages": stages} if stages else {}))
+        **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {}))
     lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
     vb = v_basis.view(groups, gs, d, rv).to(torch.float32)
     return torch.einsum("bxsgr,xsdr->bxsgd", lat, vb).reshape(bs, hq, d).to(q.dtype)
