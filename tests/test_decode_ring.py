@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from sgl_sparse.contract import RequestState
-from sgl_sparse.integration.capture import QueryCapture
+from sgl_sparse.integration.capture import QueryCapture, RingShape
 from sgl_sparse.request import SparseRequest
 
 LAYERS, HEADS, DIM = 2, 3, 4
+CPU = torch.device("cpu")
 
 
 def _record(rid: str, row: int, capture: QueryCapture, window: int, prefix: int = 0) -> SparseRequest:
@@ -34,8 +35,7 @@ def _queries(gen: torch.Generator, n: int) -> list[torch.Tensor]:
 def test_the_ring_holds_each_requests_last_queries_across_chunks_and_decode(width: int) -> None:
     gen = torch.Generator().manual_seed(0)
     cap = QueryCapture()
-    cap.allocate_ring(rows=6, num_layers=LAYERS, width=width, num_heads=HEADS, head_dim=DIM, dtype=torch.float32,
-                      device=torch.device("cpu"))
+    cap.allocate_ring(RingShape(6, LAYERS, width, HEADS, DIM, torch.float32), CPU)
     # Request a: a 13-token prompt in chunks of 10 and 3; b: a 3-token prompt after a 20-token prefix hit (its
     # queries start at position 20); c: a 2-token prompt (fewer queries than the ring holds).
     recs = {"a": _record("a", 2, cap, width), "b": _record("b", 5, cap, width, prefix=20),
@@ -90,8 +90,7 @@ def test_the_ring_holds_each_requests_last_queries_across_chunks_and_decode(widt
 
 def test_a_window_wider_than_the_ring_is_refused_and_prompt_only_capture_keeps_its_dict() -> None:
     cap = QueryCapture()
-    cap.allocate_ring(rows=3, num_layers=1, width=4, num_heads=HEADS, head_dim=DIM, dtype=torch.float32,
-                      device=torch.device("cpu"))
+    cap.allocate_ring(RingShape(3, 1, 4, HEADS, DIM, torch.float32), CPU)
     with pytest.raises(RuntimeError, match="more than this server's decode ring keeps"):
         _record("wide", 1, cap, window=5)
     rec = SparseRequest("p", served=SimpleNamespace(method=None))  # type: ignore[arg-type]
@@ -105,20 +104,19 @@ def test_a_window_wider_than_the_ring_is_refused_and_prompt_only_capture_keeps_i
 
 def test_the_ring_is_allocated_once_per_shape() -> None:
     cap = QueryCapture()
-    args = dict(rows=3, num_layers=2, width=4, num_heads=HEADS, head_dim=DIM, dtype=torch.float32,
-                device=torch.device("cpu"))
-    cap.allocate_ring(**args)  # type: ignore[arg-type]
+    shape = RingShape(3, 2, 4, HEADS, DIM, torch.float32)
+    cap.allocate_ring(shape, CPU)
     ring = cap.ring
-    cap.allocate_ring(**args)  # type: ignore[arg-type]
+    cap.allocate_ring(shape, CPU)
     assert cap.ring is ring
+    assert shape.bytes == sum(t.numel() * t.element_size() for t in ring or [])  # what the pool's sizing takes
     with pytest.raises(RuntimeError, match="exists as"):
-        cap.allocate_ring(**{**args, "width": 8})  # type: ignore[arg-type]
+        cap.allocate_ring(RingShape(3, 2, 8, HEADS, DIM, torch.float32), CPU)
 
 
 def test_a_query_shape_the_ring_was_not_built_for_is_a_clear_error() -> None:
     cap = QueryCapture()
-    cap.allocate_ring(rows=3, num_layers=2, width=4, num_heads=HEADS, head_dim=DIM, dtype=torch.float32,
-                      device=torch.device("cpu"))
+    cap.allocate_ring(RingShape(3, 2, 4, HEADS, DIM, torch.float32), CPU)
     rows, positions = torch.tensor([1]), torch.tensor([5])
     with pytest.raises(RuntimeError, match="the ring was built for 2 layers"):
         cap.write_decode(2, torch.randn(1, HEADS, DIM), rows, positions, 1.0)

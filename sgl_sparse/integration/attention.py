@@ -34,6 +34,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.errors import SparseConfigError
+from sgl_sparse.integration.capture import ring_shape
 from sgl_sparse.integration.runtime import SparseRuntime, get_runtime
 from sgl_sparse.integration.selection import allocate_once, attend_itself, attend_selected, observe, write_summaries
 from sgl_sparse.integration.store_attention import (
@@ -95,13 +96,9 @@ class SparseBackendMixin:
         self.capture_prefill = self.runtime.observes
         self.capture_decode = self.runtime.decode_window > 0
         if self.capture_decode:
-            from sglang.srt.runtime_context import get_parallel
-
-            mc = model_runner.model_config
             rows = int(model_runner.req_to_token_pool.req_to_token.shape[0])
-            self.runtime.capture.allocate_ring(rows, mc.num_hidden_layers, self.runtime.decode_window,
-                                               mc.num_attention_heads // get_parallel().attn_tp_size, mc.head_dim,
-                                               mc.dtype, torch.device(model_runner.device))
+            shape = ring_shape(model_runner.model_config, rows, self.runtime.decode_window)
+            self.runtime.capture.allocate_ring(shape, torch.device(model_runner.device))
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.decode_lists = forward_batch.forward_mode.is_decode_or_idle()

@@ -25,10 +25,36 @@ scale) and which records capture now, by rid.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from sgl_sparse.request import SparseRequest, WindowCapture
+
+
+@dataclass(frozen=True)
+class RingShape:
+    """The decode ring's geometry: ``layers`` tensors of ``[rows, width, heads, head_dim]`` in ``dtype``; the pool's
+    sizing subtracts :attr:`bytes` from the KV budget and the attention backend allocates exactly this."""
+
+    rows: int
+    layers: int
+    width: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return self.layers * self.rows * self.width * self.heads * self.head_dim * self.dtype.itemsize
+
+
+def ring_shape(model_config: Any, rows: int, width: int) -> RingShape:
+    """The ring for SGLang's ``model_config`` on this attention-TP rank (its share of the query heads)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    heads = model_config.num_attention_heads // get_parallel().attn_tp_size
+    return RingShape(rows, model_config.num_hidden_layers, width, heads, model_config.head_dim, model_config.dtype)
 
 
 @dataclass
@@ -51,18 +77,17 @@ class QueryCapture:
     def ring_width(self) -> int:
         return 0 if self.ring is None else int(self.ring[0].shape[1])
 
-    def allocate_ring(self, rows: int, num_layers: int, width: int, num_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> None:
+    def allocate_ring(self, shape: RingShape, device: torch.device) -> None:
         """The decode ring, once per server (the attention backend's construction, before graphs are captured)."""
+        want = (shape.rows, shape.width, shape.heads, shape.head_dim)
         if self.ring is not None:
             got = tuple(self.ring[0].shape)
-            if len(self.ring) != num_layers or got != (rows, width, num_heads, head_dim):
+            if len(self.ring) != shape.layers or got != want:
                 raise RuntimeError(f"sgl_sparse: the decode query ring exists as {len(self.ring)} x {got}, asked "
-                                   f"for {num_layers} x {(rows, width, num_heads, head_dim)}")
+                                   f"for {shape.layers} x {want}")
             return
-        self.ring = [torch.zeros(rows, width, num_heads, head_dim, dtype=dtype, device=device)
-                     for _ in range(num_layers)]
-        self.num_layers = num_layers
+        self.ring = [torch.zeros(*want, dtype=shape.dtype, device=device) for _ in range(shape.layers)]
+        self.num_layers = shape.layers
 
     def start(self, rec: SparseRequest, window: int, observes_decode: bool) -> None:
         if observes_decode and window > self.ring_width:

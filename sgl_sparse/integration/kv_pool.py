@@ -33,6 +33,7 @@ import torch
 
 from sgl_sparse.contract import KVGeometry, KVStore, PageSelector
 from sgl_sparse.integration import handoff
+from sgl_sparse.integration.capture import ring_shape
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +103,7 @@ def _ring_bytes(configurator: Any, rows: int) -> int:
     from sgl_sparse.integration.runtime import get_runtime
 
     width = get_runtime().decode_window
-    if width == 0:
-        return 0
-    g = _sizing_geometry(configurator, configurator.model_config.num_hidden_layers)
-    return rows * g.num_layers * width * g.num_q_heads * g.head_dim * configurator.model_config.dtype.itemsize
+    return ring_shape(configurator.model_config, rows, width).bytes if width else 0
 
 
 def after_profile_available_bytes(result: int, configurator: Any, *args: Any, **kwargs: Any) -> int:
