@@ -203,8 +203,6 @@ SNAPKV_DECODE = ["--sparse-method", "snapkv", "--sparse-config", '{"decode_inter
     (["--enable-prefill-cp"], "context parallelism writes prefill K/V"),
     (["--dllm-algorithm", "LowConfidence"], "diffusion LLM decoding"),
     *[(["--kv-canary", mode], "the canary walks SGLang's own radix tree") for mode in ("log", "raise")],
-    (["--sparse-method", "streamingllm", "--kv-events-config", '{"publisher": "zmq"}'],
-     "would report evicted positions as still stored"),
     *[(["--sparse-method", m, "--kv-cache-dtype", "fp8_e4m3"], msg)
       for m, msg in (("quest", "page summaries and scores are kept in the KV dtype"),
                      ("omnikv", "page summaries and scores are kept in the KV dtype"),

@@ -553,10 +553,6 @@ UNSUPPORTED: tuple[Check, ...] = (
     Check(lambda c: str(getattr(c.args, "kv_canary", "none") or "none") != "none",
           lambda c: f"--kv-canary {c.args.kv_canary}: the canary walks SGLang's own radix tree classes and reads "
                     "req_to_token rows, which hold sentinel slots after eviction; not supported with sgl_sparse"),
-    Check(lambda c: c.method.evicts and getattr(c.args, "kv_events_config", None),
-          lambda c: f"--kv-events-config with {c.name}: the events would report evicted positions as still stored "
-                    "(a node keeps its whole key when the method frees some of its slots), misleading a KV-aware "
-                    "router; serve events with a method that does not evict"),
     Check(lambda c: c.method.evicts and getattr(c.args, "strip_thinking_cache", False),
           lambda c: f"--strip-thinking-cache with {c.name}: SGLang then frees the output part of the row itself, "
                     "raw (mem_cache/common.py L178-201), which holds sentinel slots after eviction"),
