@@ -297,7 +297,7 @@ class ServerProcess:
 
 
 class RouterProcess(ServerProcess):
-    """``python -m sglang_router.launch_router`` (the ``sglang-router`` package) in front of running
+    """``python -m smg.launch_router`` (the ``smg`` package, SGLang's gateway) in front of running
     workers, on ``127.0.0.1``. Healthy once ``/readiness`` answers 200 and every worker in
     ``worker_urls`` is registered (the router adds them in the background after it starts).
     Its Prometheus exporter gets a free port of its own (the default 29000 would collide between
@@ -308,11 +308,11 @@ class RouterProcess(ServerProcess):
     def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", args: Sequence[str] = (),
                  port: int | None = None, env: dict[str, str] | None = None, startup_timeout: float = 120.0,
                  log_path: str | None = None) -> None:
-        super().__init__("", (), module="sglang_router.launch_router", port=port, env=env,
+        super().__init__("", (), module="smg.launch_router", port=port, env=env,
                          startup_timeout=startup_timeout,
-                         log_path=log_path or tempfile.mkstemp(prefix="sglang-router-", suffix=".log")[1])
+                         log_path=log_path or tempfile.mkstemp(prefix="smg-", suffix=".log")[1])
         self.worker_urls = list(worker_urls)
-        self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+        self.cmd = [sys.executable, "-m", "smg.launch_router", "--host", "127.0.0.1",
                     "--port", str(self.port), "--worker-urls", *self.worker_urls, "--policy", policy,
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *args]
 

@@ -1,9 +1,10 @@
-"""Two of our CPU servers (SnapKV, a small budget) behind sglang-router's cache-aware policy.
+"""Two of our CPU servers (SnapKV, a small budget) behind SGLang's gateway, smg: its cache-aware policy and its sticky
+routing key.
 
 The router keeps an approximate text tree per worker and sends a request to the worker whose tree
 matches most of its text (when the match beats ``--cache-threshold`` and load is balanced). A
 conversation's later turns extend its earlier prompts, so they return to the worker holding its
-Chain Cache and resume from its compacted KV there. ``sglang-router`` is a declared test
+Chain Cache and resume from its compacted KV there. ``smg`` is a declared test
 dependency (the ``test`` extra): without it this module fails, it does not skip.
 """
 
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import sglang_router  # noqa: F401  (a missing router is a failure, not a skip)
+import smg  # noqa: F401  (a missing gateway is a failure, not a skip)
 
 from sgl_sparse.server_process import CPU_SERVER_FLAGS, RouterProcess, ServerProcess
 from tests.server_pool import ServerPool, spec
@@ -40,6 +41,14 @@ def routed(tiny_model: str, server_pool: ServerPool,
         router = RouterProcess([w.base_url for w in workers], policy="cache_aware", args=ROUTER_FLAGS)
         with router:
             yield router, list(workers)
+
+
+def _model(router: RouterProcess) -> str:
+    """The model the gateway serves (it routes OpenAI requests by ``model``: SGLang's ``default`` alias is a
+    worker's, not the gateway's)."""
+    models = requests.get(f"{router.base_url}/v1/models", timeout=30).json()["data"]
+    assert len({m["id"] for m in models}) == 1, models
+    return str(models[0]["id"])
 
 
 def _requests_served(worker: ServerProcess) -> float:
@@ -106,10 +115,11 @@ def test_router_chat_conversations_in_parallel_keep_their_cache(routed: tuple) -
     convs = [[{"role": "system", "content": f"session {k}: " + say(120)}, {"role": "user", "content": say(10)}]
              for k in range(2)]
     base = [_state(w)["chain_hits_total"] for w in workers]
+    model = _model(router)
 
     def turn(messages: list[dict]) -> dict:
         r = requests.post(f"{router.base_url}/v1/chat/completions", timeout=120, json={
-            "model": "default", "messages": messages, "max_tokens": 8, "temperature": 0})
+            "model": model, "messages": messages, "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -129,3 +139,73 @@ def test_router_chat_conversations_in_parallel_keep_their_cache(routed: tuple) -
     for w in workers:
         _assert_idle_and_sound(w)
     assert sum(_state(w)["chain_hits_total"] for w in workers) - sum(base) == 4
+
+
+def _holder(workers: list, seq: list[int]) -> tuple[int, dict]:
+    """The one worker whose tree matches ``seq`` (the conversation's), with its inspect answer."""
+    found = [(i, requests.post(f"{w.base_url}/v1/prefix_cache/inspect", json={"token_ids": seq}, timeout=30).json())
+             for i, w in enumerate(workers)]
+    held = [(i, r) for i, r in found if r["matched_tokens"] > 0]
+    assert len(held) == 1, found
+    return held[0]
+
+
+def test_a_prune_sent_through_the_gateway_reaches_the_worker_that_holds_the_conversation(routed: tuple) -> None:
+    """A turn that prunes its own prompt (``custom_params`` ``sgl_sparse_prune``) travels through the gateway like any
+    other: the cache-aware policy sends it to the worker holding the conversation, which hides the ranges and
+    keeps the Chain Cache hit."""
+    router, workers = routed
+    for w in workers:
+        requests.post(f"{w.base_url}/flush_cache", timeout=30)
+    rng = random.Random(29)
+    prompt = _ids(rng, 240)
+    first = router.generate(input_ids=prompt, max_new_tokens=8, ignore_eos=True)
+    seq = prompt + first["output_ids"]
+    holder, _ = _holder(workers, seq)
+    history = seq + _ids(rng, 20)
+    prune = json.dumps({"ranges": [[100, 180]]})
+    second = router.generate(input_ids=history, max_new_tokens=8, ignore_eos=True,
+                             custom_params={"sgl_sparse_prune": prune})
+    assert second["meta_info"]["cached_tokens"] == written(len(prompt), first["output_ids"]), second["meta_info"]
+    where, inspect = _holder(workers, history + second["output_ids"])
+    assert where == holder
+    hidden = {p for lo, hi in inspect["hidden_ranges"] for p in range(lo, hi)}
+    assert set(range(100, 180)) <= hidden, inspect["hidden_ranges"]
+    for w in workers:
+        _assert_idle_and_sound(w)
+
+
+def test_the_sticky_routing_key_keeps_a_conversation_on_one_worker_under_round_robin(routed: tuple) -> None:
+    """``--routing-key-override`` with the ``x-smg-routing-key`` header: round robin alone sends a conversation's
+    second turn to the other worker (no hit); with the key each conversation's turns stay together and hit."""
+    _, workers = routed
+    for w in workers:
+        requests.post(f"{w.base_url}/flush_cache", timeout=30)
+    sticky = RouterProcess([w.base_url for w in workers], policy="round_robin",
+                           args=[*ROUTER_FLAGS, "--routing-key-override", "--routing-key-headers",
+                                 "x-smg-routing-key"])
+    rng = random.Random(31)
+
+    def turn(history: list[int], key: str | None) -> dict:
+        r = requests.post(f"{sticky.base_url}/generate", timeout=120,
+                          headers={"x-smg-routing-key": key} if key else {},
+                          json={"input_ids": history, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    with sticky:
+        # Without a key, round robin: the second turn lands on the other worker, which holds nothing of it.
+        history = _ids(rng, 150)
+        out = turn(history, None)
+        assert turn(history + out["output_ids"] + _ids(rng, 10), None)["meta_info"]["cached_tokens"] == 0
+        for k in range(3):
+            history = _ids(rng, 150)
+            prev = 0
+            for t in range(3):
+                out = turn(history, f"conversation-{k}")
+                if t:
+                    assert out["meta_info"]["cached_tokens"] == prev, (k, t, out["meta_info"])
+                prev = written(len(history), out["output_ids"])
+                history = history + out["output_ids"] + _ids(rng, 10)
+    for w in workers:
+        _assert_idle_and_sound(w)

@@ -111,7 +111,7 @@ def test_router_process_command() -> None:
     """Each router gets its own port and Prometheus port (two routers on one host would both take 29000)."""
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     a, b = RouterProcess(urls, args=["--log-level", "warn"]), RouterProcess(urls)
-    assert a.cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    assert a.cmd[1:3] == ["-m", "smg.launch_router"]
     i = a.cmd.index("--worker-urls")
     assert a.cmd[i + 1:i + 3] == urls and a.cmd[a.cmd.index("--policy") + 1] == "cache_aware"
     assert a.cmd[-2:] == ["--log-level", "warn"] and a.health_path == "/readiness"
