@@ -307,3 +307,28 @@ def check_graphs_equal_eager(servers: dict[str, ServerProcess], method: str, see
     assert_same_tokens(eager, graph, f"{method} eager", f"{method} graph", "batch of 5")
     for name in ("small", "small-eager"):
         assert_idle_and_sound(servers[name])
+
+
+# -- an eviction method over a per-token store (a composition, e.g. snapkv+fp8_kv): servers "covering", "small" and
+# "small-eager" of the composition as above, and the store alone ------------------------------------------------
+COMPOSE_COVERING = {"snapkv": {"budget": 16384}}  # above every prompt + output of these checks: nothing is evicted
+COMPOSE_SMALL = {"snapkv": {"budget": 1024}}
+
+
+def check_covering_equals_store(servers: dict[str, ServerProcess], store: str, method: str, seed: int) -> None:
+    """Nothing evicted: the composition reads the same slots through the compacted lists as ``servers[store]``
+    (the store alone) reads through its rows, so a batch of 5 gives the same 64 tokens."""
+    prompts = [prose(seed + i, n) for i, n in enumerate(SELECTION_LENS)]
+    before = state(servers["covering"])["evicted_tokens_total"]
+    assert_same_tokens(generate(servers[store], prompts, 64), generate(servers["covering"], prompts, 64),
+                       store, f"{method} covering", "batch of 5")
+    assert state(servers["covering"])["evicted_tokens_total"] == before
+    assert_idle_and_sound(servers["covering"])
+
+
+def check_composition_evicts_and_graphs_equal_eager(servers: dict[str, ServerProcess], method: str,
+                                                    seed: int) -> None:
+    """The small budget evicts, and the graph server gives the eager server's tokens, leak-free."""
+    before = state(servers["small"])["evicted_tokens_total"]
+    check_graphs_equal_eager(servers, method, seed)
+    assert state(servers["small"])["evicted_tokens_total"] > before

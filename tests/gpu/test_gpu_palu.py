@@ -16,9 +16,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 from gpu_common import (
+    COMPOSE_COVERING,
+    COMPOSE_SMALL,
     SELECTION_LENS,
     assert_idle_and_sound,
     assert_same_tokens,
+    check_composition_evicts_and_graphs_equal_eager,
+    check_covering_equals_store,
     generate,
     ours,
     prose,
@@ -36,8 +40,6 @@ from sgl_sparse.server_process import ServerProcess, running
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 HKV, G, D, HIDDEN = 8, 4, 128, 4096  # Llama-3-8B's attention
-COVERING = {"snapkv": {"budget": 16384}}  # above every prompt + output here: nothing is evicted
-SMALL = {"snapkv": {"budget": 1024}}
 
 
 def _table(max_pos: int) -> torch.Tensor:
@@ -88,9 +90,9 @@ def servers() -> Iterator[dict[str, ServerProcess]]:
         "vanilla": vanilla("palu-vanilla-flashinfer"),
         "palu": ours("palu-graph", "palu", cfg, env=sync),
         "palu-eager": ours("palu-eager", "palu", cfg, extra=["--disable-cuda-graph"]),
-        "covering": ours("snapkv-palu-covering", "snapkv+palu", {**COVERING, "palu": cfg}, env=sync),
-        "small": ours("snapkv-palu-small", "snapkv+palu", {**SMALL, "palu": cfg}, env=sync),
-        "small-eager": ours("snapkv-palu-small-eager", "snapkv+palu", {**SMALL, "palu": cfg},
+        "covering": ours("snapkv-palu-covering", "snapkv+palu", {**COMPOSE_COVERING, "palu": cfg}, env=sync),
+        "small": ours("snapkv-palu-small", "snapkv+palu", {**COMPOSE_SMALL, "palu": cfg}, env=sync),
+        "small-eager": ours("snapkv-palu-small-eager", "snapkv+palu", {**COMPOSE_SMALL, "palu": cfg},
                             extra=["--disable-cuda-graph"]),
     }
     with running(*procs.values()):
@@ -123,22 +125,10 @@ def test_greedy_text_near_vanilla_bf16_at_rank_ratio_three_quarters(servers: dic
 def test_snapkv_over_palu_at_a_covering_budget_serves_exactly_palu_alone(servers: dict[str, ServerProcess]) -> None:
     """Nothing evicted: every request reads the same latents through the compacted lists as Palu alone reads
     through its rows (later chunks: the compacted prefix reconstructed), so the tokens are the same."""
-    prompts = [prose(1300 + i, n) for i, n in enumerate(SELECTION_LENS)]
-    before = state(servers["covering"])["evicted_tokens_total"]
-    assert_same_tokens(generate(servers["palu"], prompts, 64), generate(servers["covering"], prompts, 64),
-                       "palu", "snapkv+palu covering", "batch of 5")
-    assert state(servers["covering"])["evicted_tokens_total"] == before
-    assert_idle_and_sound(servers["covering"])
+    check_covering_equals_store(servers, "palu", "snapkv+palu", 1300)
 
 
 def test_snapkv_over_palu_evicts_and_graphs_equal_eager(servers: dict[str, ServerProcess]) -> None:
     """SnapKV 1,024 over Palu (its scores read the reconstructed keys): each request keeps its budget, the graph
     server (our decode code raising on a host sync) gives the eager server's tokens, and nothing leaks."""
-    prompts = [prose(1400 + i, n) for i, n in enumerate(SELECTION_LENS)]
-    before = state(servers["small"])["evicted_tokens_total"]
-    eager = generate(servers["small-eager"], prompts, 96)
-    graph = generate(servers["small"], prompts, 96)
-    assert_same_tokens(eager, graph, "snapkv+palu eager", "snapkv+palu graph", "batch of 5")
-    assert state(servers["small"])["evicted_tokens_total"] > before
-    for name in ("small", "small-eager"):
-        assert_idle_and_sound(servers[name])
+    check_composition_evicts_and_graphs_equal_eager(servers, "snapkv+palu", 1400)
