@@ -18,23 +18,23 @@ from sgl_sparse.methods.compression.palu import PaluStore
 D, HIDDEN = 32, 128
 
 
-def _table(max_pos: int, base: float = 10_000.0) -> torch.Tensor:
-    inv = 1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+def _table(max_pos: int, d: int = D, base: float = 10_000.0) -> torch.Tensor:
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     f = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return torch.cat([f.cos(), f.sin()], dim=-1).float()
 
 
 def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: list[int],
-            seed: int) -> tuple[PaluStore, torch.Tensor, torch.Tensor, torch.Tensor]:
+            seed: int, d: int = D) -> tuple[PaluStore, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    layers = tuple(AttentionProjections(torch.randn(hkv * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
-                                        torch.randn(hkv * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
+    layers = tuple(AttentionProjections(torch.randn(hkv * d, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
+                                        torch.randn(hkv * d, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
                    for _ in range(2))
     store = PaluStore(ratio, group_size)
-    store.load_model(ModelKV(layers, hkv, D, D, RotaryTable(_table(16_384), D, neox)))
+    store.load_model(ModelKV(layers, hkv, d, d, RotaryTable(_table(16_384, d), d, neox)))
     width = max(lens) + 8
     slots = len(lens) * width + 16
-    store.allocate(KVGeometry(2, hq, hkv, D, 1, slots, torch.float32, torch.device("cpu")))
+    store.allocate(KVGeometry(2, hq, hkv, d, 1, slots, torch.float32, torch.device("cpu")))
     table = torch.zeros(len(lens) + 1, width, dtype=torch.int64)
     perm = torch.randperm(slots - 1, generator=gen) + 1  # slots scattered over the pool, 0 unused
     at = 0
@@ -42,11 +42,11 @@ def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: 
         table[r, :n] = perm[at:at + n]
         at += n
         x = torch.randn(n, HIDDEN, generator=gen)
-        k = (x @ layers[1].k_weight.T).view(n, hkv, D)
-        v = (x @ layers[1].v_weight.T).view(n, hkv, D)
+        k = (x @ layers[1].k_weight.T).view(n, hkv, d)
+        v = (x @ layers[1].v_weight.T).view(n, hkv, d)
         pos = torch.arange(n) + 3000 * r  # positions far into the rotary table
         store.write(1, table[r, :n], k, v, torch.full((n,), r), decode=False, positions=pos)
-    q = torch.randn(len(lens), hq, D, generator=gen)
+    q = torch.randn(len(lens), hq, d, generator=gen)
     return store, table, torch.arange(1, len(lens) + 1), q
 
 
@@ -69,6 +69,32 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
                                           store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, D ** -0.5,
                                           splits=splits)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
+@pytest.mark.parametrize(("freq_chunk", "int32_offsets"), [(16, True), (32, True), (16, False)])
+def test_decode_kernel_by_frequency_chunks_and_offset_widths(monkeypatch: pytest.MonkeyPatch, freq_chunk: int,
+                                                              int32_offsets: bool) -> None:
+    """A 64-dim head reconstructed 16 or all 32 frequencies at a time, with the pool's offsets in int32 (what a
+    pool under 2**31 elements gets) and in int64 (what a larger one gets, reached here by lowering the limit)."""
+    from sgl_sparse.kernels import palu_attention
+
+    if not int32_offsets:
+        monkeypatch.setattr(palu_attention, "INT32_LIMIT", 0)
+    d = 64
+    store, table, rows, q = _filled(2, 8, 0.5, 1, True, [40, 7, 70], seed=11, d=d)
+    seq = torch.tensor([40, 7, 70])
+    want = store.decode(1, q, table, rows, seq, d ** -0.5)
+    rot = store.rotary
+    assert rot is not None
+    got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+                                          store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
+                                          splits=3, freq_chunk=freq_chunk)
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    with pytest.raises(AssertionError, match="freq_chunk"):
+        palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+                                        store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
+                                        freq_chunk=8)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
