@@ -72,11 +72,13 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
-@pytest.mark.parametrize(("freq_chunk", "int32_offsets"), [(16, True), (32, True), (16, False)])
+@pytest.mark.parametrize(("freq_chunk", "int32_offsets", "query_rows"),
+                         [(16, True, None), (32, True, 4), (16, False, None)])
 def test_decode_kernel_by_frequency_chunks_and_offset_widths(monkeypatch: pytest.MonkeyPatch, freq_chunk: int,
-                                                              int32_offsets: bool) -> None:
+                                                              int32_offsets: bool, query_rows: int | None) -> None:
     """A 64-dim head reconstructed 16 or all 32 frequencies at a time, with the pool's offsets in int32 (what a
-    pool under 2**31 elements gets) and in int64 (what a larger one gets, reached here by lowering the limit)."""
+    pool under 2**31 elements gets) and in int64 (what a larger one gets, reached here by lowering the limit);
+    the group's 4 query heads padded to the tensor cores' 16 rows or not padded."""
     from sgl_sparse.kernels import palu_attention
 
     if not int32_offsets:
@@ -89,7 +91,7 @@ def test_decode_kernel_by_frequency_chunks_and_offset_widths(monkeypatch: pytest
     assert rot is not None
     got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
                                           store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
-                                          splits=3, freq_chunk=freq_chunk)
+                                          splits=3, freq_chunk=freq_chunk, query_rows=query_rows)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     with pytest.raises(AssertionError, match="freq_chunk"):
         palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],

@@ -89,13 +89,14 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      splits: int | None = None, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, native: bool | None = None, maxnreg: int | None = None,
-                     freq_chunk: int | None = None) -> torch.Tensor:
+                     freq_chunk: int | None = None, query_rows: int | None = None) -> torch.Tensor:
     """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
     ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
     rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
     ``block`` (positions an iteration), ``warps``, ``stages``, ``maxnreg`` (registers a thread at most: more blocks
     an SM), ``freq_chunk`` (rotary frequencies reconstructed at a time, a power of two >= 16 dividing ``D / 2``:
-    fewer live registers for the same work): the tile, for benchmarks/quant_decode.py's sweeps;
+    fewer live registers for the same work), ``query_rows`` (the group's query heads padded to this power of two;
+    default 16, the tensor cores' rows): the tile, for benchmarks/quant_decode.py's sweeps;
     ``native``: dots in the model dtype (default: on the GPU)."""
     bs, hq, d = q.shape
     groups, gd, rk = k_basis.shape
@@ -119,8 +120,8 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         q, zk, zv, positions, k_basis, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
-        GP=max(16, triton.next_power_of_2(g)), D=d, HALF=half, NEOX=neox, RK=rk, RKP=triton.next_power_of_2(rk),
-        RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits,
+        GP=max(query_rows or 16, triton.next_power_of_2(g)), D=d, HALF=half, NEOX=neox, RK=rk,
+        RKP=triton.next_power_of_2(rk), RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits,
         NATIVE=q.is_cuda if native is None else native, JC=jc, I32=i32, num_warps=warps or 4,
         **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {}))
     lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
