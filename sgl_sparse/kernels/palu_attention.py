@@ -82,6 +82,9 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
 
 
 INT32_LIMIT = 2**31
+# The GPU's tile by the rank padded to a power of two: (positions an iteration, warps, stages, registers a thread at
+# most or 0, rotary frequencies a step or 0 for all, query rows); benchmarks/quant_decode.py's sweeps chose them.
+CUDA_TILES: dict[int, tuple[int, int, int, int, int, int]] = {64: (64, 4, 3, 0, 0, 16), 128: (64, 4, 3, 0, 0, 16)}
 
 
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
@@ -107,6 +110,11 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     assert d & (d - 1) == 0 and cos_sin.shape[1] == d, "a power-of-two head dim, every dimension rotated"
     assert q.stride(2) == 1 and zk.stride(2) == 1 and zv.stride(2) == 1 and k_basis.stride(2) == 1
     half = d // 2
+    rkp = triton.next_power_of_2(rk)
+    if q.is_cuda:
+        t_block, t_warps, t_stages, t_reg, t_chunk, t_rows = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)])
+        block, warps, stages = block or t_block, warps or t_warps, stages or t_stages
+        maxnreg, freq_chunk, query_rows = maxnreg or t_reg, freq_chunk or t_chunk, query_rows or t_rows
     jc = freq_chunk or half
     assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
     g = hq // hkv
@@ -120,8 +128,8 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         q, zk, zv, positions, k_basis, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
-        GP=max(query_rows or 16, triton.next_power_of_2(g)), D=d, HALF=half, NEOX=neox, RK=rk,
-        RKP=triton.next_power_of_2(rk), RV=rv, RVP=rvp, BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits,
+        GP=max(query_rows or 16, triton.next_power_of_2(g)), D=d, HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv,
+        RVP=rvp, BLOCK=block or 16, NSPLIT=splits,
         NATIVE=q.is_cuda if native is None else native, JC=jc, I32=i32, num_warps=warps or 4,
         **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {}))
     lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
