@@ -100,7 +100,8 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None,
             block=block, warps=warps, stages=stages)
     if label.startswith("kivi"):
         return lambda layer, q, *rest: kivi_attention.decode_attention(q, *store._buffers(layer), *rest, store.bits,
-                                                                        store.group, warps=warps, pages=block)
+                                                                        store.group, warps=warps, pages=block,
+                                                                        stages=stages, maxnreg=maxnreg)
     return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, block=block,
                                                                           warps=warps)
 
@@ -195,6 +196,8 @@ def main() -> None:
     p.add_argument("--palu-tiles", nargs="*", default=[],
                    help="also time Palu's kernel at these BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS]]] (0: the "
                         "default; CHUNK: rotary frequencies a step, ROWS: query rows)")
+    p.add_argument("--kivi-tiles", nargs="*", default=[],
+                   help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG] (0: the default)")
     p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and table")
     p.add_argument("--palu-tiles-only", action="store_true",
                    help="Palu's --palu-tiles rows only (its first launch then is the first tile's: for ncu -c 1)")
@@ -224,6 +227,10 @@ def main() -> None:
                 for w in args.warps or [None]:
                     if b is not None or w is not None:
                         print(_row(label, bs, n, w, b), flush=True)
+            for tile in args.kivi_tiles if label.startswith("kivi") else []:
+                b, w, st, *more = (int(x) for x in tile.split("x"))
+                print(_row(label, bs, n, w or None, b or None, st or None, maxnreg=(more or [0])[0] or None),
+                      flush=True)
             for st in args.fp8_stages if label == "fp8_kv" else []:
                 print(_row(label, bs, n, stages=st), flush=True)
 

@@ -339,14 +339,15 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
                      k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
                      res_v: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, bits: int, group: int,
-                     splits: int | None = None, warps: int | None = None, pages: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, warps: int | None = None, pages: int | None = None,
+                     stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
     ``seq_lens`` on the device; grid and ``splits`` from static shapes, :func:`decode_splits` by default).
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
     the kernel reads a page as the ``group`` slots following its first. ``warps``: the kernel's warps (by
     default from the block, see below); ``pages``: pages an iteration (a power of two; by default
-    :data:`BLOCK_POSITIONS` worth for pages of 16 slots or more, else enough for 16 positions); both for timing
-    other choices."""
+    :data:`BLOCK_POSITIONS` worth for pages of 16 slots or more, else enough for 16 positions); ``stages`` (2),
+    ``maxnreg`` (registers a thread at most: more blocks an SM): all for timing other choices."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -384,7 +385,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 2 too
         # (see BLOCK_POSITIONS: 4 warps are slower at 2 and 4 pages); 8 for a single 128-slot page. Two
         # stages: the next page's slot and codes can be in flight while this one is computed.
-        num_warps=warps or (2 if stack else max(2, block // 16)), num_stages=2)
+        num_warps=warps or (2 if stack else max(2, block // 16)), num_stages=stages or 2,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
 
 
