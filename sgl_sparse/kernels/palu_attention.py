@@ -84,7 +84,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
 INT32_LIMIT = 2**31
 # The GPU's tile by the rank padded to a power of two: (positions an iteration, warps, stages, registers a thread at
 # most or 0, rotary frequencies a step or 0 for all, query rows); benchmarks/quant_decode.py's sweeps chose them.
-CUDA_TILES: dict[int, tuple[int, int, int, int, int, int]] = {64: (64, 4, 3, 0, 0, 16), 128: (64, 4, 3, 0, 0, 16)}
+CUDA_TILES: dict[int, tuple[int, int, int, int, int, int]] = {64: (64, 4, 3, 0, 0, 16), 128: (32, 4, 3, 0, 0, 16)}
 
 
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
