@@ -1,5 +1,5 @@
-"""DeltaKV's compressor and its arithmetic (arXiv 2602.08005; SparseEngine's ``utils/compressor.py`` and
-``deltakv_base.py`` as ../shared/notes/anchors-2026-12-06.md §1.2 records them), torch only.
+"""DeltaKV's compressor and its arithmetic (arXiv 2602.08005; as SparseEngine's ``utils/compressor.py`` and
+``deltakv_base.py`` define them), torch only.
 
 A token's **pre-RoPE** K and V of one layer, concatenated (``kv``, ``2 * Hkv * d`` wide), is stored on a sparse layer
 as a latent *residual* against its reference tokens (**centres**): every ``stride``-th position keeps its raw ``kv``;
