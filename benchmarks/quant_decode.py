@@ -16,7 +16,7 @@ Pool contents are random codes with small scales: timing does not depend on them
 the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
 choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
 these positions an iteration, KIVI's at these pages (x each of ``--warps``); ``--palu-tiles``: Palu's at these
-``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS]]]``; ``--palu-fp32``: also Palu's kernel with fp32 dots and rotary
+``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES]]]]``; ``--palu-fp32``: also Palu's kernel with fp32 dots and rotary
 table (its interpreter form).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
@@ -81,11 +81,12 @@ def fill_pool(store: object) -> None:
 
 def _decode(label: str, store: Any, warps: int | None, block: int | None = None, stages: int | None = None,
             fp32: bool = False, maxnreg: int | None = None, chunk: int | None = None,
-            rows: int | None = None) -> Callable[..., torch.Tensor]:
+            rows: int | None = None, angles: bool = False) -> Callable[..., torch.Tensor]:
     """The store's CUDA decode, or its kernel called with ``warps`` and ``block`` (FP8: positions an iteration,
     KIVI: pages an iteration) and, for FP8 and Palu, ``stages``; ``fp32``: Palu's kernel in its fp32 form,
-    ``maxnreg``: its registers a thread at most, ``chunk``: its rotary frequencies a step, ``rows``: its query rows."""
-    if warps is None and block is None and stages is None and not fp32 and not (maxnreg or chunk or rows):
+    ``maxnreg``: its registers a thread at most, ``chunk``: its rotary frequencies a step, ``rows``: its query rows,
+    ``angles``: its angles rotated from a tile's first position."""
+    if warps is None and block is None and stages is None and not fp32 and not (maxnreg or chunk or rows or angles):
         return store.decode
     if label.startswith("palu"):
         rot = store.rotary
@@ -93,7 +94,7 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None,
         return lambda layer, q, *rest: palu_attention.decode_attention(
             q, store.zk[layer], store.zv[layer], store.pos[layer], store.k_basis[layer], store.v_basis[layer], table,
             rot.neox, *rest, block=block, warps=warps, stages=stages, native=not fp32, maxnreg=maxnreg,
-            freq_chunk=chunk, query_rows=rows)
+            freq_chunk=chunk, query_rows=rows, angles_by_tile=angles or None)
     if label == "fp8_kv":
         return lambda layer, q, *rest: fp8_attention.decode_attention(
             q, store.k_codes[layer], store.k_scale[layer], store.v_codes[layer], store.v_scale[layer], *rest,
@@ -108,7 +109,7 @@ def _decode(label: str, store: Any, warps: int | None, block: int | None = None,
 
 def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | None = None,
          stages: int | None = None, fp32: bool = False, maxnreg: int | None = None, chunk: int | None = None,
-         rows: int | None = None) -> str:
+         rows: int | None = None, angles: bool = False) -> str:
     name, config = METHODS[label]
     method = create_method(name, config)
     store = method.store
@@ -130,7 +131,7 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
-    decode = _decode(label, store, warps, block, stages, fp32, maxnreg, chunk, rows)
+    decode = _decode(label, store, warps, block, stages, fp32, maxnreg, chunk, rows, angles)
     us = graph_us(lambda: decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     # The kernel against the store's torch path (the CPU server's, the tests' reference) on the same pool.
     got = decode(0, q, r2t, rpi, seq, scale).float()
@@ -146,11 +147,12 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     pool += sum(b.numel() * b.element_size() for b in getattr(store, "k_basis", []) + getattr(store, "v_basis", []))
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
-    if warps is not None or block is not None or stages is not None or fp32 or maxnreg or chunk or rows:
+    if warps is not None or block is not None or stages is not None or fp32 or maxnreg or chunk or rows or angles:
         unit = "pages" if label.startswith("kivi") else "positions"
         parts = (block and f"{block} {unit}", warps and f"{warps} warps", stages and f"{stages} stages",
                  fp32 and "fp32 dots and table", maxnreg and f"at most {maxnreg} registers",
-                 chunk and f"{chunk} frequencies a step", rows and f"{rows} query rows")
+                 chunk and f"{chunk} frequencies a step", rows and f"{rows} query rows",
+                 angles and "angles by tile")
         label = f"{label} ({', '.join(x for x in parts if x)})"
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
@@ -194,8 +196,9 @@ def main() -> None:
     p.add_argument("--fp8-stages", nargs="*", type=int, default=[],
                    help="also time FP8's kernel at these pipeline stages (its default tile and warps)")
     p.add_argument("--palu-tiles", nargs="*", default=[],
-                   help="also time Palu's kernel at these BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS]]] (0: the "
-                        "default; CHUNK: rotary frequencies a step, ROWS: query rows)")
+                   help="also time Palu's kernel at these BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES]]]] "
+                        "(0: the default; CHUNK: rotary frequencies a step, ROWS: query rows, ANGLES 1: angles by "
+                        "tile)")
     p.add_argument("--kivi-tiles", nargs="*", default=[],
                    help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG] (0: the default)")
     p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and table")
@@ -218,9 +221,9 @@ def main() -> None:
                     print(_row(label, bs, n, fp32=True), flush=True)
                 for tile in args.palu_tiles:
                     b, w, st, *more = (int(x) for x in tile.split("x"))
-                    reg, chunk, rows = (more + [0, 0, 0])[:3]
-                    print(_row(label, bs, n, w, b, st, maxnreg=reg or None, chunk=chunk or None, rows=rows or None),
-                          flush=True)
+                    reg, chunk, rows, angles = (more + [0, 0, 0, 0])[:4]
+                    print(_row(label, bs, n, w, b, st, maxnreg=reg or None, chunk=chunk or None, rows=rows or None,
+                               angles=bool(angles)), flush=True)
                 continue
             tiles = {"fp8_kv": args.fp8_blocks, "turboquant": args.tq_blocks}.get(label, args.kivi_pages)
             for b in tiles or [None]:

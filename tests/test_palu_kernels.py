@@ -25,7 +25,9 @@ def _table(max_pos: int, d: int = D, base: float = 10_000.0) -> torch.Tensor:
 
 
 def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: list[int],
-            seed: int, d: int = D) -> tuple[PaluStore, torch.Tensor, torch.Tensor, torch.Tensor]:
+            seed: int, d: int = D, gap: int = 0) -> tuple[PaluStore, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A store with rows of ``lens`` tokens at consecutive positions (from ``gap`` on past its middle, as after an
+    eviction) and one query a row."""
     gen = torch.Generator().manual_seed(seed)
     layers = tuple(AttentionProjections(torch.randn(hkv * d, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
                                         torch.randn(hkv * d, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
@@ -45,6 +47,7 @@ def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: 
         k = (x @ layers[1].k_weight.T).view(n, hkv, d)
         v = (x @ layers[1].v_weight.T).view(n, hkv, d)
         pos = torch.arange(n) + 3000 * r  # positions far into the rotary table
+        pos[n // 2:] += gap
         store.write(1, table[r, :n], k, v, torch.full((n,), r), decode=False, positions=pos)
     q = torch.randn(len(lens), hq, d, generator=gen)
     return store, table, torch.arange(1, len(lens) + 1), q
@@ -72,26 +75,31 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
-@pytest.mark.parametrize(("freq_chunk", "int32_offsets", "query_rows"),
-                         [(16, True, None), (32, True, 4), (16, False, None)])
+@pytest.mark.parametrize(("freq_chunk", "int32_offsets", "query_rows", "angles", "gap"),
+                         [(16, True, None, False, 0), (32, True, 4, False, 0), (16, False, None, False, 0),
+                          (16, True, None, True, 0), (32, True, None, True, 5)])
 def test_decode_kernel_by_frequency_chunks_and_offset_widths(monkeypatch: pytest.MonkeyPatch, freq_chunk: int,
-                                                              int32_offsets: bool, query_rows: int | None) -> None:
+                                                              int32_offsets: bool, query_rows: int | None,
+                                                              angles: bool, gap: int) -> None:
     """A 64-dim head reconstructed 16 or all 32 frequencies at a time, with the pool's offsets in int32 (what a
     pool under 2**31 elements gets) and in int64 (what a larger one gets, reached here by lowering the limit);
-    the group's 4 query heads padded to the tensor cores' 16 rows or not padded."""
+    the group's 4 query heads padded to the tensor cores' 16 rows or not padded; angles gathered a position or
+    rotated from a tile's first position, over consecutive positions and over rows with a gap (whose tiles across
+    it fall back to the gather)."""
     from sgl_sparse.kernels import palu_attention
 
     if not int32_offsets:
         monkeypatch.setattr(palu_attention, "INT32_LIMIT", 0)
     d = 64
-    store, table, rows, q = _filled(2, 8, 0.5, 1, True, [40, 7, 70], seed=11, d=d)
+    store, table, rows, q = _filled(2, 8, 0.5, 1, True, [40, 7, 70], seed=11, d=d, gap=gap)
     seq = torch.tensor([40, 7, 70])
     want = store.decode(1, q, table, rows, seq, d ** -0.5)
     rot = store.rotary
     assert rot is not None
     got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
                                           store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
-                                          splits=3, freq_chunk=freq_chunk, query_rows=query_rows)
+                                          splits=3, freq_chunk=freq_chunk, query_rows=query_rows,
+                                          angles_by_tile=angles)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     with pytest.raises(AssertionError, match="freq_chunk"):
         palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],

@@ -32,7 +32,8 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
                    stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, RK: tl.constexpr,
                    RKP: tl.constexpr, RV: tl.constexpr, RVP: tl.constexpr, BLOCK: tl.constexpr,
-                   NSPLIT: tl.constexpr, NATIVE: tl.constexpr, JC: tl.constexpr, I32: tl.constexpr):
+                   NSPLIT: tl.constexpr, NATIVE: tl.constexpr, JC: tl.constexpr, I32: tl.constexpr,
+                   ANGLES: tl.constexpr):
     rh, pid, i, h, _, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
     grp = h // GS
     row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
@@ -48,12 +49,18 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
     m = tl.full([GP], float("-inf"), tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, RVP], tl.float32)
+    o = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
-        p = start + tl.arange(0, BLOCK)
+        p = start + o
         ok = p < hi
         slot = tl.load(row_ptr + p, mask=ok, other=0).to(idx)
         z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
         tp = tl.load(pos_buf + slot, mask=ok, other=0).to(idx)
+        # ANGLES: a tile whose positions run p0, p0 + 1, ... (every tile of a row nothing was evicted or pruned
+        # from) takes its angles as p0's rotated by the table's first rows, cos((p0 + t)w) = cos(p0 w)cos(tw) -
+        # sin(p0 w)sin(tw): one row gathered a tile instead of one a position
+        tp0 = tl.sum(tl.where(o == 0, tp, 0))
+        contig = tl.sum(tl.where(ok & (tp != tp0 + o), 1, 0)) == 0
         logits = tl.zeros([GP, BLOCK], tl.float32)
         # the head's frequencies JC at a time: fewer live [BLOCK, JC] tiles (registers) for the same work
         for c in tl.static_range(HALF // JC):
@@ -65,9 +72,18 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
             b2 = tl.load(base + d2[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)
             k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, JC] fp32: the pair's first dimension, before RoPE
             k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
-            cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
-            cos = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
-            sin = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+            if ANGLES and contig:
+                c0 = tl.load(cos_sin + tp0 * stride_cs + j).to(tl.float32)
+                s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
+                dcs = cos_sin + o[:, None] * stride_cs + j[None, :]
+                ct = tl.load(dcs).to(tl.float32)
+                st = tl.load(dcs + HALF).to(tl.float32)
+                cos = c0[None, :] * ct - s0[None, :] * st
+                sin = s0[None, :] * ct + c0[None, :] * st
+            else:
+                cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
+                cos = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
+                sin = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
             r1 = (k1 * cos - k2 * sin).to(dt)
             r2 = (k2 * cos + k1 * sin).to(dt)
             q1 = tl.load(qrow + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(dt)
@@ -83,8 +99,10 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
 
 INT32_LIMIT = 2**31
 # The GPU's tile by the rank padded to a power of two: (positions an iteration, warps, stages, registers a thread at
-# most or 0, rotary frequencies a step or 0 for all, query rows); benchmarks/quant_decode.py's sweeps chose them.
-CUDA_TILES: dict[int, tuple[int, int, int, int, int, int]] = {64: (64, 4, 3, 0, 0, 16), 128: (32, 4, 3, 0, 0, 16)}
+# most or 0, rotary frequencies a step or 0 for all, query rows, angles by tile); benchmarks/quant_decode.py's
+# sweeps chose them.
+CUDA_TILES: dict[int, tuple[int, int, int, int, int, int, bool]] = {64: (64, 4, 3, 0, 0, 16, False),
+                                                                   128: (32, 4, 3, 0, 0, 16, False)}
 
 
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
@@ -92,14 +110,17 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      splits: int | None = None, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, native: bool | None = None, maxnreg: int | None = None,
-                     freq_chunk: int | None = None, query_rows: int | None = None) -> torch.Tensor:
+                     freq_chunk: int | None = None, query_rows: int | None = None,
+                     angles_by_tile: bool | None = None) -> torch.Tensor:
     """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
     ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
     rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
     ``block`` (positions an iteration), ``warps``, ``stages``, ``maxnreg`` (registers a thread at most: more blocks
     an SM), ``freq_chunk`` (rotary frequencies reconstructed at a time, a power of two >= 16 dividing ``D / 2``:
     fewer live registers for the same work), ``query_rows`` (the group's query heads padded to this power of two;
-    default 16, the tensor cores' rows): the tile, for benchmarks/quant_decode.py's sweeps;
+    default 16, the tensor cores' rows), ``angles_by_tile`` (a tile of consecutive positions rotates its first
+    position's angles instead of gathering one table row a position): the tile, for benchmarks/quant_decode.py's
+    sweeps;
     ``native``: dots in the model dtype (default: on the GPU)."""
     bs, hq, d = q.shape
     groups, gd, rk = k_basis.shape
@@ -112,9 +133,12 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     half = d // 2
     rkp = triton.next_power_of_2(rk)
     if q.is_cuda:
-        t_block, t_warps, t_stages, t_reg, t_chunk, t_rows = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)])
+        t_block, t_warps, t_stages, t_reg, t_chunk, t_rows, t_angles = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)])
         block, warps, stages = block or t_block, warps or t_warps, stages or t_stages
         maxnreg, freq_chunk, query_rows = maxnreg or t_reg, freq_chunk or t_chunk, query_rows or t_rows
+        angles_by_tile = t_angles if angles_by_tile is None else angles_by_tile
+    block = block or 16
+    assert not angles_by_tile or cos_sin.shape[0] >= block, "angles by tile read the table's first rows"
     jc = freq_chunk or half
     assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
     g = hq // hkv
@@ -129,8 +153,9 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
         GP=max(query_rows or 16, triton.next_power_of_2(g)), D=d, HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv,
-        RVP=rvp, BLOCK=block or 16, NSPLIT=splits,
-        NATIVE=q.is_cuda if native is None else native, JC=jc, I32=i32, num_warps=warps or 4,
+        RVP=rvp, BLOCK=block, NSPLIT=splits,
+        NATIVE=q.is_cuda if native is None else native, JC=jc, I32=i32, ANGLES=bool(angles_by_tile),
+        num_warps=warps or 4,
         **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {}))
     lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
     vb = v_basis.view(groups, gs, d, rv).to(torch.float32)
