@@ -12,6 +12,8 @@ interpreter both run in fp32."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -59,8 +61,12 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
         # ANGLES: a tile whose positions run p0, p0 + 1, ... (every tile of a row nothing was evicted or pruned
         # from) takes its angles as p0's rotated by the table's first rows, cos((p0 + t)w) = cos(p0 w)cos(tw) -
         # sin(p0 w)sin(tw): one row gathered a tile instead of one a position
-        tp0 = tl.sum(tl.where(o == 0, tp, 0))
-        contig = tl.sum(tl.where(ok & (tp != tp0 + o), 1, 0)) == 0
+        if ANGLES:
+            tp0 = tl.sum(tl.where(o == 0, tp, 0))
+            contig = tl.sum(tl.where(ok & (tp != tp0 + o), 1, 0)) == 0
+        else:
+            tp0 = 0
+            contig = False  # a compile-time False: the gather below, nothing computed for the test
         logits = tl.zeros([GP, BLOCK], tl.float32)
         # the head's frequencies JC at a time: fewer live [BLOCK, JC] tiles (registers) for the same work
         for c in tl.static_range(HALF // JC):
@@ -72,7 +78,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
             b2 = tl.load(base + d2[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)
             k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, JC] fp32: the pair's first dimension, before RoPE
             k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
-            if ANGLES and contig:
+            if contig:
                 c0 = tl.load(cos_sin + tp0 * stride_cs + j).to(tl.float32)
                 s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
                 dcs = cos_sin + o[:, None] * stride_cs + j[None, :]
@@ -98,11 +104,22 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
 
 
 INT32_LIMIT = 2**31
-# The GPU's tile by the rank padded to a power of two: (positions an iteration, warps, stages, registers a thread at
-# most or 0, rotary frequencies a step or 0 for all, query rows, angles by tile); benchmarks/quant_decode.py's
-# sweeps chose them.
-CUDA_TILES: dict[int, tuple[int, int, int, int, int, int, bool]] = {64: (64, 4, 3, 0, 0, 16, False),
-                                                                   128: (32, 4, 3, 0, 0, 16, False)}
+
+
+class Tile(NamedTuple):
+    """A decode tile (:func:`decode_attention`'s arguments of the same names; 0: no register cap, all frequencies)."""
+
+    block: int
+    warps: int = 4
+    stages: int = 3
+    maxnreg: int = 0
+    freq_chunk: int = 0
+    query_rows: int = 16
+    angles_by_tile: bool = False
+
+
+# The GPU's tile by the rank padded to a power of two; benchmarks/quant_decode.py's sweeps chose them.
+CUDA_TILES: dict[int, Tile] = {64: Tile(block=64), 128: Tile(block=32)}
 
 
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
@@ -133,10 +150,10 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     half = d // 2
     rkp = triton.next_power_of_2(rk)
     if q.is_cuda:
-        t_block, t_warps, t_stages, t_reg, t_chunk, t_rows, t_angles = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)])
-        block, warps, stages = block or t_block, warps or t_warps, stages or t_stages
-        maxnreg, freq_chunk, query_rows = maxnreg or t_reg, freq_chunk or t_chunk, query_rows or t_rows
-        angles_by_tile = t_angles if angles_by_tile is None else angles_by_tile
+        t = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)])
+        block, warps, stages = block or t.block, warps or t.warps, stages or t.stages
+        maxnreg, freq_chunk, query_rows = maxnreg or t.maxnreg, freq_chunk or t.freq_chunk, query_rows or t.query_rows
+        angles_by_tile = t.angles_by_tile if angles_by_tile is None else angles_by_tile
     block = block or 16
     assert not angles_by_tile or cos_sin.shape[0] >= block, "angles by tile read the table's first rows"
     jc = freq_chunk or half
