@@ -16,8 +16,8 @@ Pool contents are random codes with small scales: timing does not depend on them
 the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
 choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
 these positions an iteration, KIVI's at these pages (x each of ``--warps``); ``--palu-tiles``: Palu's at these
-``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES]]]]``; ``--palu-fp32``: also Palu's kernel with fp32 dots and rotary
-table (its interpreter form).
+``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (``palu_attention.Tile``'s fields);
+``--palu-fp32``: also Palu's kernel with fp32 dots and rotary table (its interpreter form).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
 value.
@@ -79,37 +79,43 @@ def fill_pool(store: object) -> None:
                     t.fill_(0.05)  # small: a softmax that is not one-hot, so the check below means something
 
 
-def _decode(label: str, store: Any, warps: int | None, block: int | None = None, stages: int | None = None,
-            fp32: bool = False, maxnreg: int | None = None, chunk: int | None = None,
-            rows: int | None = None, angles: bool = False) -> Callable[..., torch.Tensor]:
-    """The store's CUDA decode, or its kernel called with ``warps`` and ``block`` (FP8: positions an iteration,
-    KIVI: pages an iteration) and, for FP8 and Palu, ``stages``; ``fp32``: Palu's kernel in its fp32 form,
-    ``maxnreg``: its registers a thread at most, ``chunk``: its rotary frequencies a step, ``rows``: its query rows,
-    ``angles``: its angles rotated from a tile's first position."""
-    if warps is None and block is None and stages is None and not fp32 and not (maxnreg or chunk or rows or angles):
+def _decode(label: str, store: Any, knobs: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    """The store's CUDA decode, or its kernel called with ``knobs`` (its ``decode_attention``'s keyword arguments:
+    Palu's ``tile`` and ``native``, KIVI's ``pages``/``warps``/``stages``/``maxnreg``, FP8's ``block``/``warps``/
+    ``stages``, TurboQuant's ``block``/``warps``); Palu's fp32 form (``native`` False) reads the fp32 rotary table."""
+    if not knobs:
         return store.decode
     if label.startswith("palu"):
         rot = store.rotary
-        table = rot.cos_sin if fp32 else store.kernel_cos_sin
+        table = store.kernel_cos_sin if knobs.get("native", True) else rot.cos_sin
         return lambda layer, q, *rest: palu_attention.decode_attention(
             q, store.zk[layer], store.zv[layer], store.pos[layer], store.k_basis[layer], store.v_basis[layer], table,
-            rot.neox, *rest, block=block, warps=warps, stages=stages, native=not fp32, maxnreg=maxnreg,
-            freq_chunk=chunk, query_rows=rows, angles_by_tile=angles or None)
+            rot.neox, *rest, **knobs)
     if label == "fp8_kv":
         return lambda layer, q, *rest: fp8_attention.decode_attention(
-            q, store.k_codes[layer], store.k_scale[layer], store.v_codes[layer], store.v_scale[layer], *rest,
-            block=block, warps=warps, stages=stages)
+            q, store.k_codes[layer], store.k_scale[layer], store.v_codes[layer], store.v_scale[layer], *rest, **knobs)
     if label.startswith("kivi"):
         return lambda layer, q, *rest: kivi_attention.decode_attention(q, *store._buffers(layer), *rest, store.bits,
-                                                                        store.group, warps=warps, pages=block,
-                                                                        stages=stages, maxnreg=maxnreg)
-    return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, block=block,
-                                                                          warps=warps)
+                                                                        store.group, **knobs)
+    return lambda layer, q, *rest: turboquant_attention.decode_attention(q, store.layer(layer), *rest, **knobs)
 
 
-def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | None = None,
-         stages: int | None = None, fp32: bool = False, maxnreg: int | None = None, chunk: int | None = None,
-         rows: int | None = None, angles: bool = False) -> str:
+def _describe(label: str, knobs: dict[str, Any]) -> str:
+    """The row's label: the method and the knobs that differ from its kernel's defaults."""
+    tile = knobs.get("tile")
+    parts = []
+    if tile is not None:
+        default = palu_attention.Tile(block=tile.block)
+        parts = [f"{v} {k}" if not isinstance(v, bool) else k for k, v in tile._asdict().items()
+                 if k == "block" or v != getattr(default, k)]
+    parts += [f"{v} {k}" for k, v in knobs.items() if k not in ("tile", "native") and v]
+    if knobs.get("native") is False:
+        parts.append("fp32 dots and table")
+    return f"{label} ({', '.join(parts)})" if parts else label
+
+
+def _row(label: str, bs: int, n: int, knobs: dict[str, Any] | None = None) -> str:
+    knobs = knobs or {}
     name, config = METHODS[label]
     method = create_method(name, config)
     store = method.store
@@ -131,7 +137,7 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     seq = torch.full((bs,), n, device="cuda")
     q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
-    decode = _decode(label, store, warps, block, stages, fp32, maxnreg, chunk, rows, angles)
+    decode = _decode(label, store, knobs)
     us = graph_us(lambda: decode(0, q, r2t, rpi, seq, scale), iters=20, warmup=3)
     # The kernel against the store's torch path (the CPU server's, the tests' reference) on the same pool.
     got = decode(0, q, r2t, rpi, seq, scale).float()
@@ -147,13 +153,7 @@ def _row(label: str, bs: int, n: int, warps: int | None = None, block: int | Non
     pool += sum(b.numel() * b.element_size() for b in getattr(store, "k_basis", []) + getattr(store, "v_basis", []))
     bf16 = bs * n * 2 * HKV * D * 2
     floor, bf16_floor = pool / HBM * 1e6, bf16 / HBM * 1e6
-    if warps is not None or block is not None or stages is not None or fp32 or maxnreg or chunk or rows or angles:
-        unit = "pages" if label.startswith("kivi") else "positions"
-        parts = (block and f"{block} {unit}", warps and f"{warps} warps", stages and f"{stages} stages",
-                 fp32 and "fp32 dots and table", maxnreg and f"at most {maxnreg} registers",
-                 chunk and f"{chunk} frequencies a step", rows and f"{rows} query rows",
-                 angles and "angles by tile")
-        label = f"{label} ({', '.join(x for x in parts if x)})"
+    label = _describe(label, knobs)
     return (f"| {label} | {bs} x {n} | {us:.0f} | {us * LAYERS / 1000:.2f} | {pool / 1e6:.0f} | {floor:.0f} | "
             f"{floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {bf16_floor:.0f} | {bf16_floor / us:.2f} | {err:.1e} |")
 
@@ -182,6 +182,17 @@ def _flashinfer_row(bs: int, n: int) -> str:
             f"{floor:.0f} | {floor / us * 100:.0f}% | {bf16 / 1e6:.0f} | {floor:.0f} | {floor / us:.2f} | - |")
 
 
+def palu_tile(spec: str) -> palu_attention.Tile:
+    """``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (0: the field's default) as a Tile."""
+    fields = [int(x) for x in spec.split("x")]
+    names = palu_attention.Tile._fields
+    if not 3 <= len(fields) <= len(names):
+        raise argparse.ArgumentTypeError(f"--palu-tiles {spec}: 3 to {len(names)} fields, {'x'.join(names)}")
+    default = palu_attention.Tile(block=fields[0])
+    given = {k: (bool(v) if isinstance(getattr(default, k), bool) else v) for k, v in zip(names, fields) if v}
+    return default._replace(**given)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["6x130000", "16x32768"], help="BATCHxCONTEXT")
@@ -196,9 +207,10 @@ def main() -> None:
     p.add_argument("--fp8-stages", nargs="*", type=int, default=[],
                    help="also time FP8's kernel at these pipeline stages (its default tile and warps)")
     p.add_argument("--palu-tiles", nargs="*", default=[],
-                   help="also time Palu's kernel at these BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES]]]] "
-                        "(0: the default; CHUNK: rotary frequencies a step, ROWS: query rows, ANGLES 1: angles by "
-                        "tile)")
+                   help="also time Palu's kernel at these "
+                        "BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]] (0: the default; CHUNK: rotary "
+                        "frequencies a step, ROWS: query rows, ANGLES 1: angles by "
+                        "tile, KEYROWS 1: the keys-as-rows kernel)")
     p.add_argument("--kivi-tiles", nargs="*", default=[],
                    help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG] (0: the default)")
     p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and table")
@@ -218,24 +230,22 @@ def main() -> None:
                 print(_row(label, bs, n), flush=True)
             if label.startswith("palu"):
                 if args.palu_fp32:
-                    print(_row(label, bs, n, fp32=True), flush=True)
+                    print(_row(label, bs, n, {"native": False}), flush=True)
                 for tile in args.palu_tiles:
-                    b, w, st, *more = (int(x) for x in tile.split("x"))
-                    reg, chunk, rows, angles = (more + [0, 0, 0, 0])[:4]
-                    print(_row(label, bs, n, w, b, st, maxnreg=reg or None, chunk=chunk or None, rows=rows or None,
-                               angles=bool(angles)), flush=True)
+                    print(_row(label, bs, n, {"tile": palu_tile(tile)}), flush=True)
                 continue
             tiles = {"fp8_kv": args.fp8_blocks, "turboquant": args.tq_blocks}.get(label, args.kivi_pages)
+            size = "pages" if label.startswith("kivi") else "block"
             for b in tiles or [None]:
                 for w in args.warps or [None]:
                     if b is not None or w is not None:
-                        print(_row(label, bs, n, w, b), flush=True)
+                        print(_row(label, bs, n, {size: b, "warps": w}), flush=True)
             for tile in args.kivi_tiles if label.startswith("kivi") else []:
-                b, w, st, *more = (int(x) for x in tile.split("x"))
-                print(_row(label, bs, n, w or None, b or None, st or None, maxnreg=(more or [0])[0] or None),
-                      flush=True)
+                pages, warps, stages, *more = (int(x) for x in tile.split("x"))
+                knobs = {"pages": pages, "warps": warps, "stages": stages, "maxnreg": (more or [0])[0]}
+                print(_row(label, bs, n, {k: v for k, v in knobs.items() if v}), flush=True)
             for st in args.fp8_stages if label == "fp8_kv" else []:
-                print(_row(label, bs, n, stages=st), flush=True)
+                print(_row(label, bs, n, {"stages": st}), flush=True)
 
 
 if __name__ == "__main__":

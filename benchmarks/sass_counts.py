@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sgl_sparse.kernels import fp8_attention, kivi_attention, omnikv, quest, turboquant_attention
+from sgl_sparse.kernels import fp8_attention, kivi_attention, omnikv, palu_attention, quest, turboquant_attention
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 KINDS = {
@@ -63,6 +63,11 @@ FP8_PREFIX_ARGS = dict(q="*bf16", k_codes="*u8", k_scale="*fp32", v_codes="*u8",
                        blk_req="*i32", blk_start="*i32", out="*bf16", lse="*fp32", stride_qt="i32", stride_qh="i32",
                        stride_ot="i32", stride_oh="i32", stride_cs="i32", stride_ch="i32", stride_ss="i32",
                        stride_r2t="i32", scale="fp32")
+PALU_ARGS = dict(q="*bf16", zk="*bf16", zv="*bf16", pos_buf="*i32", bk="*bf16", cos_sin="*fp16",
+                 req_to_token="*i32", req_pool_indices="*i64", seq_lens="*i64", ws_m="*fp32", ws_l="*fp32",
+                 ws_acc="*fp32", stride_qb="i32", stride_qh="i32", stride_zks="i32", stride_zkg="i32",
+                 stride_zvs="i32", stride_zvg="i32", stride_bkg="i32", stride_bkd="i32", stride_cs="i32",
+                 stride_r2t="i32", scale="fp32")
 
 
 def _compile(fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int, stages: int = 2) -> Any:
@@ -115,11 +120,17 @@ def main() -> None:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--page", type=int, default=32, help="KIVI's page (group) size")
     p.add_argument("--pages", type=int, help="KIVI's pages an iteration (default: its decode_attention's)")
+    p.add_argument("--palu-tiles", nargs="*", default=[],
+                   help="Palu's kernel at these tiles only (quant_decode.py's --palu-tiles form; rank ratio 0.5), "
+                        "its served tile first")
     a = p.parse_args()
     d, g = a.head_dim, a.group
     gp = a.gp or triton.next_power_of_2(g)
     print("| kernel | registers | stack | instructions / element | by kind |")
     print("| --- | --- | --- | --- | --- |")
+    if a.palu_tiles:
+        _palu(d, g, a.palu_tiles)
+        return
     ppi = max(1, 16 // a.page, a.pages or (kivi_attention.BLOCK_POSITIONS // a.page if a.page >= 16 else 1))
     stack = ppi > 1 and a.page >= 16  # as kivi_attention.decode_attention decides, warps too
     for bits in (4, 2):
@@ -151,6 +162,22 @@ def main() -> None:
     count("omnikv scores", omnikv._score_tokens_kernel, OMNIKV_ARGS, oc, 4, omnikv.BLOCK_TOKENS * d * 8)
     count("omnikv scores, tensor cores", omnikv._score_tokens_kernel_mma, OMNIKV_ARGS,
           dict(oc, GP=max(16, triton.next_power_of_2(g)), IEEE=False), 4, omnikv.BLOCK_TOKENS * d * 8)
+
+
+def _palu(d: int, g: int, specs: list[str]) -> None:
+    """Palu's decode loop at rank ratio 0.5 (a rank of d / 2 for keys and values): an element is a reconstructed
+    key's or value's (``block x d x 2`` a tile), as the quantized kernels count theirs."""
+    from quant_decode import palu_tile
+
+    r = d // 2
+    for tile in [palu_attention.CUDA_TILES[r], *(palu_tile(s) for s in specs)]:
+        consts = dict(HKV=8, GS=1, G=g, GP=max(tile.query_rows, g), D=d, HALF=d // 2, NEOX=True, RK=r, RKP=r, RV=r,
+                      RVP=r, BLOCK=tile.block, NSPLIT=64, NATIVE=True, I32=True, ANGLES=tile.angles_by_tile)
+        if tile.key_rows:
+            fn = palu_attention._decode_kernel_key_rows
+        else:
+            fn, consts["JC"] = palu_attention._decode_kernel, tile.freq_chunk or d // 2
+        count(f"palu {tile}", fn, PALU_ARGS, consts, tile.warps, tile.block * d * 2, tile.stages)
 
 
 if __name__ == "__main__":

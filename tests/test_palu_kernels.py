@@ -13,6 +13,7 @@ import torch
 from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
+from sgl_sparse.kernels.palu_attention import Tile
 from sgl_sparse.methods.compression.palu import PaluStore
 
 D, HIDDEN = 32, 128
@@ -75,17 +76,22 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
-@pytest.mark.parametrize(("freq_chunk", "int32_offsets", "query_rows", "angles", "gap"),
-                         [(16, True, None, False, 0), (32, True, 4, False, 0), (16, False, None, False, 0),
-                          (16, True, None, True, 0), (32, True, None, True, 5)])
-def test_decode_kernel_by_frequency_chunks_and_offset_widths(monkeypatch: pytest.MonkeyPatch, freq_chunk: int,
-                                                              int32_offsets: bool, query_rows: int | None,
-                                                              angles: bool, gap: int) -> None:
+@pytest.mark.parametrize(("tile", "int32_offsets", "gap"), [
+    (Tile(16, freq_chunk=16), True, 0),
+    (Tile(16, freq_chunk=32, query_rows=4), True, 0),
+    (Tile(16, freq_chunk=16), False, 0),
+    (Tile(16, freq_chunk=16, angles_by_tile=True), True, 0),
+    (Tile(16, freq_chunk=32, angles_by_tile=True), True, 5),
+    (Tile(16, key_rows=True), True, 0),
+    (Tile(32, key_rows=True, angles_by_tile=True), False, 5),
+])
+def test_decode_kernel_by_tile_and_offset_width(monkeypatch: pytest.MonkeyPatch, tile: Tile, int32_offsets: bool,
+                                                gap: int) -> None:
     """A 64-dim head reconstructed 16 or all 32 frequencies at a time, with the pool's offsets in int32 (what a
     pool under 2**31 elements gets) and in int64 (what a larger one gets, reached here by lowering the limit);
     the group's 4 query heads padded to the tensor cores' 16 rows or not padded; angles gathered a position or
     rotated from a tile's first position, over consecutive positions and over rows with a gap (whose tiles across
-    it fall back to the gather)."""
+    it fall back to the gather); the keys-as-rows kernel."""
     from sgl_sparse.kernels import palu_attention
 
     if not int32_offsets:
@@ -96,19 +102,17 @@ def test_decode_kernel_by_frequency_chunks_and_offset_widths(monkeypatch: pytest
     want = store.decode(1, q, table, rows, seq, d ** -0.5)
     rot = store.rotary
     assert rot is not None
-    got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
-                                          store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
-                                          splits=3, freq_chunk=freq_chunk, query_rows=query_rows,
-                                          angles_by_tile=angles)
+    args = (q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1], store.v_basis[1], rot.cos_sin, rot.neox,
+            table, rows, seq, d ** -0.5)
+    got = palu_attention.decode_attention(*args, splits=3, tile=tile)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     with pytest.raises(AssertionError, match="freq_chunk"):
-        palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
-                                        store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
-                                        freq_chunk=8)
+        palu_attention.decode_attention(*args, tile=tile._replace(freq_chunk=8))
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
-def test_decode_kernel_in_the_model_dtype_matches_the_torch_path() -> None:
+@pytest.mark.parametrize("key_rows", [False, True])
+def test_decode_kernel_in_the_model_dtype_matches_the_torch_path(key_rows: bool) -> None:
     """The GPU's form (``native``: score and value dots in the model dtype, an fp16 rotary table) at an fp16
     model (the interpreter has no bf16 dot): within the model dtype's rounding of the fp32 path."""
     from sgl_sparse.kernels import palu_attention
@@ -120,7 +124,8 @@ def test_decode_kernel_in_the_model_dtype_matches_the_torch_path() -> None:
     assert rot is not None
     got = palu_attention.decode_attention(q.half(), store.zk[1].half(), store.zv[1].half(), store.pos[1],
                                           store.k_basis[1].half(), store.v_basis[1], rot.cos_sin.half(), rot.neox,
-                                          table, rows, seq, D ** -0.5, splits=4, native=True)
+                                          table, rows, seq, D ** -0.5, splits=4, native=True,
+                                          tile=Tile(16, key_rows=key_rows))
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want, rtol=3e-3, atol=3e-3)
 

@@ -29,6 +29,42 @@ from sgl_sparse.kernels.splits import (
 
 
 @triton.jit
+def _tile_start(tp, ok, o, ANGLES: tl.constexpr):
+    """A tile's first position and whether its positions run p0, p0 + 1, ... (every tile of a row nothing was
+    evicted or pruned from): then :func:`_angles` rotates the queries back by p0 instead of gathering a table row
+    a position. Without ``ANGLES`` a compile-time False, and nothing is computed for the test."""
+    if ANGLES:
+        tp0 = tl.sum(tl.where(o == 0, tp, 0))
+        contig = tl.sum(tl.where(ok & (tp != tp0 + o), 1, 0)) == 0
+    else:
+        tp0 = 0
+        contig = False
+    return tp0, contig
+
+
+@triton.jit
+def _angles(cos_sin, tp, tp0, contig, ok, o, j, stride_cs, HALF: tl.constexpr):
+    """The rotation of a tile's keys and queries for frequencies ``j``: cos and sin ``[BLOCK, J]`` fp32 that rotate
+    each key, and ``[J]`` that rotate the queries back. A ``contig`` tile's keys turn by their offset t from its
+    first position p0 (the table's first rows: the same addresses every tile, cached) and its queries back by p0,
+    q.R(p0 + t)k = (R(p0)^T q).(R(t)k); any other tile's keys turn by their own positions (one table row gathered
+    a position) and its queries not at all."""
+    if contig:
+        cs = cos_sin + o[:, None] * stride_cs + j[None, :]
+        cos = tl.load(cs).to(tl.float32)
+        sin = tl.load(cs + HALF).to(tl.float32)
+        c0 = tl.load(cos_sin + tp0 * stride_cs + j).to(tl.float32)
+        s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
+    else:
+        cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
+        cos = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
+        sin = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        c0 = tl.full(j.shape, 1.0, tl.float32)
+        s0 = tl.zeros(j.shape, tl.float32)
+    return cos, sin, c0, s0
+
+
+@triton.jit
 def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
                    stride_qb, stride_qh, stride_zks, stride_zkg, stride_zvs, stride_zvg, stride_bkg, stride_bkd,
                    stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr, G: tl.constexpr,
@@ -58,15 +94,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
         slot = tl.load(row_ptr + p, mask=ok, other=0).to(idx)
         z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
         tp = tl.load(pos_buf + slot, mask=ok, other=0).to(idx)
-        # ANGLES: a tile whose positions run p0, p0 + 1, ... (every tile of a row nothing was evicted or pruned
-        # from) takes its angles as p0's rotated by the table's first rows, cos((p0 + t)w) = cos(p0 w)cos(tw) -
-        # sin(p0 w)sin(tw): one row gathered a tile instead of one a position
-        if ANGLES:
-            tp0 = tl.sum(tl.where(o == 0, tp, 0))
-            contig = tl.sum(tl.where(ok & (tp != tp0 + o), 1, 0)) == 0
-        else:
-            tp0 = 0
-            contig = False  # a compile-time False: the gather below, nothing computed for the test
+        tp0, contig = _tile_start(tp, ok, o, ANGLES)
         logits = tl.zeros([GP, BLOCK], tl.float32)
         # the head's frequencies JC at a time: fewer live [BLOCK, JC] tiles (registers) for the same work
         for c in tl.static_range(HALF // JC):
@@ -78,23 +106,14 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
             b2 = tl.load(base + d2[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)
             k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, JC] fp32: the pair's first dimension, before RoPE
             k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
-            if contig:
-                c0 = tl.load(cos_sin + tp0 * stride_cs + j).to(tl.float32)
-                s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
-                dcs = cos_sin + o[:, None] * stride_cs + j[None, :]
-                ct = tl.load(dcs).to(tl.float32)
-                st = tl.load(dcs + HALF).to(tl.float32)
-                cos = c0[None, :] * ct - s0[None, :] * st
-                sin = s0[None, :] * ct + c0[None, :] * st
-            else:
-                cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
-                cos = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
-                sin = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+            cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, contig, ok, o, j, stride_cs, HALF)
             r1 = (k1 * cos - k2 * sin).to(dt)
             r2 = (k2 * cos + k1 * sin).to(dt)
-            q1 = tl.load(qrow + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(dt)
-            q2 = tl.load(qrow + d2[None, :], mask=(gi < G)[:, None], other=0.0).to(dt)
-            logits += tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))
+            q1 = tl.load(qrow + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(tl.float32)
+            q2 = tl.load(qrow + d2[None, :], mask=(gi < G)[:, None], other=0.0).to(tl.float32)
+            if ANGLES:
+                q1, q2 = q1 * c0[None, :] + q2 * s0[None, :], q2 * c0[None, :] - q1 * s0[None, :]
+            logits += tl.dot(q1.to(dt), tl.trans(r1)) + tl.dot(q2.to(dt), tl.trans(r2))
         logits = tl.where(ok[None, :], logits * scale, float("-inf"))
         zvt = tl.load(zv_g + slot[:, None] * stride_zvs + rv[None, :], mask=ok[:, None] & (rv < RV)[None, :],
                       other=0.0)
@@ -103,11 +122,82 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, RVP)
 
 
+@triton.jit
+def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l,
+                            ws_acc, stride_qb, stride_qh, stride_zks, stride_zkg, stride_zvs, stride_zvg, stride_bkg,
+                            stride_bkd, stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                            NEOX: tl.constexpr, RK: tl.constexpr, RKP: tl.constexpr, RV: tl.constexpr,
+                            RVP: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NATIVE: tl.constexpr,
+                            I32: tl.constexpr, ANGLES: tl.constexpr):
+    """:func:`_decode_kernel` with the tile's keys as the rows of every dot: the rotated keys, an accumulator
+    ``[BLOCK, HALF]``, feed the score dot as its left operand (``[BLOCK, HALF] @ [HALF, GP]``), which the tensor
+    cores read from registers, instead of its right one, which passes through shared memory transposed; the value
+    latents accumulate as ``[RV, GP]``. The basis and the queries, the same for every tile, are loaded once."""
+    rh, pid, i, h, _, lo, hi = split_span(seq_lens, HKV, BLOCK, NSPLIT)
+    grp = h // GS
+    row_ptr = req_to_token + tl.load(req_pool_indices + i).to(tl.int64) * stride_r2t
+    dt = q.dtype.element_ty if NATIVE else tl.float32
+    rk = tl.arange(0, RKP)
+    rv = tl.arange(0, RVP)
+    gi = tl.arange(0, GP)
+    j = tl.arange(0, HALF)
+    d1 = j if NEOX else 2 * j
+    d2 = j + HALF if NEOX else 2 * j + 1
+    base = bk + grp * stride_bkg + ((h % GS) * D).to(tl.int64) * stride_bkd
+    b1 = tl.load(base + d1[None, :] * stride_bkd + rk[:, None], mask=(rk < RK)[:, None], other=0.0)  # [RKP, HALF]
+    b2 = tl.load(base + d2[None, :] * stride_bkd + rk[:, None], mask=(rk < RK)[:, None], other=0.0)
+    qcol = q + i * stride_qb + (h * G + gi)[None, :] * stride_qh
+    q1 = tl.load(qcol + d1[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)  # [HALF, GP]
+    q2 = tl.load(qcol + d2[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)
+    idx = tl.int32 if I32 else tl.int64
+    zk_g = zk + grp * stride_zkg
+    zv_g = zv + grp * stride_zvg
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([RVP, GP], tl.float32)
+    o = tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        p = start + o
+        ok = p < hi
+        slot = tl.load(row_ptr + p, mask=ok, other=0).to(idx)
+        z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
+        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(idx)
+        tp0, contig = _tile_start(tp, ok, o, ANGLES)
+        k1 = tl.dot(z.to(b1.dtype), b1)
+        k2 = tl.dot(z.to(b2.dtype), b2)
+        cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, contig, ok, o, j, stride_cs, HALF)
+        r1 = (k1 * cos - k2 * sin).to(dt)
+        r2 = (k2 * cos + k1 * sin).to(dt)
+        if ANGLES:
+            qr1 = (q1 * c0[:, None] + q2 * s0[:, None]).to(dt)
+            qr2 = (q2 * c0[:, None] - q1 * s0[:, None]).to(dt)
+        else:
+            qr1, qr2 = q1.to(dt), q2.to(dt)
+        logits = tl.dot(r1, qr1) + tl.dot(r2, qr2)  # [BLOCK, GP]
+        logits = tl.where(ok[:, None], logits * scale, float("-inf"))
+        zvt = tl.load(zv_g + slot[None, :] * stride_zvs + rv[:, None], mask=ok[None, :] & (rv < RV)[:, None],
+                      other=0.0)  # [RVP, BLOCK]
+        m_new = tl.maximum(m, tl.max(logits, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        pr = tl.exp(logits - m_safe[None, :])
+        den = den * alpha + tl.sum(pr, 0)
+        acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
+        m = m_new
+    store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, tl.trans(acc), NSPLIT, G, GP, RVP)
+
+
 INT32_LIMIT = 2**31
 
 
 class Tile(NamedTuple):
-    """A decode tile (:func:`decode_attention`'s arguments of the same names; 0: no register cap, all frequencies)."""
+    """A decode tile: ``block`` positions an iteration, ``warps``, pipeline ``stages``, ``maxnreg`` registers a thread
+    at most (more blocks an SM; 0: no cap), ``freq_chunk`` rotary frequencies reconstructed at a time (a power of
+    two >= 16 dividing ``D / 2``: fewer live registers for the same work; 0: all), ``query_rows`` (the group's
+    query heads padded to this power of two), ``angles_by_tile`` (a tile of consecutive positions rotates its first
+    position's angles instead of gathering one table row a position), ``key_rows`` (:func:`_decode_kernel_key_rows`;
+    all frequencies at once)."""
 
     block: int
     warps: int = 4
@@ -116,29 +206,23 @@ class Tile(NamedTuple):
     freq_chunk: int = 0
     query_rows: int = 16
     angles_by_tile: bool = False
+    key_rows: bool = False
 
 
 # The GPU's tile by the rank padded to a power of two; benchmarks/quant_decode.py's sweeps chose them.
 CUDA_TILES: dict[int, Tile] = {64: Tile(block=64), 128: Tile(block=32)}
+CPU_TILE = Tile(block=16)
 
 
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
                      k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     splits: int | None = None, block: int | None = None, warps: int | None = None,
-                     stages: int | None = None, native: bool | None = None, maxnreg: int | None = None,
-                     freq_chunk: int | None = None, query_rows: int | None = None,
-                     angles_by_tile: bool | None = None) -> torch.Tensor:
+                     splits: int | None = None, tile: Tile | None = None, native: bool | None = None) -> torch.Tensor:
     """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
     ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
     rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
-    ``block`` (positions an iteration), ``warps``, ``stages``, ``maxnreg`` (registers a thread at most: more blocks
-    an SM), ``freq_chunk`` (rotary frequencies reconstructed at a time, a power of two >= 16 dividing ``D / 2``:
-    fewer live registers for the same work), ``query_rows`` (the group's query heads padded to this power of two;
-    default 16, the tensor cores' rows), ``angles_by_tile`` (a tile of consecutive positions rotates its first
-    position's angles instead of gathering one table row a position): the tile, for benchmarks/quant_decode.py's
-    sweeps;
-    ``native``: dots in the model dtype (default: on the GPU)."""
+    ``tile``: default :data:`CUDA_TILES` by rank on the GPU (benchmarks/quant_decode.py sweeps others), else
+    :data:`CPU_TILE`; ``native``: dots in the model dtype (default: on the GPU)."""
     bs, hq, d = q.shape
     groups, gd, rk = k_basis.shape
     gs = gd // d
@@ -149,31 +233,28 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     assert q.stride(2) == 1 and zk.stride(2) == 1 and zv.stride(2) == 1 and k_basis.stride(2) == 1
     half = d // 2
     rkp = triton.next_power_of_2(rk)
-    if q.is_cuda:
-        t = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)])
-        block, warps, stages = block or t.block, warps or t.warps, stages or t.stages
-        maxnreg, freq_chunk, query_rows = maxnreg or t.maxnreg, freq_chunk or t.freq_chunk, query_rows or t.query_rows
-        angles_by_tile = t.angles_by_tile if angles_by_tile is None else angles_by_tile
-    block = block or 16
-    assert not angles_by_tile or cos_sin.shape[0] >= block, "angles by tile read the table's first rows"
-    jc = freq_chunk or half
+    if tile is None:
+        tile = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)]) if q.is_cuda else CPU_TILE
+    assert not tile.angles_by_tile or cos_sin.shape[0] >= tile.block, "angles by tile read the table's first rows"
+    jc = tile.freq_chunk or half
     assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
+    assert not (tile.key_rows and jc != half), "key_rows reconstructs every frequency at once"
     g = hq // hkv
     rvp = triton.next_power_of_2(rv)
+    gp = max(tile.query_rows, triton.next_power_of_2(g))
     if splits is None:
         splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, rvp, q.device)
     # every offset a program computes from a slot or a position lies inside one of these tensors
     i32 = max(zk.numel(), zv.numel(), cos_sin.numel(), positions.numel()) < INT32_LIMIT
-    _decode_kernel[(bs * hkv, splits)](
+    kernel, extra = (_decode_kernel_key_rows, {}) if tile.key_rows else (_decode_kernel, {"JC": jc})
+    kernel[(bs * hkv, splits)](
         q, zk, zv, positions, k_basis, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
-        k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g,
-        GP=max(query_rows or 16, triton.next_power_of_2(g)), D=d, HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv,
-        RVP=rvp, BLOCK=block, NSPLIT=splits,
-        NATIVE=q.is_cuda if native is None else native, JC=jc, I32=i32, ANGLES=bool(angles_by_tile),
-        num_warps=warps or 4,
-        **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {}))
+        k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g, GP=gp, D=d,
+        HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv, RVP=rvp, BLOCK=tile.block, NSPLIT=splits,
+        NATIVE=q.is_cuda if native is None else native, I32=i32, ANGLES=tile.angles_by_tile, num_warps=tile.warps,
+        num_stages=tile.stages, **extra, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}))
     lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
     vb = v_basis.view(groups, gs, d, rv).to(torch.float32)
     return torch.einsum("bxsgr,xsdr->bxsgd", lat, vb).reshape(bs, hq, d).to(q.dtype)

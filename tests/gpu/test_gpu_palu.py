@@ -48,9 +48,15 @@ def _table(max_pos: int) -> torch.Tensor:
     return torch.cat([f.cos(), f.sin()], dim=-1).float()
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.75])
-def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(ratio: float) -> None:
-    """6 requests of up to 9K tokens in rows 131,072 wide, plus 2 CUDA-graph padding rows (length 1)."""
+@pytest.mark.parametrize(("ratio", "tile"), [
+    (0.5, None), (0.75, None),
+    (0.5, palu_attention.Tile(64, key_rows=True)), (0.5, palu_attention.Tile(64, key_rows=True, angles_by_tile=True)),
+    (0.75, palu_attention.Tile(32, key_rows=True)),
+])
+def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(ratio: float,
+                                                                             tile: palu_attention.Tile | None) -> None:
+    """6 requests of up to 9K tokens in rows 131,072 wide, plus 2 CUDA-graph padding rows (length 1); the served
+    tile (None) and the keys-as-rows kernel."""
     gen = torch.Generator().manual_seed(0)
     layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
                                  torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
@@ -78,7 +84,7 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
     with sync_debug("error"):
         got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
                                               store.v_basis[0], store.kernel_cos_sin, True, r2t, rpi, seq,
-                                              D**-0.5)
+                                              D**-0.5, tile=tile)
     want = KVStore.decode(store, 0, q, r2t, rpi, seq, D**-0.5)  # the contract's torch default: read, attend
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
