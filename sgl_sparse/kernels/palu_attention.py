@@ -57,8 +57,8 @@ def _angles(cos_sin, tp, tp0, contig, ok, o, j, stride_cs, HALF: tl.constexpr):
         s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
     else:
         cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
-        cos = tl.load(cs, mask=ok[:, None], other=1.0).to(tl.float32)
-        sin = tl.load(cs + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        cos = tl.load(cs).to(tl.float32)  # a masked position's slot, and so its position, is 0: a row of the table
+        sin = tl.load(cs + HALF).to(tl.float32)
         c0 = tl.full(j.shape, 1.0, tl.float32)
         s0 = tl.zeros(j.shape, tl.float32)
     return cos, sin, c0, s0
