@@ -3,7 +3,9 @@ Triton kernel over the batch: per tile of a row's tokens it reconstructs each ke
 rotates it at the token's stored position, scores it against the KV head's queries and accumulates the
 probabilities times the *value latents* (online softmax, split over the row like the quantized stores' kernels).
 The value basis is applied once per query head after the splits merge, not per token. No host sync, fixed shapes:
-it runs inside SGLang's decode CUDA graph.
+it runs inside SGLang's decode CUDA graph. Two forms of the loop: queries as the dots' rows (:func:`_decode_kernel`)
+and keys as the rows (:func:`_decode_kernel_key_rows`, served on CUDA: fewer shared-memory trips, deeper pipelines;
+BENCHMARKS.md has both's times).
 
 On the GPU the scores and the value accumulation run on the tensor cores in the model dtype (``NATIVE``): the
 rotated key is rounded to it as a dense pool stores it, the probabilities as FlashInfer's decode rounds them; the
@@ -210,7 +212,8 @@ class Tile(NamedTuple):
 
 
 # The GPU's tile by the rank padded to a power of two; benchmarks/quant_decode.py's sweeps chose them.
-CUDA_TILES: dict[int, Tile] = {64: Tile(block=64), 128: Tile(block=32)}
+CUDA_TILES: dict[int, Tile] = {64: Tile(64, stages=5, query_rows=8, key_rows=True),
+                               128: Tile(128, warps=8, stages=4, query_rows=8, key_rows=True)}
 CPU_TILE = Tile(block=16)
 
 

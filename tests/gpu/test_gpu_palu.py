@@ -4,7 +4,7 @@ against vanilla FlashInfer bf16 at rank ratio 0.75, and leak-free.
 
 Also ``snapkv+palu``: at a covering budget the same tokens as Palu alone, and at a small one graphs = eager.
 
-Passed 7 of 7 on an H100 (2026-12-07, the kernel's model-dtype dots), so Palu alone and under an eviction method
+Passed 11 of 11 on an H100 (2026-12-07, the keys-as-rows kernel served), so Palu alone and under an eviction method
 serve on CUDA by default.
 """
 
@@ -50,13 +50,14 @@ def _table(max_pos: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("ratio", "tile"), [
     (0.5, None), (0.75, None),
-    (0.5, palu_attention.Tile(64, key_rows=True)), (0.5, palu_attention.Tile(64, key_rows=True, angles_by_tile=True)),
-    (0.75, palu_attention.Tile(32, key_rows=True)),
+    (0.5, palu_attention.Tile(64)), (0.5, palu_attention.Tile(64, angles_by_tile=True)),
+    (0.5, palu_attention.Tile(64, stages=5, query_rows=8, key_rows=True, angles_by_tile=True)),
+    (0.75, palu_attention.Tile(32)),
 ])
 def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(ratio: float,
                                                                              tile: palu_attention.Tile | None) -> None:
     """6 requests of up to 9K tokens in rows 131,072 wide, plus 2 CUDA-graph padding rows (length 1); the served
-    tile (None) and the keys-as-rows kernel."""
+    tile (None: the keys-as-rows kernel) and the queries-as-rows one."""
     gen = torch.Generator().manual_seed(0)
     layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
                                  torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
