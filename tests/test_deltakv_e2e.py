@@ -120,6 +120,19 @@ def test_launcher_resolves_the_compressor_or_names_what_is_missing(tmp_path: Pat
         parse_args(["--model-path", small, "--device", "cpu", "--sparse-method", "deltakv", "--sparse-config",
                     json.dumps({"center_ratio": 0.2})])
     assert "a centre every 10 tokens" in capsys.readouterr().err
+    _, hand = parse_args(["--model-path", small, "--device", "cpu", "--sparse-method", "deltakv", "--sparse-config",
+                          json.dumps({"latent_bits": 4})])
+    assert hand.config["latent_bits"] == 4  # the shipped latent of 128 is four groups of 32
+    odd = tmp_path / "odd"  # a latent of 48: not whole groups of 32
+    Compressor(CompressorConfig(kv_dim=256, latent_dim=48, intermediate=64, layers=(1, 2, 3), stride=10,
+                                neighbors=4)).save(str(odd))
+    for config, why in (({"latent_bits": 8}, "field 'latent_bits' must be one of (4, 16)"),
+                        ({"latent_bits": 4, "compressor": str(odd)}, "field 'latent_bits': latent_bits 4 over a "
+                                                                      "latent of 48")):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", small, "--device", "cpu", "--sparse-method", "deltakv", "--sparse-config",
+                        json.dumps(config)])
+        assert why in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--model-path", small, "--device", "cpu", "--sparse-method", "deltakv",
                     "--chunked-prefill-size", "128"])

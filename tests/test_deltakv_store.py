@@ -22,11 +22,12 @@ def _table(n: int) -> torch.Tensor:
     return torch.cat([f.cos(), f.sin()], dim=-1).float()
 
 
-def _store(dtype: torch.dtype = torch.float32) -> tuple[DeltaKVStore, RotaryTable]:
+def _store(dtype: torch.dtype = torch.float32, latent_bits: int = 16) -> tuple[DeltaKVStore, RotaryTable]:
+    """latent 6 in the model dtype, or 32 (one group) at 4 bits."""
     torch.manual_seed(0)
-    comp = Compressor(CompressorConfig(kv_dim=2 * HKV * D, latent_dim=6, intermediate=16, layers=SPARSE,
-                                       stride=STRIDE, neighbors=K))
-    store = DeltaKVStore(comp.config, lambda: comp)
+    comp = Compressor(CompressorConfig(kv_dim=2 * HKV * D, latent_dim=6 if latent_bits == 16 else 32,
+                                       intermediate=16, layers=SPARSE, stride=STRIDE, neighbors=K))
+    store = DeltaKVStore(comp.config, lambda: comp, latent_bits=latent_bits)
     rot = RotaryTable(_table(256), D, True)
     proj = AttentionProjections(torch.zeros(HKV * D, 4), torch.zeros(HKV * D, 4))
     store.load_model(ModelKV((proj,) * LAYERS, HKV, D, D, rot))
@@ -34,11 +35,23 @@ def _store(dtype: torch.dtype = torch.float32) -> tuple[DeltaKVStore, RotaryTabl
     return store, rot
 
 
+def _int4(z: torch.Tensor) -> torch.Tensor:
+    """A latent as 4-bit codes keep it: per 32 values, 15 steps from the min to the max, scale and zero in fp16."""
+    out = torch.empty_like(z)
+    for i in range(0, z.shape[-1], 32):
+        g = z[..., i:i + 32]
+        zero = g.min().half().float()
+        scale = ((g.max() - g.min()) / 15).half().float()
+        codes = torch.round((g - zero) / scale if scale > 0 else g * 0).clamp(0, 15)
+        out[..., i:i + 32] = codes * scale + zero
+    return out
+
+
 def _reference(comp: Compressor, layer: int, k: torch.Tensor, v: torch.Tensor, rot: RotaryTable,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+               dtype: torch.dtype, latent_bits: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """DeltaKV over a whole sequence, one token at a time: K un-rotated, kv = [K, V]; every STRIDE-th token kept;
-    every other one as up(down(kv) - down(c)) + c, c the mean of its K nearest earlier centres (L2, ties to the
-    earlier centre); K rotated back."""
+    every other one as up(z) + c, z = down(kv) - down(c) as stored (the model dtype or 4-bit codes), c the mean of
+    its K nearest earlier centres (L2, ties to the earlier centre); K rotated back."""
     n = k.shape[0]
     pos = torch.arange(n)
     pre = rotate(k, rot.cos_sin[pos], D, True, inverse=True)
@@ -52,7 +65,8 @@ def _reference(comp: Compressor, layer: int, k: torch.Tensor, v: torch.Tensor, r
         chosen = [c for _, c in dist[:K]]
         c = kv[chosen].mean(0, keepdim=True)
         with torch.no_grad():
-            z = (comp.down[str(layer)](kv[t:t + 1]) - comp.down[str(layer)](c)).to(dtype).float()
+            z = comp.down[str(layer)](kv[t:t + 1]) - comp.down[str(layer)](c)
+            z = _int4(z) if latent_bits == 4 else z.to(dtype).float()
             out[t] = (comp.up[str(layer)](z) + c)[0]
     half = HKV * D
     kr = rotate(out[:, :half].reshape(n, HKV, D), rot.cos_sin[pos], D, True).to(dtype)
@@ -66,9 +80,11 @@ def _write(store: DeltaKVStore, layer: int, r2t: torch.Tensor, row: int, k: torc
                 positions=torch.arange(start, end))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_writes_by_two_requests_sharing_a_prefix_read_back_as_the_whole_sequence(dtype: torch.dtype) -> None:
-    store, rot = _store(dtype)
+@pytest.mark.parametrize(("dtype", "latent_bits"), [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 4),
+                                                   (torch.bfloat16, 4)])
+def test_chunked_writes_by_two_requests_sharing_a_prefix_read_back_as_the_whole_sequence(dtype: torch.dtype,
+                                                                                      latent_bits: int) -> None:
+    store, rot = _store(dtype, latent_bits)
     g = torch.Generator().manual_seed(1)
     n_a, shared, n_b = 43, 30, 52  # B matches A's first 30 positions (6 whole pages) and goes on
     k = torch.randn(n_b, HKV, D, generator=g)
@@ -92,7 +108,7 @@ def test_chunked_writes_by_two_requests_sharing_a_prefix_read_back_as_the_whole_
             got_k, got_v = store.read(layer, r2t[row, :n].long())
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             if layer in SPARSE:
-                want_k, want_v = _reference(store.compressor, layer, kk, vv, rot, dtype)
+                want_k, want_v = _reference(store.compressor, layer, kk, vv, rot, dtype, latent_bits)
                 # round_trip is what the pool reads, up to the latent's rounding: the MLPs' fp32 sums depend on how
                 # many tokens one call encodes, and a one-ulp flip of a bf16 latent moves the token by ~1e-2
                 rt_k, rt_v = store.round_trip(layer, kk, vv, torch.arange(n))
@@ -121,3 +137,10 @@ def test_bytes_per_token_and_launch_time_errors() -> None:
         store.load_model(ModelKV((proj,) * LAYERS, 4, D, D, None))
     with pytest.raises(ValueError, match=r"layers \[1, 2\], the model 1"):
         store.load_model(ModelKV((proj,), HKV, D, D, None))
+    # 4-bit latents: 16 bytes of codes and a scale and zero point (fp16) for the one group of 32
+    store4, _ = _store(torch.bfloat16, latent_bits=4)
+    assert store4.bytes_per_token(g) == full + 2 * (16 + 4 + (K + 1) * 4 + -(-(2 * HKV * D * 2) // STRIDE))
+    with pytest.raises(ValueError, match="latent_bits 4 over a latent of 6"):
+        DeltaKVStore(store.config, lambda: store.compressor, latent_bits=4)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match="latent_bits 8"):
+        DeltaKVStore(store4.config, lambda: store4.compressor, latent_bits=8)  # type: ignore[arg-type,return-value]

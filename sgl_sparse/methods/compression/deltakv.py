@@ -35,7 +35,7 @@ from sgl_sparse.methods.compression.deltakv_compressor import (
     load_compressor,
     read_compressor_config,
 )
-from sgl_sparse.methods.compression.deltakv_store import DeltaKVStore
+from sgl_sparse.methods.compression.deltakv_store import LATENT_BITS, DeltaKVStore
 from sgl_sparse.methods.quantization.base import QuantConfig
 from sgl_sparse.registry import register_method
 
@@ -47,12 +47,14 @@ RANDOM_LATENT, RANDOM_INTERMEDIATE = 128, 2048  # the original's default latent 
 class DeltaKVConfig(QuantConfig):
     """``compressor``: a folder with ``deltakv/`` (or ``deltakv/`` itself), ``""``: the model folder's, ``random``:
     untrained (speed runs only); ``center_ratio``: the share of tokens kept raw as centres; ``neighbors``: centres a
-    token's residual is taken against. Both must be what the compressor was trained with."""
+    token's residual is taken against (both must be what the compressor was trained with); ``latent_bits``: 16 (the
+    latent in the model dtype) or 4 (codes with a scale and zero point per 32 values)."""
 
     method_name = "deltakv"
     compressor: str = ""
     center_ratio: float = 0.1
     neighbors: int = 4
+    latent_bits: int = 16
 
     @property
     def stride(self) -> int:
@@ -63,6 +65,7 @@ class DeltaKVConfig(QuantConfig):
         self.require(0.0 < self.center_ratio <= 0.5 and abs(1 / self.center_ratio - self.stride) < 1e-6,
                      "center_ratio", "must be 1 / N for an integer N >= 2")
         self.require(self.neighbors >= 1, "neighbors", "must be >= 1")
+        self.require(self.latent_bits in LATENT_BITS, "latent_bits", f"must be one of {LATENT_BITS}")
 
 
 def _model_shapes(model_path: str) -> tuple[int, int]:
@@ -122,7 +125,11 @@ class DeltaKV(SparseMethod[DeltaKVConfig]):
                     f"tokens and {c.neighbors} neighbours; the config asks for center_ratio {config.center_ratio} "
                     f"and neighbors {config.neighbors}")
             path = config.compressor
-            self._store = DeltaKVStore(c, lambda: load_compressor(path), config.prefix_attention)
+            try:
+                self._store = DeltaKVStore(c, lambda: load_compressor(path), config.prefix_attention,
+                                           config.latent_bits)
+            except ValueError as e:
+                raise SparseConfigError(f"deltakv: field 'latent_bits': {str(e).removeprefix('deltakv: ')}") from None
 
     def for_model(self, model_path: str) -> dict[str, Any]:
         cfg = self.config

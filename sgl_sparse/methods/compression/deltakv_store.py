@@ -17,9 +17,13 @@ the radix tree reads back exactly as it was written, whichever request wrote it 
 into chunks. The tree frees a request's pages from the end, so a page's centre outlives every token pointing at
 it; freeing a range in the middle (Prefix-Cache Pruning) would not, and must stay refused for this layout.
 
-Per token on a sparse layer: ``latent_dim`` values in the model dtype, ``neighbors`` + 1 int32 and a
-``stride``-th of a raw ``kv``; on a Llama-3-8B layer (kv 2,048 wide) at latent 128, 4 neighbours, stride 10:
-~682 bytes against bf16's 4,096.
+The latent is kept in the model dtype (``latent_bits`` 16) or, as the original's int4 option, as 4-bit codes with an
+fp16 scale and zero point per group of :data:`LATENT_GROUP` values of a token (asymmetric, min to max; the codes
+packed two a byte by ``kernels/quant.py::pack_chunks``).
+
+Per token on a sparse layer: the latent (``latent_dim`` values in the model dtype, or ``latent_dim / 2`` bytes and
+4 fp16 a group of 32), ``neighbors`` + 1 int32 and a ``stride``-th of a raw ``kv``; on a Llama-3-8B layer (kv 2,048
+wide) at latent 128, 4 neighbours, stride 10: ~682 bytes (~506 at 4 bits) against bf16's 4,096.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import KVGeometry, KVStore, ModelKV, RotaryTable
+from sgl_sparse.kernels.quant import pack_chunks, unpack_chunks
 from sgl_sparse.kernels.rope import rotate
 from sgl_sparse.methods.compression.deltakv_compressor import (
     Compressor,
@@ -40,10 +45,13 @@ from sgl_sparse.methods.compression.deltakv_compressor import (
 from sgl_sparse.slots import SENTINEL_SLOT
 
 INT32 = 4
+LATENT_GROUP = 32  # latent values a 4-bit scale and zero point cover (the original's group)
+LATENT_BITS = (4, 16)
 
 
 class DeltaKVStore(KVStore):
-    """Full layers: ``k``/``v`` ``[slots, Hkv, D]``. Sparse layers: ``latent`` ``[slots, latent_dim]``,
+    """Full layers: ``k``/``v`` ``[slots, Hkv, D]``. Sparse layers: ``latent`` ``[slots, latent_dim]`` (at 4 bits
+    ``[slots, latent_dim / 2]`` uint8 with ``latent_scale``/``latent_zero`` ``[slots, latent_dim / 32]`` fp16),
     ``pointers`` ``[slots, neighbors]`` int32 (centre slots), ``pos`` ``[slots]`` int32 and ``centre``
     ``[pages, kv_dim]`` (model dtype). :meth:`attach_rows` hands it ``req_to_token``, where a write finds the
     request's earlier centres."""
@@ -58,10 +66,14 @@ class DeltaKVStore(KVStore):
         return 1  # every token is encoded alone when written; a page only keeps one request's tokens together
 
     def __init__(self, config: CompressorConfig, load: Callable[[], Compressor],
-                 prefix_attention: str = "auto") -> None:
+                 prefix_attention: str = "auto", latent_bits: int = 16) -> None:
         """``config``: the compressor's shapes (the pool is sized from them); ``load``: its weights, called in
         :meth:`load_model` (the server's scheduler: torch work in a launcher that forks its children afterwards
-        can hang them)."""
+        can hang them); ``latent_bits``: 16 (the model dtype) or 4."""
+        if latent_bits not in LATENT_BITS or (latent_bits == 4 and config.latent_dim % LATENT_GROUP):
+            raise ValueError(f"deltakv: latent_bits {latent_bits} over a latent of {config.latent_dim}: 16, or 4 "
+                             f"where the latent is whole groups of {LATENT_GROUP}")
+        self.latent_bits = latent_bits
         self.choose_prefix_attention(prefix_attention)
         self._load = load
         self.compressor: Compressor | None = None
@@ -77,6 +89,8 @@ class DeltaKVStore(KVStore):
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.latent: dict[int, torch.Tensor] = {}
+        self.latent_scale: dict[int, torch.Tensor] = {}
+        self.latent_zero: dict[int, torch.Tensor] = {}
         self.pointers: dict[int, torch.Tensor] = {}
         self.pos: dict[int, torch.Tensor] = {}
         self.centre: dict[int, torch.Tensor] = {}
@@ -84,7 +98,10 @@ class DeltaKVStore(KVStore):
     # -- layout ----------------------------------------------------------------------------------------
     def sparse_bytes(self, itemsize: int) -> int:
         """Bytes per token of one sparse layer (the centre's share rounded up)."""
-        return self.latent_dim * itemsize + (self.neighbors + 1) * INT32 + -(-self.kv_dim * itemsize // self.stride)
+        latent = self.latent_dim * itemsize
+        if self.latent_bits == 4:
+            latent = self.latent_dim // 2 + 2 * 2 * (self.latent_dim // LATENT_GROUP)
+        return latent + (self.neighbors + 1) * INT32 + -(-self.kv_dim * itemsize // self.stride)
 
     def bytes_per_token(self, g: KVGeometry) -> int:
         full = 2 * g.num_kv_heads * g.head_dim * g.dtype.itemsize
@@ -125,7 +142,13 @@ class DeltaKVStore(KVStore):
                 self.k[layer] = torch.zeros(g.num_slots, g.num_kv_heads, g.head_dim, dtype=dt, device=dev)
                 self.v[layer] = torch.zeros_like(self.k[layer])
                 continue
-            self.latent[layer] = torch.zeros(g.num_slots, self.latent_dim, dtype=dt, device=dev)
+            if self.latent_bits == 4:
+                self.latent[layer] = torch.zeros(g.num_slots, self.latent_dim // 2, dtype=torch.uint8, device=dev)
+                groups = (g.num_slots, self.latent_dim // LATENT_GROUP)
+                self.latent_scale[layer] = torch.zeros(groups, dtype=torch.float16, device=dev)
+                self.latent_zero[layer] = torch.zeros(groups, dtype=torch.float16, device=dev)
+            else:
+                self.latent[layer] = torch.zeros(g.num_slots, self.latent_dim, dtype=dt, device=dev)
             self.pointers[layer] = torch.full((g.num_slots, self.neighbors), -1, dtype=torch.int32, device=dev)
             self.pos[layer] = torch.zeros(g.num_slots, dtype=torch.int32, device=dev)
             self.centre[layer] = torch.zeros(g.num_pages, self.kv_dim, dtype=dt, device=dev)
@@ -136,11 +159,12 @@ class DeltaKVStore(KVStore):
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
         if layer_id not in self.sparse_layers:
             return [self.k[layer_id], self.v[layer_id]]
-        return [self.latent[layer_id], self.pointers[layer_id], self.pos[layer_id]]
+        quant = [self.latent_scale[layer_id], self.latent_zero[layer_id]] if self.latent_bits == 4 else []
+        return [self.latent[layer_id], *quant, self.pointers[layer_id], self.pos[layer_id]]
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"latent_dim": self.latent_dim, "stride": self.stride, "neighbors": self.neighbors,
-                               "sparse_layers": sorted(self.sparse_layers)}
+        out: dict[str, Any] = {"latent_dim": self.latent_dim, "latent_bits": self.latent_bits, "stride": self.stride,
+                               "neighbors": self.neighbors, "sparse_layers": sorted(self.sparse_layers)}
         return {**out, **self.describe_prefix_attention()}
 
     # -- encode / decode ---------------------------------------------------------------------------------
@@ -161,6 +185,45 @@ class DeltaKVStore(KVStore):
         n = k.shape[0]
         return torch.cat([self._rope(k, positions, inverse=True).reshape(n, -1), v.float().reshape(n, -1)],
                          dim=1).to(self.dtype)
+
+    def _quantize(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Latents ``[n, latent_dim]`` -> 4-bit codes packed ``[n, latent_dim / 2]`` and fp16 scale and zero
+        ``[n, latent_dim / 32]``: each group's min to max in 15 steps, the codes against the fp16 scale and zero
+        they are read back with."""
+        n = z.shape[0]
+        groups = z.float().reshape(n, -1, LATENT_GROUP)
+        lo = groups.amin(dim=2)
+        scale = ((groups.amax(dim=2) - lo) / 15).to(torch.float16)
+        zero = lo.to(torch.float16)
+        step = scale.float()[..., None]
+        codes = torch.round((groups - zero.float()[..., None]) / torch.where(step > 0, step, torch.ones_like(step)))
+        return pack_chunks(codes.clamp(0, 15).to(torch.uint8).reshape(n, -1), 4), scale, zero
+
+    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        n = codes.shape[0]
+        c = unpack_chunks(codes, 4).float().reshape(n, -1, LATENT_GROUP)
+        return (c * scale.float()[..., None] + zero.float()[..., None]).reshape(n, -1)
+
+    def _store_latent(self, layer_id: int, loc: torch.Tensor, z: torch.Tensor) -> None:
+        if self.latent_bits == 4:
+            codes, scale, zero = self._quantize(z)
+            self.latent[layer_id][loc], self.latent_scale[layer_id][loc] = codes, scale
+            self.latent_zero[layer_id][loc] = zero
+        else:
+            self.latent[layer_id][loc] = z.to(self.dtype)
+
+    def _load_latent(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """The latents at ``slots`` as stored, in fp32."""
+        if self.latent_bits == 4:
+            return self._dequantize(self.latent[layer_id][slots], self.latent_scale[layer_id][slots],
+                                    self.latent_zero[layer_id][slots])
+        return self.latent[layer_id][slots].float()
+
+    def _as_stored(self, z: torch.Tensor) -> torch.Tensor:
+        """Latents ``[n, latent_dim]`` rounded as the pool keeps them, in fp32."""
+        if self.latent_bits == 4:
+            return self._dequantize(*self._quantize(z))
+        return z.to(self.dtype).float()
 
     def _split(self, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv`` ``[n, kv_dim]`` -> K (rotated at ``positions``) and V ``[n, Hkv, D]`` in the model dtype."""
@@ -202,8 +265,7 @@ class DeltaKVStore(KVStore):
         centre_kv = self.centre[layer_id][centre_slots // self.stride]
         idx = nearest_centres(kv, positions, centre_kv, centre_pos, self.neighbors)
         mean = centre_mean(centre_kv, idx)
-        z = self._model().encode(layer_id, kv.float(), mean)
-        self.latent[layer_id][loc] = z.to(self.dtype)
+        self._store_latent(layer_id, loc, self._model().encode(layer_id, kv.float(), mean))
         self.pointers[layer_id][loc] = torch.where(idx >= 0, centre_slots[idx.clamp(min=0)], -1).to(torch.int32)
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +274,7 @@ class DeltaKVStore(KVStore):
         slots = slots.long()
         ptr = self.pointers[layer_id][slots].long()  # [n, neighbors] centre slots
         mean = centre_mean(self.centre[layer_id], torch.where(ptr >= 0, ptr // self.stride, -1))
-        kv = self._model().decode(layer_id, self.latent[layer_id][slots].float(), mean)
+        kv = self._model().decode(layer_id, self._load_latent(layer_id, slots), mean)
         centre = slots % self.stride == 0
         kv[centre] = self.centre[layer_id][slots[centre] // self.stride].float()
         return self._split(kv, self.pos[layer_id][slots])
@@ -232,7 +294,7 @@ class DeltaKVStore(KVStore):
         centre = positions % self.stride == 0
         idx = nearest_centres(kv, positions, kv[centre], positions[centre], self.neighbors)
         mean = centre_mean(kv[centre], idx)
-        z = self._model().encode(layer_id, kv.float(), mean).to(self.dtype)  # stored in the model dtype
-        out = self._model().decode(layer_id, z.float(), mean)
+        z = self._as_stored(self._model().encode(layer_id, kv.float(), mean))
+        out = self._model().decode(layer_id, z, mean)
         out[centre] = kv[centre].float()
         return self._split(out.to(self.dtype), positions)
