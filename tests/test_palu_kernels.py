@@ -130,6 +130,16 @@ def test_decode_kernel_in_the_model_dtype_matches_the_torch_path(key_rows: bool)
     torch.testing.assert_close(got.float(), want, rtol=3e-3, atol=3e-3)
 
 
+def test_each_rank_gets_the_served_tile_of_the_smallest_rank_covering_it() -> None:
+    """Rank ratio 0.25 of a 128-dim head (rank 32) decodes with rank 64's tile, not the widest rank's (whose 128
+    positions a tile were chosen for rank 96 padded to 128); 0.75 with 128's; a rank past every entry the widest."""
+    from sgl_sparse.kernels.palu_attention import CUDA_TILES, cuda_tile
+
+    assert sorted(CUDA_TILES) == [64, 128]
+    assert cuda_tile(32) == cuda_tile(64) == CUDA_TILES[64] != CUDA_TILES[128]
+    assert cuda_tile(128) == cuda_tile(256) == CUDA_TILES[128]
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_palu_kernel_under_the_interpreter() -> None:
     assert_interpreted_passed(__file__)

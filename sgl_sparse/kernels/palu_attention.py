@@ -211,10 +211,15 @@ class Tile(NamedTuple):
     key_rows: bool = False
 
 
-# The GPU's tile by the rank padded to a power of two; benchmarks/quant_decode.py's sweeps chose them.
+# The GPU's tile by the rank padded to a power of two (cuda_tile); benchmarks/quant_decode.py's sweeps chose them.
 CUDA_TILES: dict[int, Tile] = {64: Tile(64, stages=5, query_rows=8, key_rows=True),
                                128: Tile(128, warps=8, stages=4, query_rows=8, key_rows=True)}
 CPU_TILE = Tile(block=16)
+
+
+def cuda_tile(rank: int) -> Tile:
+    """The served tile of a rank padded to a power of two: the smallest rank's tile that covers it."""
+    return next((t for r, t in sorted(CUDA_TILES.items()) if r >= rank), CUDA_TILES[max(CUDA_TILES)])
 
 
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
@@ -237,7 +242,7 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     half = d // 2
     rkp = triton.next_power_of_2(rk)
     if tile is None:
-        tile = CUDA_TILES.get(rkp, CUDA_TILES[max(CUDA_TILES)]) if q.is_cuda else CPU_TILE
+        tile = cuda_tile(rkp) if q.is_cuda else CPU_TILE
     assert not tile.angles_by_tile or cos_sin.shape[0] >= tile.block, "angles by tile read the table's first rows"
     jc = tile.freq_chunk or half
     assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
