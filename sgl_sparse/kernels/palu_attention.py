@@ -31,39 +31,34 @@ from sgl_sparse.kernels.splits import (
 
 
 @triton.jit
-def _tile_start(tp, ok, o, ANGLES: tl.constexpr):
-    """A tile's first position and whether its positions run p0, p0 + 1, ... (every tile of a row nothing was
-    evicted or pruned from): then :func:`_angles` rotates the queries back by p0 instead of gathering a table row
-    a position. Without ``ANGLES`` a compile-time False, and nothing is computed for the test."""
+def _tile_start(tp, ok, ANGLES: tl.constexpr):
+    """With ``ANGLES``, the smallest position p0 of a tile (every tile holds at least one position), which
+    :func:`_angles` turns the queries back by; else 0."""
     if ANGLES:
-        tp0 = tl.sum(tl.where(o == 0, tp, 0))
-        contig = tl.sum(tl.where(ok & (tp != tp0 + o), 1, 0)) == 0
+        tp0 = tl.min(tl.where(ok, tp, 2**30), 0)
     else:
         tp0 = 0
-        contig = False
-    return tp0, contig
+    return tp0
 
 
 @triton.jit
-def _angles(cos_sin, tp, tp0, contig, ok, o, j, stride_cs, HALF: tl.constexpr):
+def _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF: tl.constexpr, ANGLES: tl.constexpr):
     """The rotation of a tile's keys and queries for frequencies ``j``: cos and sin ``[BLOCK, J]`` fp32 that rotate
-    each key, and ``[J]`` that rotate the queries back. A ``contig`` tile's keys turn by their offset t from its
-    first position p0 (the table's first rows: the same addresses every tile, cached) and its queries back by p0,
-    q.R(p0 + t)k = (R(p0)^T q).(R(t)k); any other tile's keys turn by their own positions (one table row gathered
-    a position) and its queries not at all."""
-    if contig:
-        cs = cos_sin + o[:, None] * stride_cs + j[None, :]
-        cos = tl.load(cs).to(tl.float32)
-        sin = tl.load(cs + HALF).to(tl.float32)
+    each key, and ``[J]`` that rotate the queries back. Without ``ANGLES`` each key turns by its position (a table
+    row gathered a position: rows all over the table) and the queries not at all; with it each key turns by its
+    offset from the tile's first position p0 and the queries back by p0, q.R(p0 + t)k = (R(p0)^T q).(R(t)k): a tile
+    of consecutive positions reads the table's first rows, the same every tile, cached near the SM. Exact for any
+    positions (rows with gaps just read farther rows)."""
+    if ANGLES:
+        row = tl.where(ok, tp - tp0, 0)
         c0 = tl.load(cos_sin + tp0 * stride_cs + j).to(tl.float32)
         s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
     else:
-        cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
-        cos = tl.load(cs).to(tl.float32)  # a masked position's slot, and so its position, is 0: a row of the table
-        sin = tl.load(cs + HALF).to(tl.float32)
+        row = tp  # a masked position's slot, and so its position, is 0: a row of the table
         c0 = tl.full(j.shape, 1.0, tl.float32)
         s0 = tl.zeros(j.shape, tl.float32)
-    return cos, sin, c0, s0
+    cs = cos_sin + row[:, None] * stride_cs + j[None, :]
+    return tl.load(cs).to(tl.float32), tl.load(cs + HALF).to(tl.float32), c0, s0
 
 
 @triton.jit
@@ -96,7 +91,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
         slot = tl.load(row_ptr + p, mask=ok, other=0).to(idx)
         z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
         tp = tl.load(pos_buf + slot, mask=ok, other=0).to(idx)
-        tp0, contig = _tile_start(tp, ok, o, ANGLES)
+        tp0 = _tile_start(tp, ok, ANGLES)
         logits = tl.zeros([GP, BLOCK], tl.float32)
         # the head's frequencies JC at a time: fewer live [BLOCK, JC] tiles (registers) for the same work
         for c in tl.static_range(HALF // JC):
@@ -108,7 +103,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
             b2 = tl.load(base + d2[:, None] * stride_bkd + rk[None, :], mask=(rk < RK)[None, :], other=0.0)
             k1 = tl.dot(z.to(b1.dtype), tl.trans(b1))  # [BLOCK, JC] fp32: the pair's first dimension, before RoPE
             k2 = tl.dot(z.to(b2.dtype), tl.trans(b2))
-            cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, contig, ok, o, j, stride_cs, HALF)
+            cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF, ANGLES)
             r1 = (k1 * cos - k2 * sin).to(dt)
             r2 = (k2 * cos + k1 * sin).to(dt)
             q1 = tl.load(qrow + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(tl.float32)
@@ -165,10 +160,10 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
         slot = tl.load(row_ptr + p, mask=ok, other=0).to(idx)
         z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
         tp = tl.load(pos_buf + slot, mask=ok, other=0).to(idx)
-        tp0, contig = _tile_start(tp, ok, o, ANGLES)
+        tp0 = _tile_start(tp, ok, ANGLES)
         k1 = tl.dot(z.to(b1.dtype), b1)
         k2 = tl.dot(z.to(b2.dtype), b2)
-        cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, contig, ok, o, j, stride_cs, HALF)
+        cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF, ANGLES)
         r1 = (k1 * cos - k2 * sin).to(dt)
         r2 = (k2 * cos + k1 * sin).to(dt)
         if ANGLES:
@@ -197,8 +192,8 @@ class Tile(NamedTuple):
     """A decode tile: ``block`` positions an iteration, ``warps``, pipeline ``stages``, ``maxnreg`` registers a thread
     at most (more blocks an SM; 0: no cap), ``freq_chunk`` rotary frequencies reconstructed at a time (a power of
     two >= 16 dividing ``D / 2``: fewer live registers for the same work; 0: all), ``query_rows`` (the group's
-    query heads padded to this power of two), ``angles_by_tile`` (a tile of consecutive positions rotates its first
-    position's angles instead of gathering one table row a position), ``key_rows`` (:func:`_decode_kernel_key_rows`;
+    query heads padded to this power of two), ``angles_by_tile`` (keys turn by their offset from the tile's first
+    position, queries back by it: :func:`_angles`), ``key_rows`` (:func:`_decode_kernel_key_rows`;
     all frequencies at once)."""
 
     block: int
@@ -243,7 +238,6 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     rkp = triton.next_power_of_2(rk)
     if tile is None:
         tile = cuda_tile(rkp) if q.is_cuda else CPU_TILE
-    assert not tile.angles_by_tile or cos_sin.shape[0] >= tile.block, "angles by tile read the table's first rows"
     jc = tile.freq_chunk or half
     assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
     assert not (tile.key_rows and jc != half), "key_rows reconstructs every frequency at once"
