@@ -31,14 +31,19 @@ from sgl_sparse.kernels.splits import (
 
 
 @triton.jit
-def _tile_start(tp, ok, ANGLES: tl.constexpr):
-    """With ``ANGLES``, the smallest position p0 of a tile (every tile holds at least one position), which
-    :func:`_angles` turns the queries back by; else 0."""
-    if ANGLES:
-        tp0 = tl.min(tl.where(ok, tp, 2**30), 0)
-    else:
-        tp0 = 0
-    return tp0
+def _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK: tl.constexpr, I32: tl.constexpr,
+          ANGLES: tl.constexpr):
+    """A tile's positions ``start + o`` of the split ending at ``hi``: which are in it, their slots (int32 offsets
+    when every offset into the pool fits), key latents ``[BLOCK, RKP]``, stored positions, and with ``ANGLES`` the
+    smallest of those p0 (every tile holds at least one position), which :func:`_angles` turns the queries back by;
+    else 0."""
+    p = start + o
+    ok = p < hi
+    slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int32 if I32 else tl.int64)
+    z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
+    tp = tl.load(pos_buf + slot, mask=ok, other=0).to(slot.dtype)
+    tp0 = tl.min(tl.where(ok, tp, 2**30), 0) if ANGLES else 0
+    return ok, slot, z, tp, tp0
 
 
 @triton.jit
@@ -78,7 +83,6 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
     rk = tl.arange(0, RKP)
     rv = tl.arange(0, RVP)
     base = bk + grp * stride_bkg + ((h % GS) * D).to(tl.int64) * stride_bkd
-    idx = tl.int32 if I32 else tl.int64  # slot offsets: int32 when every offset into the pool fits
     zk_g = zk + grp * stride_zkg
     zv_g = zv + grp * stride_zvg
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -86,12 +90,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
     acc = tl.zeros([GP, RVP], tl.float32)
     o = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
-        p = start + o
-        ok = p < hi
-        slot = tl.load(row_ptr + p, mask=ok, other=0).to(idx)
-        z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
-        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(idx)
-        tp0 = _tile_start(tp, ok, ANGLES)
+        ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, I32, ANGLES)
         logits = tl.zeros([GP, BLOCK], tl.float32)
         # the head's frequencies JC at a time: fewer live [BLOCK, JC] tiles (registers) for the same work
         for c in tl.static_range(HALF // JC):
@@ -147,7 +146,6 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
     qcol = q + i * stride_qb + (h * G + gi)[None, :] * stride_qh
     q1 = tl.load(qcol + d1[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)  # [HALF, GP]
     q2 = tl.load(qcol + d2[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)
-    idx = tl.int32 if I32 else tl.int64
     zk_g = zk + grp * stride_zkg
     zv_g = zv + grp * stride_zvg
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -155,12 +153,7 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
     acc = tl.zeros([RVP, GP], tl.float32)
     o = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
-        p = start + o
-        ok = p < hi
-        slot = tl.load(row_ptr + p, mask=ok, other=0).to(idx)
-        z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
-        tp = tl.load(pos_buf + slot, mask=ok, other=0).to(idx)
-        tp0 = _tile_start(tp, ok, ANGLES)
+        ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, I32, ANGLES)
         k1 = tl.dot(z.to(b1.dtype), b1)
         k2 = tl.dot(z.to(b2.dtype), b2)
         cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF, ANGLES)
@@ -175,13 +168,8 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
         logits = tl.where(ok[:, None], logits * scale, float("-inf"))
         zvt = tl.load(zv_g + slot[None, :] * stride_zvs + rv[:, None], mask=ok[None, :] & (rv < RV)[:, None],
                       other=0.0)  # [RVP, BLOCK]
-        m_new = tl.maximum(m, tl.max(logits, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        pr = tl.exp(logits - m_safe[None, :])
-        den = den * alpha + tl.sum(pr, 0)
+        m, den, pr, alpha = softmax_step(m, den, logits, 0)
         acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
-        m = m_new
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, tl.trans(acc), NSPLIT, G, GP, RVP)
 
 

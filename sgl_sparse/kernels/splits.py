@@ -11,15 +11,15 @@ import triton.language as tl
 
 
 @triton.jit
-def softmax_step(m, lse_sum, logits):
-    """The online softmax's bookkeeping for ``logits`` ``[G, N]``: (new max, new denominator, the probabilities
-    ``[G, N]``, the factor ``[G]`` that rescales what was accumulated so far), for kernels that keep their output
-    in several pieces (``kernels/chunks.py``)."""
-    m_new = tl.maximum(m, tl.max(logits, 1))
+def softmax_step(m, lse_sum, logits, AXIS: tl.constexpr = 1):
+    """The online softmax's bookkeeping for ``logits`` ``[G, N]`` (``AXIS`` 0: ``[N, G]``, the keys as rows):
+    (new max, new denominator, the probabilities as ``logits``, the factor ``[G]`` that rescales what was accumulated
+    so far), for kernels that keep their output in several pieces (``kernels/chunks.py``) or transposed."""
+    m_new = tl.maximum(m, tl.max(logits, AXIS))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
-    p = tl.exp(logits - m_safe[:, None])
-    return m_new, lse_sum * alpha + tl.sum(p, 1), p, alpha
+    p = tl.exp(logits - tl.expand_dims(m_safe, AXIS))
+    return m_new, lse_sum * alpha + tl.sum(p, AXIS), p, alpha
 
 
 @triton.jit
