@@ -45,9 +45,12 @@ def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
 
 
 # -- asymmetric integer groups (KIVI) ---------------------------------------------------------------
-def asym_quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def asym_quantize(x: torch.Tensor, bits: int, dim: int,
+                  stored: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One group per slice along ``dim``: (uint8 codes like ``x``, fp32 scale and zero with ``dim``
-    reduced to 1). ``x ~ codes * scale + zero``; a constant group gets scale 0 and decodes exactly."""
+    reduced to 1). ``x ~ codes * scale + zero``; a constant group gets scale 0 and decodes exactly.
+    ``stored``: the dtype a store keeps the scale and zero in; the codes are then taken against them as rounded to
+    it (what is read back), and they are returned in it."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     xf = x.to(torch.float32)
@@ -57,7 +60,10 @@ def asym_quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, t
     # one ulp off IEEE division at times, which flips a code at a near-tie against KIVI's decode-write kernel
     # (kernels/kivi_write.py divides exactly); tests/gpu/test_gpu_kivi.py catches it.
     scale = (hi - lo) / hi.new_full((), 2**bits - 1)
-    codes = torch.round((xf - lo) / torch.where(scale > 0, scale, torch.ones_like(scale)))
+    if stored is not None:
+        scale, lo = scale.to(stored), lo.to(stored)
+    step = scale.float()
+    codes = torch.round((xf - lo.float()) / torch.where(step > 0, step, torch.ones_like(step)))
     return codes.clamp(0, 2**bits - 1).to(torch.uint8), scale, lo
 
 

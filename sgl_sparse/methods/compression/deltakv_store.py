@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import KVGeometry, KVStore, ModelKV, RotaryTable
-from sgl_sparse.kernels.quant import pack_chunks, unpack_chunks
+from sgl_sparse.kernels.quant import asym_dequantize, asym_quantize, pack_chunks, unpack_chunks
 from sgl_sparse.kernels.rope import rotate
 from sgl_sparse.methods.compression.deltakv_compressor import (
     Compressor,
@@ -191,18 +191,13 @@ class DeltaKVStore(KVStore):
         ``[n, latent_dim / 32]``: each group's min to max in 15 steps, the codes against the fp16 scale and zero
         they are read back with."""
         n = z.shape[0]
-        groups = z.float().reshape(n, -1, LATENT_GROUP)
-        lo = groups.amin(dim=2)
-        scale = ((groups.amax(dim=2) - lo) / 15).to(torch.float16)
-        zero = lo.to(torch.float16)
-        step = scale.float()[..., None]
-        codes = torch.round((groups - zero.float()[..., None]) / torch.where(step > 0, step, torch.ones_like(step)))
-        return pack_chunks(codes.clamp(0, 15).to(torch.uint8).reshape(n, -1), 4), scale, zero
+        codes, scale, zero = asym_quantize(z.float().reshape(n, -1, LATENT_GROUP), 4, dim=2, stored=torch.float16)
+        return pack_chunks(codes.reshape(n, -1), 4), scale[..., 0], zero[..., 0]
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         n = codes.shape[0]
-        c = unpack_chunks(codes, 4).float().reshape(n, -1, LATENT_GROUP)
-        return (c * scale.float()[..., None] + zero.float()[..., None]).reshape(n, -1)
+        groups = unpack_chunks(codes, 4).reshape(n, -1, LATENT_GROUP)
+        return asym_dequantize(groups, scale[..., None], zero[..., None], torch.float32).reshape(n, -1)
 
     def _store_latent(self, layer_id: int, loc: torch.Tensor, z: torch.Tensor) -> None:
         if self.latent_bits == 4:
