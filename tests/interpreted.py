@@ -32,6 +32,7 @@ INTERPRETED_FILES = (
     "tests/test_quest_kernels.py",
     "tests/test_retroinfer_kernels.py",
     "tests/test_selection_overhead.py",
+    "tests/test_split_merge.py",
     "tests/test_turboquant_kernels.py",
 )
 RUN_TIMEOUT_S = 1800

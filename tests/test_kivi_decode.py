@@ -14,7 +14,7 @@ import torch
 from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import KVGeometry
-from sgl_sparse.kernels.splits import MAX_SPLITS, MIN_SPLITS, decode_splits, merge_splits
+from sgl_sparse.kernels.splits import MAX_SPLITS, MIN_SPLITS, decode_splits
 from sgl_sparse.registry import create_method
 
 HKV, G, ROWS = 2, 2, 8
@@ -101,19 +101,6 @@ def test_decode_splits_grow_with_row_width_and_stay_within_bounds() -> None:
     assert decode_splits(128, 131072) == 32  # 16 x 8: the grid held near 4K programs
     assert decode_splits(48, 64) == decode_splits(4096, 131072) == MIN_SPLITS  # never below the old 16
     assert decode_splits(0, 0) == MIN_SPLITS
-
-
-def test_merge_weighs_empty_splits_zero() -> None:
-    """A split that read nothing stores max ``-inf`` and denominator 0: the merge ignores it, and a row whose
-    splits are all empty gives zeros."""
-    m = torch.tensor([[[1.0], [float("-inf")], [0.5]], [[float("-inf")]] * 3])
-    den = torch.tensor([[[2.0], [0.0], [1.0]], [[0.0]] * 3])
-    acc = torch.tensor([[[[2.0, 4.0]], [[0.0, 0.0]], [[1.0, 1.0]]], [[[0.0, 0.0]]] * 3])
-    out = merge_splits(m, den, acc)
-    w = torch.tensor([1.0, math.exp(-0.5)])
-    want = (w[0] * torch.tensor([2.0, 4.0]) + w[1] * torch.tensor([1.0, 1.0])) / (2 * w[0] + w[1])
-    torch.testing.assert_close(out[0, 0], want)
-    assert torch.equal(out[1], torch.zeros(1, 2))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")

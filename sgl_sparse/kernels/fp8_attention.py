@@ -155,7 +155,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
         # benchmarks/quant_decode.py --fp8-blocks times (64-256 positions, 1-4 warps).
         scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=block or (128 if q.is_cuda else 16),
         NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 2, **({"num_stages": stages} if stages else {}))
-    return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
+    return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype)
 
 
 def prefix_attention_torch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,

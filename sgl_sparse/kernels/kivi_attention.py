@@ -387,7 +387,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         # stages: the next page's slot and codes can be in flight while this one is computed.
         num_warps=warps or (2 if stack else max(2, block // 16)), num_stages=stages or 2,
         **({"maxnreg": maxnreg} if maxnreg else {}))
-    return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
+    return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype)
 
 
 def _dequant_pass(buffers: tuple[torch.Tensor, ...], req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,

@@ -124,4 +124,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), keep.stride(0), scale, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
         BLOCK=block or (64 if q.is_cuda else 16), NSPLIT=splits, NATIVE=q.is_cuda, num_warps=warps or 4)
-    return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
+    return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype)

@@ -245,6 +245,4 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv, RVP=rvp, BLOCK=tile.block, NSPLIT=splits,
         NATIVE=q.is_cuda if native is None else native, I32=i32, ANGLES=tile.angles_by_tile, num_warps=tile.warps,
         num_stages=tile.stages, **extra, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}))
-    lat = merge_splits(ws_m, ws_l, ws_acc)[..., :rv].reshape(bs, groups, gs, g, rv)
-    vb = v_basis.view(groups, gs, d, rv).to(torch.float32)
-    return torch.einsum("bxsgr,xsdr->bxsgd", lat, vb).reshape(bs, hq, d).to(q.dtype)
+    return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype, basis=v_basis, basis_heads=gs)

@@ -620,7 +620,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ranked.stride(0), scale, BASE=layout.base, SEG=layout.seg, PAGE=layout.page, RECENT=layout.recent,
         MIN_SEG=layout.min_segments, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=16,
         EBLOCK=16, NSPLIT=splits, VBLOCK=128)
-    return merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d).to(q.dtype)
+    return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype)
 
 
 def index_bytes_per_token(page: int, hkv: int, d: int, dtype: torch.dtype, layers: int) -> int:

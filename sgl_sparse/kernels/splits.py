@@ -1,5 +1,5 @@
 """Pieces shared by the attention kernels (FP8, KIVI, TurboQuant, RetroInfer): the online-softmax step, the
-split-KV decode's per-split state (stored by each program, merged in torch), and the extend kernels' rows (a
+split-KV decode's per-split state (stored by each program, merged by one kernel), and the extend kernels' rows (a
 block of query tokens x the group's heads) with their output and log-sum-exp. Reading KIVI's and TurboQuant's
 packed codes: ``kernels/chunks.py``."""
 
@@ -143,14 +143,65 @@ def store_rows(out, lse, tok, head, rm, m, den, acc, stride_ot, stride_oh, HQ: t
     tl.store(lse + tok * HQ + head, tl.where(den > 0, m + tl.log(den), float("-inf")), mask=rm)
 
 
-def merge_splits(ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor) -> torch.Tensor:
-    """Partial states over ``splits`` (dim 1): running max ``ws_m`` and denominator ``ws_l``
-    ``[rows, splits, G]``, unnormalized output ``ws_acc`` ``[rows, splits, G, D]`` -> ``[rows, G, D]``
-    fp32. A split that read nothing (max ``-inf``) weighs 0; a row that read nothing gives 0."""
-    top = ws_m.amax(dim=1, keepdim=True)
-    w = torch.exp(ws_m - torch.where(top.isinf(), torch.zeros_like(top), top))
-    den = (w * ws_l).sum(dim=1)
-    return (w[..., None] * ws_acc).sum(dim=1) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+@triton.jit
+def _merge_kernel(ws_m, ws_l, ws_acc, basis, out, stride_bg, stride_be, stride_br, stride_ob, stride_oh,
+                  HKV: tl.constexpr, GS: tl.constexpr, G: tl.constexpr, NSPLIT: tl.constexpr, SP: tl.constexpr,
+                  R: tl.constexpr, RB: tl.constexpr, E: tl.constexpr, EC: tl.constexpr, BASIS: tl.constexpr):
+    """One program per (request x KV head ``rh``, query head ``g`` of its group): the splits' states weighed by
+    ``exp(m - max)`` (an empty split's max is ``-inf``: weight 0), summed and normalized; with ``BASIS`` the
+    result ``[R]`` is mapped through the head's ``[E, RB]`` basis (``EC`` rows at a time), else stored as is."""
+    rh = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.arange(0, SP)
+    w_at = (rh.to(tl.int64) * NSPLIT + s) * G + g
+    m = tl.load(ws_m + w_at, mask=s < NSPLIT, other=float("-inf"))
+    top = tl.max(m, 0)
+    w = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))
+    den = tl.sum(w * tl.load(ws_l + w_at, mask=s < NSPLIT, other=0.0), 0)
+    r = tl.arange(0, R)
+    acc = tl.load(ws_acc + w_at[:, None] * R + r[None, :], mask=(s < NSPLIT)[:, None], other=0.0)
+    merged = tl.sum(w[:, None] * acc, 0) / tl.where(den > 0, den, 1.0)
+    h = rh % HKV
+    orow = out + (rh // HKV).to(tl.int64) * stride_ob + (h * G + g) * stride_oh
+    if BASIS:
+        base = basis + (h // GS) * stride_bg + ((h % GS) * E) * stride_be
+        for c in tl.static_range(E // EC):
+            e = c * EC + tl.arange(0, EC)
+            b = tl.load(base + e[:, None] * stride_be + r[None, :] * stride_br, mask=(r < RB)[None, :], other=0.0)
+            tl.store(orow + e, tl.sum(b.to(tl.float32) * merged[None, :], 1).to(out.dtype.element_ty))
+    else:
+        tl.store(orow + r, merged.to(out.dtype.element_ty))
+
+
+def merge_splits(ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor, batch: int, dtype: torch.dtype,
+                 basis: torch.Tensor | None = None, basis_heads: int = 1) -> torch.Tensor:
+    """The partial states of :func:`split_workspace` (``rows`` = ``batch`` x KV heads, ``splits``, ``G`` query
+    heads a KV head, width ``R``) merged into the output ``[batch, KV heads * G, E]`` in ``dtype``, one kernel
+    (no host sync, CUDA-graph safe). A split that read nothing (max ``-inf``) weighs 0; a row that read nothing
+    gives 0. ``basis`` maps each merged ``[R]`` to ``[E]``, ``out[e] = sum_r merged[r] * basis[..., e, r]``: an
+    ``[E, R']`` matrix shared by every head, or ``[groups, basis_heads * E, R']`` per group of ``basis_heads`` KV
+    heads (Palu's value basis; ``R' <= R``, the merged width past ``R'`` is padding); without it ``E = R``."""
+    rows, splits, g, r = ws_acc.shape
+    assert ws_acc.is_contiguous() and ws_m.is_contiguous() and ws_l.is_contiguous() and r & (r - 1) == 0
+    hkv = rows // batch
+    has_basis = basis is not None
+    if basis is None:
+        e, rb, strides = r, r, (0, 0, 0)
+        basis = ws_acc  # not read
+    else:
+        if basis.dim() == 2:
+            basis = basis[None]
+        e, rb = basis.shape[1] // basis_heads, basis.shape[2]
+        assert basis.shape[0] * basis_heads == hkv or basis.shape[0] == 1 and basis_heads == 1, "a basis per group"
+        assert rb <= r and e & (e - 1) == 0
+        strides = (basis.stride(0) if basis.shape[0] > 1 else 0, basis.stride(1), basis.stride(2))
+    out = torch.empty(batch, hkv * g, e, dtype=dtype, device=ws_acc.device)
+    if out.numel() == 0:
+        return out
+    _merge_kernel[(rows, g)](ws_m, ws_l, ws_acc, basis, out, *strides, out.stride(0), out.stride(1), HKV=hkv,
+                             GS=basis_heads, G=g, NSPLIT=splits, SP=triton.next_power_of_2(splits), R=r, RB=rb, E=e,
+                             EC=min(e, 32), BASIS=has_basis, num_warps=4)
+    return out
 
 
 def prefix_passes(prefix_lens: list[int], limit: int) -> list[list[int]]:

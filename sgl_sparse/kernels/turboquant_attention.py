@@ -382,7 +382,7 @@ def decode_attention(
         # compiled loop; KIVI's 2 warps save 30% there).
         num_warps=warps or 4,
     )
-    return (merge_splits(ws_m, ws_l, ws_acc).view(bs, hq, d) @ layer.rot).to(q.dtype)
+    return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype, basis=layer.rot.T)  # out = merged @ rot
 
 
 def prefix_attention(
