@@ -17,9 +17,8 @@ position it stored beside the latent. Rank ``max(16, floor(g * D * rank_ratio / 
 
 Per token and layer the pool stores ``Hkv / g * (r_k + r_v)`` latent values in the model dtype and a 4-byte
 position: at ``rank_ratio`` 0.5 on a Llama-3-8B layer (8 KV heads of 128) 2,052 bytes against bf16's 4,096.
-On CPU the store reads through its plain-torch path; on CUDA decode runs ``kernels/palu_attention.py``, tested
-under the Triton interpreter only so far: the launcher serves Palu on CUDA only with ``--sparse-allow-unverified``
-until the GPU tests in ``tests/gpu/test_gpu_palu.py`` pass.
+On CPU the store reads through its plain-torch path; on CUDA decode runs ``kernels/palu_attention.py`` (its GPU
+tests: ``tests/gpu/test_gpu_palu.py``).
 """
 
 from __future__ import annotations
