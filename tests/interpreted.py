@@ -29,6 +29,7 @@ INTERPRETED_FILES = (
     "tests/test_layer_sets_kernel.py",
     "tests/test_omnikv.py",
     "tests/test_palu_kernels.py",
+    "tests/test_palu_write.py",
     "tests/test_quest_kernels.py",
     "tests/test_retroinfer_kernels.py",
     "tests/test_selection_overhead.py",

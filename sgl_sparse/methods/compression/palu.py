@@ -17,8 +17,8 @@ position it stored beside the latent. Rank ``max(16, floor(g * D * rank_ratio / 
 
 Per token and layer the pool stores ``Hkv / g * (r_k + r_v)`` latent values in the model dtype and a 4-byte
 position: at ``rank_ratio`` 0.5 on a Llama-3-8B layer (8 KV heads of 128) 2,052 bytes against bf16's 4,096.
-On CPU the store reads through its plain-torch path; on CUDA decode runs ``kernels/palu_attention.py`` (its GPU
-tests: ``tests/gpu/test_gpu_palu.py``).
+On CPU the store writes and reads through its plain-torch path; on CUDA it writes through ``kernels/palu_write.py``
+and decode runs ``kernels/palu_attention.py`` (their GPU tests: ``tests/gpu/test_gpu_palu*.py``).
 """
 
 from __future__ import annotations
@@ -207,6 +207,21 @@ class PaluStore(KVStore):
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               decode: bool, positions: torch.Tensor | None = None) -> None:
+        r = self.rotary
+        if positions is not None and k.is_cuda and r is not None and r.rotary_dim == self.head_dim:
+            from sgl_sparse.kernels import palu_write
+
+            if palu_write.fits(self.head_dim):
+                # one launch instead of the torch path's 15 to 25 small kernels a layer (each decode step's, in its
+                # CUDA graph)
+                palu_write.write_latents(k, v, positions, loc, self.zk[layer_id], self.zv[layer_id],
+                                         self.pos[layer_id], self.k_basis[layer_id], self.v_basis[layer_id],
+                                         r.cos_sin, r.neox)
+                return
+        self._write_torch(layer_id, loc, k, v, positions)
+
+    def _write_torch(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     positions: torch.Tensor | None) -> None:
         zk, zv = self._encode(layer_id, k, v, positions)
         self.zk[layer_id][loc] = zk.to(self.dtype)
         self.zv[layer_id][loc] = zv.to(self.dtype)
