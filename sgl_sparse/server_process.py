@@ -298,8 +298,12 @@ class ServerProcess:
 
 class RouterProcess(ServerProcess):
     """``python -m smg.launch_router`` (the ``smg`` package, SGLang's gateway) in front of running
-    workers, on ``127.0.0.1``. Healthy once ``/readiness`` answers 200 and every worker in
-    ``worker_urls`` is registered (the router adds them in the background after it starts).
+    workers, on ``127.0.0.1``. Healthy once ``/readiness`` answers 200 and the router has registered
+    every worker in ``worker_urls`` and polled its load. It adds the workers in the background after it
+    starts, and polls one that registers after its load monitor's first tick only a
+    ``--load-monitor-interval`` later (10 s by default). Until then smg 1.13.0's ``cache_aware`` miss path
+    (least expected wait) scores that worker equal to the polled ones and breaks the tie at random, so
+    new conversations sent at once may all land on one worker.
     Its Prometheus exporter gets a free port of its own (the default 29000 would collide between
     routers); ``args`` are more router flags."""
 
@@ -320,21 +324,24 @@ class RouterProcess(ServerProcess):
         super().start()
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            listed = self.workers()
-            if all(url in listed for url in self.worker_urls):
+            polled = self.workers(polled=True)
+            if all(url in polled for url in self.worker_urls):
                 return self
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"router lists {listed}, not all of {self.worker_urls}:\n{self.log_tail()}")
+                raise TimeoutError(f"router lists {self.workers()} and has polled the load of {polled}, "
+                                   f"not of all of {self.worker_urls}:\n{self.log_tail()}")
             time.sleep(0.5)
 
-    def workers(self) -> list[str]:
-        """The URLs of the workers the router has registered (``GET /workers``)."""
+    def workers(self, polled: bool = False) -> list[str]:
+        """The URLs of the workers the router has registered (``GET /workers``); ``polled``: only those whose
+        load it has polled (their ``engine_load``)."""
         r = requests.get(f"{self.base_url}/workers", timeout=10)
         r.raise_for_status()
         body = r.json()
         listed = body.get("workers", []) if isinstance(body, dict) else body
-        return [w.get("url", "") if isinstance(w, dict) else str(w) for w in listed]
+        return [w.get("url", "") if isinstance(w, dict) else str(w) for w in listed
+                if not polled or (isinstance(w, dict) and w.get("engine_load"))]
 
     def server_info(self) -> dict:
         raise NotImplementedError("ask each worker: the router has no /server_info of its own")

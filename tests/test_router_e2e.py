@@ -29,8 +29,10 @@ SNAPKV = {"budget": 64, "window_size": 8, "sink_tokens": 4, "kernel_size": 5, "d
 WORKER_FLAGS = [*CPU_SERVER_FLAGS, "--chunked-prefill-size", "128", "--enable-cache-report", "--enable-metrics",
                 "--sparse-method", "snapkv", "--sparse-config", json.dumps(SNAPKV)]
 # The router's periodic health check runs a 1-token generation on each worker (SGLang's /health);
-# keep it out of the test's idle checks.
-ROUTER_FLAGS = ["--health-check-interval-secs", "600", "--log-level", "warn"]
+# keep it out of the test's idle checks. RouterProcess waits until the router has polled every worker's load
+# (a new conversation goes to the least expected wait, and an unpolled worker ties with the others at random):
+# a 1 s poll makes that wait short.
+ROUTER_FLAGS = ["--health-check-interval-secs", "600", "--load-monitor-interval", "1", "--log-level", "warn"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,8 @@ def _requests_served(worker: ServerProcess) -> float:
 
 def test_router_keeps_each_conversation_on_one_worker_with_chain_cache_hits(routed: tuple) -> None:
     """Four 3-turn conversations through the router's ``/generate``, each round's four turns sent at
-    once. The first round spreads over both workers; every later turn returns to the worker that
+    once. The first round spreads over both workers (each new conversation goes to the least expected
+    wait, which counts the requests sent since the last load poll); every later turn returns to the worker that
     holds its conversation and reuses the whole previous sequence (prompt and answer), although
     SnapKV evicted most of it. Only that worker can report it cached: the conversations share no
     prefix."""
