@@ -17,6 +17,8 @@ the kernels at these warp counts (their ``decode_attention(..., warps=)``; the d
 choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
 these positions an iteration, KIVI's at these pages (x each of ``--warps``); ``--palu-tiles``: Palu's at these
 ``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (``palu_attention.Tile``'s fields);
+``--kivi-tiles``: KIVI's at these ``PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS]]`` (0: the default; KEYROWS 1: its
+keys-as-rows loop, ``decode_attention(..., key_rows=True)``: ``0x0x0x0x1`` is that loop at the default tile);
 ``--palu-fp32``: also Palu's kernel with fp32 dots and rotary table (its interpreter form).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
@@ -81,8 +83,9 @@ def fill_pool(store: object) -> None:
 
 def _decode(label: str, store: Any, knobs: dict[str, Any]) -> Callable[..., torch.Tensor]:
     """The store's CUDA decode, or its kernel called with ``knobs`` (its ``decode_attention``'s keyword arguments:
-    Palu's ``tile`` and ``native``, KIVI's ``pages``/``warps``/``stages``/``maxnreg``, FP8's ``block``/``warps``/
-    ``stages``, TurboQuant's ``block``/``warps``); Palu's fp32 form (``native`` False) reads the fp32 rotary table."""
+    Palu's ``tile`` and ``native``, KIVI's ``pages``/``warps``/``stages``/``maxnreg``/``key_rows``, FP8's
+    ``block``/``warps``/``stages``, TurboQuant's ``block``/``warps``); Palu's fp32 form (``native`` False) reads the
+    fp32 rotary table."""
     if not knobs:
         return store.decode
     if label.startswith("palu"):
@@ -108,7 +111,7 @@ def _describe(label: str, knobs: dict[str, Any]) -> str:
         default = palu_attention.Tile(block=tile.block)
         parts = [f"{v} {k}" if not isinstance(v, bool) else k for k, v in tile._asdict().items()
                  if k == "block" or v != getattr(default, k)]
-    parts += [f"{v} {k}" for k, v in knobs.items() if k not in ("tile", "native") and v]
+    parts += [k if v is True else f"{v} {k}" for k, v in knobs.items() if k not in ("tile", "native") and v]
     if knobs.get("native") is False:
         parts.append("fp32 dots and table")
     return f"{label} ({', '.join(parts)})" if parts else label
@@ -212,7 +215,8 @@ def main() -> None:
                         "frequencies a step, ROWS: query rows, ANGLES 1: angles by "
                         "tile, KEYROWS 1: the keys-as-rows kernel)")
     p.add_argument("--kivi-tiles", nargs="*", default=[],
-                   help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG] (0: the default)")
+                   help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS]] (0: the default; "
+                        "KEYROWS 1: the keys-as-rows kernel, 0x0x0x0x1 at the default tile)")
     p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and table")
     p.add_argument("--palu-tiles-only", action="store_true",
                    help="Palu's --palu-tiles rows only (its first launch then is the first tile's: for ncu -c 1)")
@@ -242,7 +246,9 @@ def main() -> None:
                         print(_row(label, bs, n, {size: b, "warps": w}), flush=True)
             for tile in args.kivi_tiles if label.startswith("kivi") else []:
                 pages, warps, stages, *more = (int(x) for x in tile.split("x"))
-                knobs = {"pages": pages, "warps": warps, "stages": stages, "maxnreg": (more or [0])[0]}
+                maxnreg, key_rows = (more + [0, 0])[:2]
+                knobs = {"pages": pages, "warps": warps, "stages": stages, "maxnreg": maxnreg,
+                         "key_rows": bool(key_rows)}
                 print(_row(label, bs, n, {k: v for k, v in knobs.items() if v}), flush=True)
             for st in args.fp8_stages if label == "fp8_kv" else []:
                 print(_row(label, bs, n, {"stages": st}), flush=True)

@@ -2,16 +2,17 @@
 prefix kernel at a few tiles, Quest's and OmniKV's scoring loops), compiled for sm_90
 (the H100/H200) without a GPU: Triton's ``compile`` for a ``cuda`` target and the ``cuobjdump`` that Triton ships.
 
-    python benchmarks/sass_counts.py [--warps W] [--gp GP] [--head-dim 128] [--group 4] [--page 32]
+    python benchmarks/sass_counts.py [--warps W] [--gp GP] [--head-dim 128] [--group 4] [--page 32] [--stages 2]
 
-For each kernel at Llama-3-8B heads (8 KV heads, a group of 4, 128 dims; KIVI's page 32, TurboQuant's 32
-positions an iteration): registers, spills (stack bytes), and the loop body's SASS instructions x threads /
-(positions x D x 2) elements, in total and by kind (integer, float, tensor-core, global and shared memory,
-shuffles). This counts work, it does not time it: an instruction's cost depends on its pipe (integer ops run at
-half the float rate) and the loop's stalls; ``quant_decode.py`` on the GPU is the measurement. Arguments are taken
-16-divisible, as the JIT specializes them. The kernels' warps and query-row padding (``--warps``, ``--gp``)
-default to what their ``decode_attention`` uses. Run with ``PYTHONPATH`` at another checkout to count its
-kernels (a kernel with ``BITS`` instead of ``LANE`` is the bit-plane one; it used ``--gp 16 --warps 4``).
+For each kernel at Llama-3-8B heads (8 KV heads, a group of 4, 128 dims; KIVI's page 32, both forms of its loop:
+queries or keys as the dots' rows; TurboQuant's 32 positions an iteration): registers, spills (stack bytes), and
+the loop body's SASS instructions x threads / (positions x D x 2) elements, in total and by kind (integer, float,
+tensor-core, global and shared memory, shuffles). This counts work, it does not time it: an instruction's cost
+depends on its pipe (integer ops run at half the float rate) and the loop's stalls; ``quant_decode.py`` on the GPU
+is the measurement. Arguments are taken 16-divisible, as the JIT specializes them. The kernels' warps and
+query-row padding (``--warps``, ``--gp``) default to what their ``decode_attention`` uses. Run with ``PYTHONPATH``
+at another checkout to count its kernels (a kernel with ``BITS`` instead of ``LANE`` is the bit-plane one; it used
+``--gp 16 --warps 4``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--page", type=int, default=32, help="KIVI's page (group) size")
     p.add_argument("--pages", type=int, help="KIVI's pages an iteration (default: its decode_attention's)")
+    p.add_argument("--stages", type=int, default=2, help="KIVI's pipeline stages (its decode_attention's: 2)")
     p.add_argument("--palu-tiles", nargs="*", default=[],
                    help="Palu's kernel at these tiles only (quant_decode.py's --palu-tiles form; rank ratio 0.5), "
                         "its served tile first")
@@ -135,8 +137,10 @@ def main() -> None:
     stack = ppi > 1 and a.page >= 16  # as kivi_attention.decode_attention decides, warps too
     for bits in (4, 2):
         consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True, STACK=stack)
-        count(f"kivi{bits}", kivi_attention._decode_kernel, KIVI_ARGS, consts,
-              a.warps or (2 if stack else max(2, ppi * a.page // 16)), ppi * a.page * d * 2)
+        for label, fn in ((f"kivi{bits}", kivi_attention._decode_kernel),
+                          (f"kivi{bits} key rows", kivi_attention._decode_kernel_key_rows)):
+            count(label, fn, KIVI_ARGS, consts, a.warps or (2 if stack else max(2, ppi * a.page // 16)),
+                  ppi * a.page * d * 2, a.stages)
     for bits, qjl in ((4, False), (3, False), (2, False), (4, True)):
         lane = 4 if bits == 3 else bits
         consts = dict(HKV=8, G=g, GP=gp, D=d, LANE=lane, BITS=bits, NLEV=2**bits, QJL=qjl, BLOCK=32, NSPLIT=64)

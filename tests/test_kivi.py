@@ -197,8 +197,9 @@ def test_prefix_reads_whole_pages_and_the_residual() -> None:
     assert torch.isinf(lse[4:]).all()
 
 
+@pytest.mark.parametrize("key_rows", [False, True])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_decode_kernel_equals_the_store_reference(bits: int) -> None:
+def test_decode_kernel_equals_the_store_reference(bits: int, key_rows: bool) -> None:
     """The Triton decode (kernels/kivi_attention.py) over rows with whole pages and a residual, an empty row
     and a row inside its first page, against the store's torch path (run interpreted on CPU)."""
     if not INTERPRETED:
@@ -219,7 +220,8 @@ def test_decode_kernel_equals_the_store_reference(bits: int) -> None:
     seq = torch.tensor(list(lens.values()), dtype=torch.int32)
     q = torch.randn(len(lens), HKV * G, D, generator=gen)
     want = store.decode(1, q, r2t, rpi.long(), seq.long(), SCALE)
-    got = kivi_attention.decode_attention(q, *store._buffers(1), r2t, rpi, seq, SCALE, bits, GS, splits=3)
+    got = kivi_attention.decode_attention(q, *store._buffers(1), r2t, rpi, seq, SCALE, bits, GS, splits=3,
+                                          key_rows=key_rows)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

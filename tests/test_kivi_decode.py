@@ -1,9 +1,12 @@
 """KIVI's page-aligned decode kernel (``kernels/kivi_attention.py::decode_attention``) at page sizes that take
-each of its paths (8: two pages an iteration; 16, 32: one page, its key scale read once), over rows that end
-mid-page, exactly on a page, inside their first page, empty, and a batch whose rows leave most splits empty;
-against the store's torch path and against KIVI quantize-dequantize-attend written here in plain torch. The
-head dims put a chunk (``D * bits / 8`` channels) under 16 (the logits' broadcast path), at 16 or more
-(``tl.dot``), within one value group, and across two or four of them (4 bits at 16 x 64 and 8 x 32; 8 x 64)."""
+each of its paths (8: two pages an iteration, each position's key scale gathered; 16, 32: several pages stacked,
+or one page, its key scale read once), over rows that end mid-page, exactly on a page, inside their first page,
+empty, and a batch whose rows leave most splits empty; against the store's torch path and against KIVI
+quantize-dequantize-attend written here in plain torch. The head dims put a chunk (``D * bits / 8`` channels)
+under 16 (the logits' broadcast path), at 16 or more (``tl.dot``), within one value group, and across two or four
+of them (4 bits at 16 x 64 and 8 x 32; 8 x 64). Both forms of the loop (queries or keys as the dots' rows): the
+keys-as-rows one at a subset that still takes each of its paths (pages of 8, 16 and 32; 2 and 4 bits; a chunk
+under 16 and over a page's width), the interpreter being slow."""
 
 from __future__ import annotations
 
@@ -49,9 +52,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return torch.einsum("hn,nhd->hd", w, vv)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize(("gs", "d"), [(8, 16), (16, 32), (32, 64), (16, 64), (8, 32), (8, 64)])
-def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int) -> None:
+SHAPES = [(8, 16), (16, 32), (32, 64), (16, 64), (8, 32), (8, 64)]  # (page size, head dim)
+KEY_ROWS_CASES = [(2, 8, 16), (4, 8, 32), (2, 16, 32), (4, 32, 64)]  # (bits, page size, head dim)
+CASES = [(bits, gs, d, False) for bits in (2, 4) for gs, d in SHAPES] + [(*c, True) for c in KEY_ROWS_CASES]
+
+
+@pytest.mark.parametrize(("bits", "gs", "d", "key_rows"), CASES,
+                         ids=[f"{b}bit-page{gs}-d{d}{'-key_rows' if kr else ''}" for b, gs, d, kr in CASES])
+def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int, key_rows: bool) -> None:
     if not INTERPRETED:
         pytest.skip("the kernel runs in the interpreted run")
     from sgl_sparse.kernels import kivi_attention
@@ -86,12 +94,15 @@ def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int) -> Non
         by_hand = _attend(q[i], *_kivi_by_hand(k, v, bits, gs), scale)
         torch.testing.assert_close(want[i], by_hand, atol=1e-4, rtol=1e-4)
     # The default splits (16: most of them past these rows' ends, empty), 3, and 1; pages of 16 or more also
-    # 2 and 4 an iteration (their key scales stacked, kivi_attention._logits_stacked).
-    for splits, pages in ((None, None), (3, None), (1, None), (3, 2), (None, 4), (1, 4)):
+    # 2 and 4 an iteration (their key scales stacked, kivi_attention._logits_stacked) and, keys as rows, 1.
+    tiles = ((None, None), (3, None), (1, None), (3, 2), (None, 4), (1, 4))
+    if key_rows:  # fewer: the splits' bounds are the other form's (shared code), the pages' paths are not
+        tiles = ((None, None), (1, None), (3, 1), (3, 2))
+    for splits, pages in tiles:
         if pages and gs < 16:
             continue
         got = kivi_attention.decode_attention(q, *store._buffers(0), r2t, rpi, seq, scale, bits, gs, splits=splits,
-                                              pages=pages)
+                                              pages=pages, key_rows=key_rows)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[3], torch.zeros_like(got[3]))  # the empty row
 

@@ -12,7 +12,10 @@ in tuples) instead of ``[rows, D]`` tiles:
   an AND and a float add an element, after one OR a byte for all its chunks (the int -> float convert is slower);
   :func:`chunk_code` into integer codes (a shift and a mask) for a codebook gather;
 * :func:`query_chunks` splits the queries into the same chunks once per program, :func:`dot_nt` is the logits
-  of one chunk, :func:`store_split_chunks` stores the split state from ``[GP, U]`` pieces of the output.
+  of one chunk, :func:`store_split_chunks` stores the split state from ``[GP, U]`` pieces of the output. With
+  ``T`` they (and :func:`code_tile`, :func:`zero_pieces`) take the transposed tiles of a keys-as-rows kernel
+  (KIVI's ``_decode_kernel_key_rows``: the keys ``[BLOCK, W]`` as the dots' left operand), :func:`dot_nn` its
+  logits.
 """
 
 from __future__ import annotations
@@ -27,12 +30,18 @@ EXPONENT = tl.constexpr(-8388608)  # 0xFF800000 as int32: sign and exponent bits
 
 
 @triton.jit
-def code_tile(codes, slot, h, stride_cs, stride_ch, ok, col0, BLOCK: tl.constexpr, U: tl.constexpr):
+def code_tile(codes, slot, h, stride_cs, stride_ch, ok, col0, BLOCK: tl.constexpr, U: tl.constexpr,
+              T: tl.constexpr = False):
     """uint8 ``[BLOCK, U]``: bytes ``col0 .. col0 + U`` of the packed vector at ``slot`` x KV head ``h`` (rows not
-    ``ok`` read 0)."""
+    ``ok`` read 0); ``T``: ``[U, BLOCK]``, loaded so (a slot's bytes down a column, still contiguous), not
+    transposed after."""
     u = tl.arange(0, U)
-    off = slot.to(tl.int64)[:, None] * stride_cs + h * stride_ch + col0 + u[None, :]
-    return tl.load(codes + off, mask=ok[:, None], other=0)
+    if T:
+        off = slot.to(tl.int64)[None, :] * stride_cs + h * stride_ch + col0 + u[:, None]
+        return tl.load(codes + off, mask=ok[None, :], other=0)
+    else:
+        off = slot.to(tl.int64)[:, None] * stride_cs + h * stride_ch + col0 + u[None, :]
+        return tl.load(codes + off, mask=ok[:, None], other=0)
 
 
 @triton.jit
@@ -61,15 +70,21 @@ def chunk_code(b, c: tl.constexpr, LANE: tl.constexpr):
 
 @triton.jit
 def query_chunks(q, i, h, stride_qb, stride_qh, scale, G: tl.constexpr, GP: tl.constexpr, W: tl.constexpr,
-                 P: tl.constexpr):
+                 P: tl.constexpr, T: tl.constexpr = False):
     """Request ``i``'s queries of KV head ``h``'s group times ``scale``, as ``P`` chunks ``[GP, W]`` fp32 (chunk
-    ``c`` is channels ``[c W, (c + 1) W)``; rows past ``G`` are 0)."""
+    ``c`` is channels ``[c W, (c + 1) W)``; rows past ``G`` are 0); ``T``: as ``[W, GP]`` (the right operand of
+    a keys-as-rows dot)."""
     gi = tl.arange(0, GP)
     j = tl.arange(0, W)
-    base = q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + j[None, :]
+    if T:
+        base = q + i * stride_qb + (h * G + gi)[None, :] * stride_qh + j[:, None]
+        gm = (gi < G)[None, :]
+    else:
+        base = q + i * stride_qb + (h * G + gi)[:, None] * stride_qh + j[None, :]
+        gm = (gi < G)[:, None]
     out = ()
     for c in tl.static_range(P):
-        out = out + (tl.load(base + c * W, mask=(gi < G)[:, None], other=0.0).to(tl.float32) * scale,)
+        out = out + (tl.load(base + c * W, mask=gm, other=0.0).to(tl.float32) * scale,)
     return out
 
 
@@ -84,18 +99,33 @@ def dot_nt(a, b):
 
 
 @triton.jit
-def zero_pieces(GP: tl.constexpr, D: tl.constexpr, U: tl.constexpr):
-    """An output accumulator as ``D / U`` pieces ``[GP, U]`` fp32 (piece ``k`` is channels ``[k U, (k + 1) U)``)."""
+def dot_nn(a, b):
+    """``a`` ``[M, K]`` times ``b`` ``[K, N]``, fp32: :func:`dot_nt` without the transpose (keys-as-rows kernels,
+    whose key tile is the left operand)."""
+    if a.shape[1] >= 16:
+        return tl.dot(a, b)
+    else:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+
+
+@triton.jit
+def zero_pieces(GP: tl.constexpr, D: tl.constexpr, U: tl.constexpr, T: tl.constexpr = False):
+    """An output accumulator as ``D / U`` pieces ``[GP, U]`` fp32 (piece ``k`` is channels ``[k U, (k + 1) U)``);
+    ``T``: ``[U, GP]`` (a keys-as-rows kernel's)."""
     out = ()
     for _k in tl.static_range(D // U):
-        out = out + (tl.zeros([GP, U], tl.float32),)
+        if T:
+            out = out + (tl.zeros([U, GP], tl.float32),)
+        else:
+            out = out + (tl.zeros([GP, U], tl.float32),)
     return out
 
 
 @triton.jit
 def store_split_chunks(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT: tl.constexpr, G: tl.constexpr,
-                       GP: tl.constexpr, D: tl.constexpr, U: tl.constexpr):
-    """``splits.store_split`` with the output as :func:`zero_pieces`' pieces, each stored at its channels."""
+                       GP: tl.constexpr, D: tl.constexpr, U: tl.constexpr, T: tl.constexpr = False):
+    """``splits.store_split`` with the output as :func:`zero_pieces`' pieces (``T``: its ``[U, GP]`` ones), each
+    stored at its channels."""
     gi = tl.arange(0, GP)
     gm = gi < G
     w = (rh.to(tl.int64) * NSPLIT + pid) * G
@@ -103,7 +133,10 @@ def store_split_chunks(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT: tl.cons
     tl.store(ws_l + w + gi, den, mask=gm)
     u = tl.arange(0, U)
     for k in tl.static_range(D // U):
-        tl.store(ws_acc + (w + gi)[:, None] * D + k * U + u[None, :], acc[k], mask=gm[:, None])
+        if T:
+            tl.store(ws_acc + (w + gi)[None, :] * D + k * U + u[:, None], acc[k], mask=gm[None, :])
+        else:
+            tl.store(ws_acc + (w + gi)[:, None] * D + k * U + u[None, :], acc[k], mask=gm[:, None])
 
 
 def _shifted(c: int, lane: int, fp16: bool) -> bool:

@@ -34,6 +34,15 @@ the thin query tiles (shared-memory layout conversions, index arithmetic, the so
 which dominates over unpacking (~1 instruction an element, ``benchmarks/sass_counts.py``). Its speed against bf16
 is in BENCHMARKS.md.
 
+A second form of the loop, :func:`_decode_kernel_key_rows` (``decode_attention(..., key_rows=True)``; not served
+until timed, ``benchmarks/quant_decode.py --kivi-tiles``): the block's keys as the rows of every dot, as Palu's
+served kernel has them (``palu_attention._decode_kernel_key_rows``). The query-rows form above puts the thin query
+tile (``G`` rows, padded to the tensor cores' 16) on the left and the keys transposed on the right, through shared
+memory every page; here logits ``[BLOCK, GP] = dot(k_c [BLOCK, W], q'_c [W, GP])`` (stacked pages: their folded
+queries side by side, ``[W, PPI * GP]``, each position taking its page's columns), the softmax along the positions,
+and each output piece ``[U, GP] += dot(v_c^T [U, BLOCK], p' [BLOCK, GP])``, the value codes loaded as
+``[U, BLOCK]``. The same pages, splits, residual, folds and dtypes: it matches the torch path as the other does.
+
 Extend (:func:`prefix_attention`): the step's cached prefixes are first dequantized once into a workspace in
 the model dtype (``[prefix tokens, Hkv, D]`` for K and V, a chunk at a time, at most ``WS_TOKENS`` prefix
 tokens a pass: a 130K prefix takes 0.5 GB a layer), then blocks of ``BLOCK_M`` new tokens of one request x KV
@@ -60,6 +69,7 @@ from sgl_sparse.kernels.chunks import (
     chunks_16,
     code_bytes,
     code_tile,
+    dot_nn,
     dot_nt,
     query_chunks,
     store_split_chunks,
@@ -273,6 +283,36 @@ def _residual(qs, acc, m, den, res_k, res_v, row, h, n_open, stride_rr, stride_r
 
 
 @triton.jit
+def _page_block(row_ptr, pg, hi, o, GS: tl.constexpr, PPI: tl.constexpr, STACK: tl.constexpr):
+    """The block of pages from ``pg`` (``PPI`` of them, those under ``hi`` the program's): each position's slot and
+    whether it is the program's, with ``STACK`` each page's first slot and whether it is the program's, else (one
+    page) the page's index (0 for pages under 16 slots, several a block: each position's page is its slot's).
+    A page's ``GS`` slots are contiguous from its first: one ``req_to_token`` read a page."""
+    BLOCK: tl.constexpr = PPI * GS
+    if STACK:  # whole pages of >= 16 slots, PPI of them: the key scales per page
+        pi = pg + tl.arange(0, PPI)
+        pok = pi < hi
+        first = tl.load(row_ptr + pi * GS, mask=pok, other=0).to(tl.int64)
+        slot = tl.reshape(first[:, None] + tl.arange(0, GS)[None, :], (BLOCK,))
+        ok = (pg + o // GS) < hi
+        page = 0  # each page's scales are read through first
+    else:
+        pok = tl.full([PPI], True, tl.int1)
+        if PPI == 1:
+            slot0 = tl.load(row_ptr + pg * GS).to(tl.int64)
+            page = slot0 // GS
+            ok = o < BLOCK
+            slot = slot0 + o
+        else:  # pages under 16 slots: several a block, each position's page scale gathered (GS-fold, GS <= 8)
+            pp = pg + o // GS
+            ok = pp < hi
+            page = 0
+            slot = tl.load(row_ptr + pp * GS, mask=ok, other=0).to(tl.int64) + o % GS
+        first = slot // GS * GS  # first and pok: read by the stacked path only (compiled away here)
+    return slot, ok, first, pok, page
+
+
+@triton.jit
 def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token,
                    req_pool_indices, seq_lens, ws_m, ws_l, ws_acc, stride_qb, stride_qh, stride_cs, stride_ch,
                    stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
@@ -304,25 +344,11 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
     den = tl.zeros([GP], tl.float32)
     acc = zero_pieces(GP, D, U)
     for pg in range(lo, hi, PPI):
-        if STACK:  # whole pages of >= 16 slots, PPI of them: one slot read a page, the key scales per page
-            pi = pg + tl.arange(0, PPI)
-            pok = pi < hi
-            first = tl.load(row_ptr + pi * GS, mask=pok, other=0).to(tl.int64)
-            slot = tl.reshape(first[:, None] + tl.arange(0, GS)[None, :], (BLOCK,))
-            ok = (pg + o // GS) < hi
+        slot, ok, first, pok, page = _page_block(row_ptr, pg, hi, o, GS, PPI, STACK)
+        if STACK:
             s = _logits_stacked(qs, k_codes, k_scale, k_zero, slot, first, h, ok, pok, stride_cs, stride_ch,
                                 stride_ksp, stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE)
         else:
-            if PPI == 1:
-                slot0 = tl.load(row_ptr + pg * GS).to(tl.int64)
-                page = slot0 // GS
-                ok = o < BLOCK
-                slot = slot0 + o
-            else:  # pages under 16 slots: several a block, each position's page scale gathered (GS-fold, GS <= 8)
-                pp = pg + o // GS
-                ok = pp < hi
-                page = 0  # unused: each position's page is its slot's
-                slot = tl.load(row_ptr + pp * GS, mask=ok, other=0).to(tl.int64) + o % GS
             s = _logits(qs, k_codes, k_scale, k_zero, slot, page, h, ok, stride_cs, stride_ch, stride_ksp,
                         stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE)
         m, den, p, alpha = softmax_step(m, den, tl.where(ok[None, :], s, float("-inf")))
@@ -335,19 +361,168 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
     store_split_chunks(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D, U)
 
 
+@triton.jit
+def _logits_rows(qt, k_codes, k_scale, k_zero, slot, first, page, h, ok, pok, stride_cs, stride_ch, stride_ksp,
+                 stride_ksh, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+                 BITS: tl.constexpr, PPI: tl.constexpr, NATIVE: tl.constexpr, STACK: tl.constexpr):
+    """:func:`_logits` and :func:`_logits_stacked` with the keys as rows: logits ``[BLOCK, GP]`` of the query chunks
+    ``qt`` (``[W, GP]``, scaled) over the keys at ``slot``, each chunk's key tile ``[BLOCK, W]`` the dot's left
+    operand. The same folds: a page's key scale into the query chunk in bf16 (``[W, GP]`` a page), its zero point
+    and the offset into one constant a query (``q . kz - OFFSET * sum(q')``); with ``STACK`` the ``PPI`` folded
+    queries side by side as the columns of one tile (``[W, PPI * GP]``), each position taking its page's columns;
+    pages under 16 slots (neither ``STACK`` nor one page) fp32 codes, dequantized per element."""
+    W: tl.constexpr = D * BITS // 8
+    j = tl.arange(0, W)
+    if STACK:
+        kc = chunks_16(code_tile(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W), BITS, False, NATIVE)
+        pages = first // GS
+        s = tl.zeros([BLOCK, PPI * GP], tl.float32)
+        qkz = tl.zeros([PPI, GP], tl.float32)
+        for c in tl.static_range(8 // BITS):
+            kso = pages[None, :] * stride_ksp + h * stride_ksh + c * W + j[:, None]  # [W, PPI]
+            ks = tl.load(k_scale + kso, mask=pok[None, :], other=0.0).to(tl.float32) * chunk_unit(c, BITS, False)
+            kz = tl.load(k_zero + kso, mask=pok[None, :], other=0.0).to(tl.float32)
+            qb = (qt[c][:, None, :] * ks[:, :, None]).to(kc[c].dtype)  # [W, PPI, GP]
+            s += dot_nn(kc[c], tl.reshape(qb, (W, PPI * GP)))
+            qkz += tl.sum(qt[c][:, None, :] * kz[:, :, None], 0) - chunk_offset(False) * tl.sum(qb.to(tl.float32), 0)
+        s3 = tl.reshape(s, (BLOCK, PPI, GP)) + qkz[None, :, :]
+        mine = (tl.arange(0, BLOCK) // GS)[:, None, None] == tl.arange(0, PPI)[None, :, None]
+        return tl.sum(tl.where(mine, s3, 0.0), 1)
+    elif PPI == 1:
+        # bf16 on the key side: the query's range (fp16 would overflow past 65,504)
+        kc = chunks_16(code_tile(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W), BITS, False, NATIVE)
+        s = tl.zeros([BLOCK, GP], tl.float32)
+        qkz = tl.zeros([GP], tl.float32)
+        for c in tl.static_range(8 // BITS):
+            kso = page * stride_ksp + h * stride_ksh + c * W + j
+            ks = tl.load(k_scale + kso).to(tl.float32) * chunk_unit(c, BITS, False)
+            kz = tl.load(k_zero + kso).to(tl.float32)
+            qb = (qt[c] * ks[:, None]).to(kc[c].dtype)
+            s += dot_nn(kc[c], qb)
+            qkz += tl.sum(qt[c] * kz[:, None], 0) - chunk_offset(False) * tl.sum(qb.to(tl.float32), 0)
+        return s + qkz[None, :]
+    else:
+        kb = code_bytes(k_codes, slot, h, stride_cs, stride_ch, ok, 0, BLOCK, W) | MAGIC
+        s = tl.zeros([BLOCK, GP], tl.float32)
+        for c in tl.static_range(8 // BITS):
+            kso = (slot // GS)[:, None] * stride_ksp + h * stride_ksh + c * W + j[None, :]
+            ks = tl.load(k_scale + kso, mask=ok[:, None], other=0.0).to(tl.float32) * (1.0 / (1 << (c * BITS)))
+            kz = tl.load(k_zero + kso, mask=ok[:, None], other=0.0).to(tl.float32)
+            s += dot_nn(chunk_float(kb, c, BITS) * ks + kz, qt[c])
+        return s
+
+
+@triton.jit
+def _values_rows(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
+                 stride_vsh, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
+                 NATIVE: tl.constexpr):
+    """:func:`_values` with the keys as rows: pieces ``[U, GP]`` += the piece's codes ``[U, BLOCK]`` (loaded so,
+    :func:`code_tile` ``T``) times ``p'`` ``[BLOCK, GP]`` (``p * vs`` in bf16), plus ``p . vz - OFFSET * sum(p')``
+    a column."""
+    W: tl.constexpr = D * BITS // 8
+    U: tl.constexpr = W if W < GS else GS
+    NS: tl.constexpr = W // U
+    vc = ()
+    for sub in tl.static_range(NS):
+        t = chunks_16(code_tile(v_codes, slot, h, stride_cs, stride_ch, ok, sub * U, BLOCK, U, True), BITS, False,
+                      NATIVE)
+        for ci in tl.static_range(8 // BITS):
+            vc = vc + (t[ci],)  # flat: sub-tile sub's chunk ci at sub * P + ci
+    out = ()
+    for k in tl.static_range(D // U):
+        c = k // NS
+        vso = slot * stride_vss + h * stride_vsh + (k * U) // GS
+        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * chunk_unit(c, BITS, False)
+        vz = tl.load(v_zero + vso, mask=ok, other=0.0).to(tl.float32)
+        vk = vc[(k % NS) * (8 // BITS) + k // NS]
+        pb = (p * vs[:, None]).to(vk.dtype)
+        off = tl.sum(p * vz[:, None], 0) - chunk_offset(False) * tl.sum(pb.to(tl.float32), 0)
+        pv = tl.dot(vk, pb) + off[None, :]
+        out = out + (acc[k] * alpha[None, :] + pv,)
+    return out
+
+
+@triton.jit
+def _residual_rows(qt, acc, m, den, res_k, res_v, row, h, n_open, stride_rr, stride_rt, stride_rh, GP: tl.constexpr,
+                   BLOCK: tl.constexpr, D: tl.constexpr, W: tl.constexpr, U: tl.constexpr):
+    """:func:`_residual` with the keys as rows (logits ``[BLOCK, GP]``, the pieces ``[U, GP]``)."""
+    o = tl.arange(0, BLOCK)
+    ok = o < n_open
+    base = row * stride_rr + o.to(tl.int64) * stride_rt + h * stride_rh
+    s = tl.zeros([BLOCK, GP], tl.float32)
+    for c in tl.static_range(D // W):
+        kr = tl.load(res_k + base[:, None] + c * W + tl.arange(0, W)[None, :], mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+        s += dot_nn(kr, qt[c])
+    m, den, p, alpha = softmax_step(m, den, tl.where(ok[:, None], s, float("-inf")), 0)
+    out = ()
+    for k in tl.static_range(D // U):
+        vr = tl.load(res_v + base[None, :] + k * U + tl.arange(0, U)[:, None], mask=ok[None, :],
+                     other=0.0).to(tl.float32)  # [U, BLOCK]
+        out = out + (acc[k] * alpha[None, :] + tl.dot(vr, p),)
+    return out, m, den
+
+
+@triton.jit
+def _decode_kernel_key_rows(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token,
+                            req_pool_indices, seq_lens, ws_m, ws_l, ws_acc, stride_qb, stride_qh, stride_cs,
+                            stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt,
+                            stride_rh, stride_r2t, scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                            D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr,
+                            NSPLIT: tl.constexpr, NATIVE: tl.constexpr, STACK: tl.constexpr):
+    """:func:`_decode_kernel` with the block's keys as the rows of every dot: logits ``[BLOCK, GP]`` =
+    ``dot(k_c, q'_c)``, the key tile ``[BLOCK, W]`` the left operand (which the tensor cores take from registers)
+    and the thin folded queries ``[W, GP]`` the right one, instead of the queries ``[GP, W]`` padded to 16 rows
+    against the keys transposed through shared memory; the softmax along the positions (axis 0); the output pieces
+    transposed, ``[U, GP]`` += ``dot(v^T [U, BLOCK], p' [BLOCK, GP])``. The same splits, pages, folds and residual;
+    the queries are read once, as ``[W, GP]`` chunks."""
+    W: tl.constexpr = D * BITS // 8
+    U: tl.constexpr = W if W < GS else GS
+    BLOCK: tl.constexpr = PPI * GS
+    rh = tl.program_id(0)
+    pid = tl.program_id(1)
+    i = rh // HKV
+    h = rh % HKV
+    n = tl.load(seq_lens + i)
+    npages = n // GS
+    per = tl.cdiv(tl.cdiv(npages, NSPLIT), PPI) * PPI
+    lo = pid * per
+    hi = tl.minimum(lo + per, npages)
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    row_ptr = req_to_token + row * stride_r2t
+    qt = query_chunks(q, i, h, stride_qb, stride_qh, scale, G, GP, W, 8 // BITS, True)
+    o = tl.arange(0, BLOCK)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = zero_pieces(GP, D, U, True)
+    for pg in range(lo, hi, PPI):
+        slot, ok, first, pok, page = _page_block(row_ptr, pg, hi, o, GS, PPI, STACK)
+        s = _logits_rows(qt, k_codes, k_scale, k_zero, slot, first, page, h, ok, pok, stride_cs, stride_ch,
+                         stride_ksp, stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE, STACK)
+        m, den, p, alpha = softmax_step(m, den, tl.where(ok[:, None], s, float("-inf")), 0)
+        acc = _values_rows(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
+                           stride_vsh, BLOCK, D, GS, BITS, NATIVE)
+    whole = npages * GS
+    if (pid == NSPLIT - 1) & (n > whole):  # the open page, once per row (positions whole..n-1 < whole + GS)
+        acc, m, den = _residual_rows(qt, acc, m, den, res_k, res_v, row, h, n - whole, stride_rr, stride_rt,
+                                     stride_rh, GP, BLOCK, D, W, U)
+    store_split_chunks(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, D, U, True)
+
+
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
                      k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, res_k: torch.Tensor,
                      res_v: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, bits: int, group: int,
                      splits: int | None = None, warps: int | None = None, pages: int | None = None,
-                     stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                     stages: int | None = None, maxnreg: int | None = None, key_rows: bool = False) -> torch.Tensor:
     """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
     ``seq_lens`` on the device; grid and ``splits`` from static shapes, :func:`decode_splits` by default).
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
     the kernel reads a page as the ``group`` slots following its first. ``warps``: the kernel's warps (by
     default from the block, see below); ``pages``: pages an iteration (a power of two; by default
     :data:`BLOCK_POSITIONS` worth for pages of 16 slots or more, else enough for 16 positions); ``stages`` (2),
-    ``maxnreg`` (registers a thread at most: more blocks an SM): all for timing other choices."""
+    ``maxnreg`` (registers a thread at most: more blocks an SM): all for timing other choices; ``key_rows``: the
+    keys-as-rows form of the loop (:func:`_decode_kernel_key_rows`), the same arithmetic and defaults."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -371,7 +546,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     # One page an iteration takes _logits' single-page path: stacking a single page compiles to more instructions
     # (benchmarks/sass_counts.py).
     stack = group >= 16 and ppi > 1
-    _decode_kernel[(bs * hkv, splits)](
+    kernel = _decode_kernel_key_rows if key_rows else _decode_kernel
+    kernel[(bs * hkv, splits)](
         q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token, req_pool_indices,
         seq_lens, ws_m, ws_l, ws_acc, q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), res_k.stride(0),
