@@ -66,7 +66,7 @@ def _check(store: PaluStore, k: torch.Tensor, v: torch.Tensor, positions: torch.
 
 
 @pytest.mark.parametrize(("group_size", "neox"), [(1, True), (2, False)])
-def test_decode_write_in_a_cuda_graph_matches_torch_without_a_host_sync(group_size: int, neox: bool,
+def test_decode_write_kernel_in_a_cuda_graph_matches_torch_without_a_host_sync(group_size: int, neox: bool,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """48 tokens (rank 64 of a head, or 128 of a group of two): captured, replayed, and replayed again over new
     inputs copied into the captured buffers; every slot but the written ones still zero."""
@@ -104,7 +104,7 @@ def test_decode_write_in_a_cuda_graph_matches_torch_without_a_host_sync(group_si
     _check(store, k, v, positions, loc)
 
 
-def test_extend_write_matches_torch() -> None:
+def test_extend_write_kernel_matches_torch() -> None:
     """A prefill chunk of 2,048 tokens at rank ratio 0.75 (rank 96: padded to 128 in the kernel)."""
     store = _store(0.75, 1, True)
     k, v, positions, loc = _inputs(2048, seed=3)
