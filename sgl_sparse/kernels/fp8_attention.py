@@ -9,7 +9,8 @@ through ``req_to_token`` as in SGLang's own decode kernels.
 Grid: request x KV head x ``splits`` (split-KV, so a batch of a few long requests fills the GPU); each
 program walks its share of the row's ``seq_lens`` tokens (a graph captured at full width does no work
 past a row's real length), keeps the online-softmax state of the group's query heads, and the splits
-are merged in torch. The key scale multiplies the logits (``q . (s_k c) = s_k (q . c)``: one multiply
+are merged by ``splits.merge_splits`` (one kernel). The key scale multiplies the logits
+(``q . (s_k c) = s_k (q . c)``: one multiply
 per token and query head, not one per element); the value scale multiplies the probabilities. On the GPU
 both dots take the raw codes on the tensor cores (E4M3 is exact in bf16 and fp16), accumulating in fp32: the
 keys' in fp16 against the queries in fp16 (the hardware converts E4M3 pairs straight to fp16: one instruction a

@@ -7,7 +7,8 @@ V scale and zero ``[slots, Hkv, D / GS]``, fp16; the residual ``[rows, GS, Hkv, 
 positions past its last whole page, in the model dtype.
 
 Decode grid: request x KV head x ``splits`` (``splits.decode_splits``: more for wide rows and small batches),
-merged in torch. Each program walks whole pages of its row (the pool's page size is the group size ``GS``),
+merged by ``splits.merge_splits`` (one kernel). Each program walks whole pages of its row (the pool's page
+size is the group size ``GS``),
 ``PPI`` pages an iteration (128 positions' worth for pages of 16 to 128 slots, enough for 16 positions under 16):
 one ``req_to_token`` read gives a page's ``GS`` contiguous slots; the row's open page (the residual) is read once,
 by the last split. The queries are read once, as ``P`` chunks ``[G, W]`` (scaled). Per page:

@@ -13,7 +13,8 @@ after the kernel (``acc @ R``). With QJL each logit adds ``sqrt(pi / 2) / M * |r
 (``quant.qjl_inner``), ``q @ S^T`` also computed once per query. The pool tensors are the store's
 contiguous buffers: their strides follow from ``Hkv``, ``W`` and ``D``.
 
-Decode grid: request x KV head x ``splits`` (split-KV, merged in torch), each program over its share of
+Decode grid: request x KV head x ``splits`` (split-KV, merged by ``splits.merge_splits``, which also applies
+the inverse rotation), each program over its share of
 the row's ``seq_lens`` tokens read through ``req_to_token``, ``BLOCK`` an iteration, the group's query heads as
 rows of one tile. The rotated queries are read once, as ``P`` chunks ``[G, W]``; per block, each code tile
 (``[BLOCK, W]`` bytes) is read once and each chunk ``c`` taken with a shift and a mask (``chunks.chunk_code``),
