@@ -212,8 +212,8 @@ def main() -> None:
     p.add_argument("--palu-tiles", nargs="*", default=[],
                    help="also time Palu's kernel at these "
                         "BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]] (0: the default; CHUNK: rotary "
-                        "frequencies a step, ROWS: query rows, ANGLES 1: angles by "
-                        "tile, KEYROWS 1: the keys-as-rows kernel)")
+                        "frequencies a step, ROWS: query rows, ANGLES 1: keys turned by their offset from the "
+                        "tile's smallest position, 2: from its first row index, KEYROWS 1: the keys-as-rows kernel)")
     p.add_argument("--kivi-tiles", nargs="*", default=[],
                    help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS]] (0: the default; "
                         "KEYROWS 1: the keys-as-rows kernel, 0x0x0x0x1 at the default tile)")

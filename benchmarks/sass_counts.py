@@ -176,7 +176,7 @@ def _palu(d: int, g: int, specs: list[str]) -> None:
     r = d // 2
     for tile in [palu_attention.cuda_tile(r), *(palu_tile(s) for s in specs)]:
         consts = dict(HKV=8, GS=1, G=g, GP=max(tile.query_rows, g), D=d, HALF=d // 2, NEOX=True, RK=r, RKP=r, RV=r,
-                      RVP=r, BLOCK=tile.block, NSPLIT=64, NATIVE=True, I32=True, ANGLES=tile.angles_by_tile)
+                      RVP=r, BLOCK=tile.block, NSPLIT=64, NATIVE=True, I32=True, ANGLES=tile.angles)
         if tile.key_rows:
             fn = palu_attention._decode_kernel_key_rows
         else:

@@ -13,7 +13,7 @@ import torch
 from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
-from sgl_sparse.kernels.palu_attention import Tile
+from sgl_sparse.kernels.palu_attention import BY_INDEX, BY_TILE, Tile
 from sgl_sparse.methods.compression.palu import PaluStore
 
 D, HIDDEN = 32, 128
@@ -80,18 +80,22 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
     (Tile(16, freq_chunk=16), True, 0),
     (Tile(16, freq_chunk=32, query_rows=4), True, 0),
     (Tile(16, freq_chunk=16), False, 0),
-    (Tile(16, freq_chunk=16, angles_by_tile=True), True, 0),
-    (Tile(16, freq_chunk=32, angles_by_tile=True), True, 5),
+    (Tile(16, freq_chunk=16, angles=BY_TILE), True, 0),
+    (Tile(16, freq_chunk=32, angles=BY_TILE), True, 5),
     (Tile(16, key_rows=True), True, 0),
-    (Tile(32, key_rows=True, angles_by_tile=True), False, 5),
+    (Tile(32, key_rows=True, angles=BY_TILE), False, 5),
+    (Tile(16, freq_chunk=16, angles=BY_INDEX), True, 5),
+    (Tile(16, freq_chunk=32, angles=BY_INDEX), False, -3010),
+    (Tile(32, key_rows=True, angles=BY_INDEX), True, -3010),
 ])
 def test_decode_kernel_by_tile_and_offset_width(monkeypatch: pytest.MonkeyPatch, tile: Tile, int32_offsets: bool,
                                                 gap: int) -> None:
     """A 64-dim head reconstructed 16 or all 32 frequencies at a time, with the pool's offsets in int32 (what a
     pool under 2**31 elements gets) and in int64 (what a larger one gets, reached here by lowering the limit);
     the group's 4 query heads padded to the tensor cores' 16 rows or not padded; angles gathered a position or
-    rotated from a tile's first position, over consecutive positions and over rows with a gap (whose tiles across
-    it fall back to the gather); the keys-as-rows kernel."""
+    rotated from a tile's smallest position or its first row index, over consecutive positions and over rows with a
+    gap (whose tiles across it read farther rows), one of them (gap -3,010) with positions before their row index;
+    the keys-as-rows kernel."""
     from sgl_sparse.kernels import palu_attention
 
     if not int32_offsets:
@@ -104,6 +108,10 @@ def test_decode_kernel_by_tile_and_offset_width(monkeypatch: pytest.MonkeyPatch,
     assert rot is not None
     args = (q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1], store.v_basis[1], rot.cos_sin, rot.neox,
             table, rows, seq, d ** -0.5)
+    if tile.angles == BY_INDEX:
+        with pytest.raises(AssertionError, match="mirrored"):
+            palu_attention.decode_attention(*args, splits=3, tile=tile)
+        args = (*args[:6], palu_attention.mirrored(rot.cos_sin), *args[7:])
     got = palu_attention.decode_attention(*args, splits=3, tile=tile)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     with pytest.raises(AssertionError, match="freq_chunk"):

@@ -29,39 +29,51 @@ from sgl_sparse.kernels.splits import (
     store_split,
 )
 
+# How a tile's keys get their rotation (Tile.angles): each by its position (a table row a position, gathered from
+# all over the table); by its offset from the tile's smallest position; by its offset from the tile's first row index.
+BY_POSITION, BY_TILE, BY_INDEX = 0, 1, 2
+
 
 @triton.jit
 def _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK: tl.constexpr, I32: tl.constexpr,
           ANGLES: tl.constexpr):
     """A tile's positions ``start + o`` of the split ending at ``hi``: which are in it, their slots (int32 offsets
-    when every offset into the pool fits), key latents ``[BLOCK, RKP]``, stored positions, and with ``ANGLES`` the
-    smallest of those p0 (every tile holds at least one position), which :func:`_angles` turns the queries back by;
-    else 0."""
+    when every offset into the pool fits), key latents ``[BLOCK, RKP]``, stored positions, and the position p0
+    :func:`_angles` turns the queries back by: the smallest of the tile's positions (``BY_TILE``; every tile holds
+    at least one), the tile's first row index ``start`` (``BY_INDEX``), else 0."""
     p = start + o
     ok = p < hi
     slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int32 if I32 else tl.int64)
     z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
     tp = tl.load(pos_buf + slot, mask=ok, other=0).to(slot.dtype)
-    tp0 = tl.min(tl.where(ok, tp, 2**30), 0) if ANGLES else 0
+    if ANGLES == 1:
+        tp0 = tl.min(tl.where(ok, tp, 2**30), 0)
+    elif ANGLES == 2:
+        tp0 = start
+    else:
+        tp0 = 0
     return ok, slot, z, tp, tp0
 
 
 @triton.jit
 def _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF: tl.constexpr, ANGLES: tl.constexpr):
     """The rotation of a tile's keys and queries for frequencies ``j``: cos and sin ``[BLOCK, J]`` fp32 that rotate
-    each key, and ``[J]`` that rotate the queries back. Without ``ANGLES`` each key turns by its position (a table
-    row gathered a position: rows all over the table) and the queries not at all; with it each key turns by its
-    offset from the tile's first position p0 and the queries back by p0, q.R(p0 + t)k = (R(p0)^T q).(R(t)k): a tile
-    of consecutive positions reads the table's first rows, the same every tile, cached near the SM. Exact for any
-    positions (rows with gaps just read farther rows)."""
-    if ANGLES:
-        row = tl.where(ok, tp - tp0, 0)
-        c0 = tl.load(cos_sin + tp0 * stride_cs + j).to(tl.float32)
-        s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
-    else:
+    each key, and ``[J]`` that rotate the queries back. ``BY_POSITION`` (0): each key turns by its position (a table
+    row gathered a position: rows all over the table, 256 bytes a token and head at fp16, as many as the latents)
+    and the queries not at all. Otherwise each key turns by its offset t from p0 (:func:`_tile`) and the queries
+    back by p0, q.R(p0 + t)k = (R(p0)^T q).(R(t)k): a tile of consecutive positions reads the table's first rows,
+    the same every tile, cached near the SM. ``BY_INDEX`` takes p0 without a reduction over the tile; a position
+    before its row index (none that SGLang or a method writes: eviction and pruning only drop tokens) reads the
+    table's rows before position 0 (:func:`mirrored`). Exact for any positions: rows with gaps just read farther
+    rows."""
+    if ANGLES == 0:
         row = tp  # a masked position's slot, and so its position, is 0: a row of the table
         c0 = tl.full(j.shape, 1.0, tl.float32)
         s0 = tl.zeros(j.shape, tl.float32)
+    else:
+        row = tl.where(ok, tp - tp0, 0)
+        c0 = tl.load(cos_sin + tp0 * stride_cs + j).to(tl.float32)
+        s0 = tl.load(cos_sin + tp0 * stride_cs + HALF + j).to(tl.float32)
     cs = cos_sin + row[:, None] * stride_cs + j[None, :]
     return tl.load(cs).to(tl.float32), tl.load(cs + HALF).to(tl.float32), c0, s0
 
@@ -107,7 +119,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
             r2 = (k2 * cos + k1 * sin).to(dt)
             q1 = tl.load(qrow + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(tl.float32)
             q2 = tl.load(qrow + d2[None, :], mask=(gi < G)[:, None], other=0.0).to(tl.float32)
-            if ANGLES:
+            if ANGLES != 0:
                 q1, q2 = q1 * c0[None, :] + q2 * s0[None, :], q2 * c0[None, :] - q1 * s0[None, :]
             logits += tl.dot(q1.to(dt), tl.trans(r1)) + tl.dot(q2.to(dt), tl.trans(r2))
         logits = tl.where(ok[None, :], logits * scale, float("-inf"))
@@ -159,7 +171,7 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
         cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF, ANGLES)
         r1 = (k1 * cos - k2 * sin).to(dt)
         r2 = (k2 * cos + k1 * sin).to(dt)
-        if ANGLES:
+        if ANGLES != 0:
             qr1 = (q1 * c0[:, None] + q2 * s0[:, None]).to(dt)
             qr2 = (q2 * c0[:, None] - q1 * s0[:, None]).to(dt)
         else:
@@ -180,9 +192,8 @@ class Tile(NamedTuple):
     """A decode tile: ``block`` positions an iteration, ``warps``, pipeline ``stages``, ``maxnreg`` registers a thread
     at most (more blocks an SM; 0: no cap), ``freq_chunk`` rotary frequencies reconstructed at a time (a power of
     two >= 16 dividing ``D / 2``: fewer live registers for the same work; 0: all), ``query_rows`` (the group's
-    query heads padded to this power of two), ``angles_by_tile`` (keys turn by their offset from the tile's first
-    position, queries back by it: :func:`_angles`), ``key_rows`` (:func:`_decode_kernel_key_rows`;
-    all frequencies at once)."""
+    query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE`` or ``BY_INDEX``: how a key
+    gets its rotation, :func:`_angles`), ``key_rows`` (:func:`_decode_kernel_key_rows`; all frequencies at once)."""
 
     block: int
     warps: int = 4
@@ -190,7 +201,7 @@ class Tile(NamedTuple):
     maxnreg: int = 0
     freq_chunk: int = 0
     query_rows: int = 16
-    angles_by_tile: bool = False
+    angles: int = BY_POSITION
     key_rows: bool = False
 
 
@@ -205,13 +216,24 @@ def cuda_tile(rank: int) -> Tile:
     return next((t for r, t in sorted(CUDA_TILES.items()) if r >= rank), CUDA_TILES[max(CUDA_TILES)])
 
 
+def mirrored(cos_sin: torch.Tensor) -> torch.Tensor:
+    """A rotary table ``[M, D]`` (cosines, then sines) as a view from its position 0 into ``[2M - 1, D]`` whose
+    rows before it hold positions ``-1 .. -(M - 1)`` (cosines even, sines odd): the table ``BY_INDEX`` reads, where
+    a position before its row index turns by a negative offset."""
+    half = cos_sin.shape[1] // 2
+    neg = cos_sin[1:].flip(0).clone()
+    neg[:, half:] = -neg[:, half:]
+    return torch.cat([neg, cos_sin])[cos_sin.shape[0] - 1:]
+
+
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
                      k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      splits: int | None = None, tile: Tile | None = None, native: bool | None = None) -> torch.Tensor:
     """Decode attention over one layer's latents: ``q`` ``[bs, Hq, D]``; ``zk``/``zv`` ``[slots, groups, r]``,
     ``positions`` ``[slots]`` int32; ``k_basis``/``v_basis`` ``[groups, group_size * D, r]``; ``cos_sin`` the
-    rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16) -> ``[bs, Hq, D]`` in ``q``'s dtype.
+    rotary table ``[max_pos, D]`` (the whole head rotated; fp32 or fp16; :func:`mirrored` for ``BY_INDEX``) ->
+    ``[bs, Hq, D]`` in ``q``'s dtype.
     ``tile``: default :data:`CUDA_TILES` by rank on the GPU (benchmarks/quant_decode.py sweeps others), else
     :data:`CPU_TILE`; ``native``: dots in the model dtype (default: on the GPU)."""
     bs, hq, d = q.shape
@@ -229,6 +251,8 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     jc = tile.freq_chunk or half
     assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
     assert not (tile.key_rows and jc != half), "key_rows reconstructs every frequency at once"
+    assert tile.angles != BY_INDEX or cos_sin.storage_offset() >= (cos_sin.shape[0] - 1) * cos_sin.stride(0), \
+        "BY_INDEX reads the rows before position 0: pass mirrored(table)"
     g = hq // hkv
     rvp = triton.next_power_of_2(rv)
     gp = max(tile.query_rows, triton.next_power_of_2(g))
@@ -243,6 +267,6 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g, GP=gp, D=d,
         HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv, RVP=rvp, BLOCK=tile.block, NSPLIT=splits,
-        NATIVE=q.is_cuda if native is None else native, I32=i32, ANGLES=tile.angles_by_tile, num_warps=tile.warps,
+        NATIVE=q.is_cuda if native is None else native, I32=i32, ANGLES=tile.angles, num_warps=tile.warps,
         num_stages=tile.stages, **extra, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}))
     return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype, basis=v_basis, basis_heads=gs)

@@ -160,8 +160,14 @@ class PaluStore(KVStore):
         if self.rotary is not None:
             r = self.rotary
             self.rotary = RotaryTable(r.cos_sin.to(g.device, torch.float32), r.rotary_dim, r.neox)
-            # the decode kernel's copy: fp16 halves what it gathers a position, and rounds below a bf16 key
-            self.kernel_cos_sin = r.cos_sin.to(g.device, torch.float16) if g.device.type == "cuda" else None
+            # the decode kernel's copy: fp16 halves what it gathers a position, and rounds below a bf16 key; with
+            # negative positions before it, which a tile that turns its keys by their offset from its first row
+            # index reads (palu_attention.BY_INDEX)
+            self.kernel_cos_sin = None
+            if g.device.type == "cuda":
+                from sgl_sparse.kernels import palu_attention
+
+                self.kernel_cos_sin = palu_attention.mirrored(r.cos_sin.to(g.device, torch.float16))
         self.dtype, self.geometry = g.dtype, g
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
