@@ -84,6 +84,7 @@ from sgl_sparse.kernels.splits import (
     pass_starts,
     prefix_passes,
     softmax_step,
+    split_bounds,
     split_workspace,
     store_rows,
     workspace_span,
@@ -314,6 +315,22 @@ def _page_block(row_ptr, pg, hi, o, GS: tl.constexpr, PPI: tl.constexpr, STACK: 
 
 
 @triton.jit
+def _page_span(seq_lens, req_pool_indices, req_to_token, stride_r2t, HKV: tl.constexpr, GS: tl.constexpr,
+               PPI: tl.constexpr, NSPLIT: tl.constexpr):
+    """A decode program's (request x KV head ``rh``, split ``pid``) share of its row's whole pages, ``[lo, hi)`` in
+    whole ``PPI``s: with request ``i``, KV head ``h``, the row's length ``n`` and pages ``npages``, its
+    ``req_to_token`` row and that row's pointer."""
+    rh = tl.program_id(0)
+    pid = tl.program_id(1)
+    i = rh // HKV
+    n = tl.load(seq_lens + i)
+    npages = n // GS
+    lo, hi = split_bounds(npages, pid, PPI, NSPLIT)
+    row = tl.load(req_pool_indices + i).to(tl.int64)
+    return rh, pid, i, rh % HKV, n, npages, lo, hi, row, req_to_token + row * stride_r2t
+
+
+@triton.jit
 def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k, res_v, req_to_token,
                    req_pool_indices, seq_lens, ws_m, ws_l, ws_acc, stride_qb, stride_qh, stride_cs, stride_ch,
                    stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
@@ -328,17 +345,8 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
     W: tl.constexpr = D * BITS // 8
     U: tl.constexpr = W if W < GS else GS
     BLOCK: tl.constexpr = PPI * GS
-    rh = tl.program_id(0)
-    pid = tl.program_id(1)
-    i = rh // HKV
-    h = rh % HKV
-    n = tl.load(seq_lens + i)
-    npages = n // GS
-    per = tl.cdiv(tl.cdiv(npages, NSPLIT), PPI) * PPI
-    lo = pid * per
-    hi = tl.minimum(lo + per, npages)
-    row = tl.load(req_pool_indices + i).to(tl.int64)
-    row_ptr = req_to_token + row * stride_r2t
+    rh, pid, i, h, n, npages, lo, hi, row, row_ptr = _page_span(seq_lens, req_pool_indices, req_to_token, stride_r2t,
+                                                                HKV, GS, PPI, NSPLIT)
     qs = query_chunks(q, i, h, stride_qb, stride_qh, scale, G, GP, W, 8 // BITS)
     o = tl.arange(0, BLOCK)
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -480,17 +488,8 @@ def _decode_kernel_key_rows(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zer
     W: tl.constexpr = D * BITS // 8
     U: tl.constexpr = W if W < GS else GS
     BLOCK: tl.constexpr = PPI * GS
-    rh = tl.program_id(0)
-    pid = tl.program_id(1)
-    i = rh // HKV
-    h = rh % HKV
-    n = tl.load(seq_lens + i)
-    npages = n // GS
-    per = tl.cdiv(tl.cdiv(npages, NSPLIT), PPI) * PPI
-    lo = pid * per
-    hi = tl.minimum(lo + per, npages)
-    row = tl.load(req_pool_indices + i).to(tl.int64)
-    row_ptr = req_to_token + row * stride_r2t
+    rh, pid, i, h, n, npages, lo, hi, row, row_ptr = _page_span(seq_lens, req_pool_indices, req_to_token, stride_r2t,
+                                                                HKV, GS, PPI, NSPLIT)
     qt = query_chunks(q, i, h, stride_qb, stride_qh, scale, G, GP, W, 8 // BITS, True)
     o = tl.arange(0, BLOCK)
     m = tl.full([GP], float("-inf"), tl.float32)
