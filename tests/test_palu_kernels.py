@@ -87,6 +87,8 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
     (Tile(16, freq_chunk=16, angles=BY_INDEX), True, 5),
     (Tile(16, freq_chunk=32, angles=BY_INDEX), False, -3010),
     (Tile(32, key_rows=True, angles=BY_INDEX), True, -3010),
+    (Tile(16, key_rows=True, freq_chunk=16), True, 5),
+    (Tile(32, key_rows=True, freq_chunk=16, angles=BY_INDEX), False, -3010),
 ])
 def test_decode_kernel_by_tile_and_offset_width(monkeypatch: pytest.MonkeyPatch, tile: Tile, int32_offsets: bool,
                                                 gap: int) -> None:
@@ -95,7 +97,7 @@ def test_decode_kernel_by_tile_and_offset_width(monkeypatch: pytest.MonkeyPatch,
     the group's 4 query heads padded to the tensor cores' 16 rows or not padded; angles gathered a position or
     rotated from a tile's smallest position or its first row index, over consecutive positions and over rows with a
     gap (whose tiles across it read farther rows), one of them (gap -3,010) with positions before their row index;
-    the keys-as-rows kernel."""
+    the keys-as-rows kernel, all frequencies at once or in two chunks."""
     from sgl_sparse.kernels import palu_attention
 
     if not int32_offsets:

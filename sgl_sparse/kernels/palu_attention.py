@@ -131,13 +131,46 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
 
 
 @triton.jit
+def _basis_queries(base, qcol, rk, gi, j0, stride_bkd, RK: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                   NEOX: tl.constexpr, JC: tl.constexpr):
+    """The key basis ``[RKP, JC]`` of frequencies ``j0 .. j0 + JC`` for both dimensions each pair mixes, and the
+    queries ``[JC, GP]`` fp32 at those dimensions."""
+    j = j0 + tl.arange(0, JC)
+    d1 = j if NEOX else 2 * j
+    d2 = j + HALF if NEOX else 2 * j + 1
+    b1 = tl.load(base + d1[None, :] * stride_bkd + rk[:, None], mask=(rk < RK)[:, None], other=0.0)
+    b2 = tl.load(base + d2[None, :] * stride_bkd + rk[:, None], mask=(rk < RK)[:, None], other=0.0)
+    q1 = tl.load(qcol + d1[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)
+    q2 = tl.load(qcol + d2[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)
+    return b1, b2, q1, q2
+
+
+@triton.jit
+def _key_scores(z, b1, b2, q1, q2, cos_sin, tp, tp0, ok, j0, stride_cs, HALF: tl.constexpr, ANGLES: tl.constexpr,
+                JC: tl.constexpr, dt: tl.constexpr):
+    """A tile's scores ``[BLOCK, GP]`` over the frequencies ``j0 .. j0 + JC``: the keys reconstructed there from
+    their latents ``z``, rotated, dotted with the queries (turned back by p0 unless ``BY_POSITION``)."""
+    k1 = tl.dot(z.to(b1.dtype), b1)  # [BLOCK, JC] fp32: each pair's first dimension, before RoPE
+    k2 = tl.dot(z.to(b2.dtype), b2)
+    cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j0 + tl.arange(0, JC), stride_cs, HALF, ANGLES)
+    r1 = (k1 * cos - k2 * sin).to(dt)
+    r2 = (k2 * cos + k1 * sin).to(dt)
+    if ANGLES != 0:
+        qr1 = (q1 * c0[:, None] + q2 * s0[:, None]).to(dt)
+        qr2 = (q2 * c0[:, None] - q1 * s0[:, None]).to(dt)
+    else:
+        qr1, qr2 = q1.to(dt), q2.to(dt)
+    return tl.dot(r1, qr1) + tl.dot(r2, qr2)
+
+
+@triton.jit
 def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l,
                             ws_acc, stride_qb, stride_qh, stride_zks, stride_zkg, stride_zvs, stride_zvg, stride_bkg,
                             stride_bkd, stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                             NEOX: tl.constexpr, RK: tl.constexpr, RKP: tl.constexpr, RV: tl.constexpr,
                             RVP: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NATIVE: tl.constexpr,
-                            I32: tl.constexpr, ANGLES: tl.constexpr):
+                            I32: tl.constexpr, ANGLES: tl.constexpr, JC: tl.constexpr):
     """:func:`_decode_kernel` with the tile's keys as the rows of every dot: the rotated keys, an accumulator
     ``[BLOCK, HALF]``, feed the score dot as its left operand (``[BLOCK, HALF] @ [HALF, GP]``), which the tensor
     cores read from registers, instead of its right one, which passes through shared memory transposed; the value
@@ -149,15 +182,11 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
     rk = tl.arange(0, RKP)
     rv = tl.arange(0, RVP)
     gi = tl.arange(0, GP)
-    j = tl.arange(0, HALF)
-    d1 = j if NEOX else 2 * j
-    d2 = j + HALF if NEOX else 2 * j + 1
     base = bk + grp * stride_bkg + ((h % GS) * D).to(tl.int64) * stride_bkd
-    b1 = tl.load(base + d1[None, :] * stride_bkd + rk[:, None], mask=(rk < RK)[:, None], other=0.0)  # [RKP, HALF]
-    b2 = tl.load(base + d2[None, :] * stride_bkd + rk[:, None], mask=(rk < RK)[:, None], other=0.0)
     qcol = q + i * stride_qb + (h * G + gi)[None, :] * stride_qh
-    q1 = tl.load(qcol + d1[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)  # [HALF, GP]
-    q2 = tl.load(qcol + d2[:, None], mask=(gi < G)[None, :], other=0.0).to(tl.float32)
+    # the basis and the queries of the frequencies' first chunk (all of them when JC == HALF) and of the second
+    b1a, b2a, q1a, q2a = _basis_queries(base, qcol, rk, gi, 0, stride_bkd, RK, G, HALF, NEOX, JC)
+    b1b, b2b, q1b, q2b = _basis_queries(base, qcol, rk, gi, JC % HALF, stride_bkd, RK, G, HALF, NEOX, JC)
     zk_g = zk + grp * stride_zkg
     zv_g = zv + grp * stride_zvg
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -166,17 +195,9 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
     o = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
         ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, I32, ANGLES)
-        k1 = tl.dot(z.to(b1.dtype), b1)
-        k2 = tl.dot(z.to(b2.dtype), b2)
-        cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF, ANGLES)
-        r1 = (k1 * cos - k2 * sin).to(dt)
-        r2 = (k2 * cos + k1 * sin).to(dt)
-        if ANGLES != 0:
-            qr1 = (q1 * c0[:, None] + q2 * s0[:, None]).to(dt)
-            qr2 = (q2 * c0[:, None] - q1 * s0[:, None]).to(dt)
-        else:
-            qr1, qr2 = q1.to(dt), q2.to(dt)
-        logits = tl.dot(r1, qr1) + tl.dot(r2, qr2)  # [BLOCK, GP]
+        logits = _key_scores(z, b1a, b2a, q1a, q2a, cos_sin, tp, tp0, ok, 0, stride_cs, HALF, ANGLES, JC, dt)
+        if JC < HALF:
+            logits += _key_scores(z, b1b, b2b, q1b, q2b, cos_sin, tp, tp0, ok, JC, stride_cs, HALF, ANGLES, JC, dt)
         logits = tl.where(ok[:, None], logits * scale, float("-inf"))
         zvt = tl.load(zv_g + slot[None, :] * stride_zvs + rv[:, None], mask=ok[None, :] & (rv < RV)[:, None],
                       other=0.0)  # [RVP, BLOCK]
@@ -250,7 +271,7 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         tile = cuda_tile(rkp) if q.is_cuda else CPU_TILE
     jc = tile.freq_chunk or half
     assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
-    assert not (tile.key_rows and jc != half), "key_rows reconstructs every frequency at once"
+    assert not tile.key_rows or jc in (half, half // 2), "key_rows reconstructs the frequencies in one or two chunks"
     assert tile.angles != BY_INDEX or cos_sin.storage_offset() >= (cos_sin.shape[0] - 1) * cos_sin.stride(0), \
         "BY_INDEX reads the rows before position 0: pass mirrored(table)"
     g = hq // hkv
@@ -261,12 +282,12 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, rvp, q.device)
     # every offset a program computes from a slot or a position lies inside one of these tensors
     i32 = max(zk.numel(), zv.numel(), cos_sin.numel(), positions.numel()) < INT32_LIMIT
-    kernel, extra = (_decode_kernel_key_rows, {}) if tile.key_rows else (_decode_kernel, {"JC": jc})
+    kernel = _decode_kernel_key_rows if tile.key_rows else _decode_kernel
     kernel[(bs * hkv, splits)](
         q, zk, zv, positions, k_basis, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l, ws_acc,
         q.stride(0), q.stride(1), zk.stride(0), zk.stride(1), zv.stride(0), zv.stride(1), k_basis.stride(0),
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g, GP=gp, D=d,
         HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv, RVP=rvp, BLOCK=tile.block, NSPLIT=splits,
-        NATIVE=q.is_cuda if native is None else native, I32=i32, ANGLES=tile.angles, num_warps=tile.warps,
-        num_stages=tile.stages, **extra, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}))
+        NATIVE=q.is_cuda if native is None else native, I32=i32, ANGLES=tile.angles, JC=jc, num_warps=tile.warps,
+        num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}))
     return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype, basis=v_basis, basis_heads=gs)
