@@ -85,12 +85,15 @@ def _decode(label: str, store: Any, knobs: dict[str, Any]) -> Callable[..., torc
     """The store's CUDA decode, or its kernel called with ``knobs`` (its ``decode_attention``'s keyword arguments:
     Palu's ``tile`` and ``native``, KIVI's ``pages``/``warps``/``stages``/``maxnreg``/``key_rows``, FP8's
     ``block``/``warps``/``stages``, TurboQuant's ``block``/``warps``); Palu's fp32 form (``native`` False) reads the
-    fp32 rotary table."""
+    fp32 rotary table, a tile whose angles go by row index its mirrored form."""
     if not knobs:
         return store.decode
     if label.startswith("palu"):
         rot = store.rotary
         table = store.kernel_cos_sin if knobs.get("native", True) else rot.cos_sin
+        tile = knobs.get("tile")
+        if tile is not None and tile.angles == palu_attention.BY_INDEX:
+            table = palu_attention.mirrored(table)
         return lambda layer, q, *rest: palu_attention.decode_attention(
             q, store.zk[layer], store.zv[layer], store.pos[layer], store.k_basis[layer], store.v_basis[layer], table,
             rot.neox, *rest, **knobs)
@@ -186,14 +189,11 @@ def _flashinfer_row(bs: int, n: int, evict_mb: int = 0) -> str:
 
 
 def palu_tile(spec: str) -> palu_attention.Tile:
-    """``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (0: the field's default) as a Tile."""
-    fields = [int(x) for x in spec.split("x")]
-    names = palu_attention.Tile._fields
-    if not 3 <= len(fields) <= len(names):
-        raise argparse.ArgumentTypeError(f"--palu-tiles {spec}: 3 to {len(names)} fields, {'x'.join(names)}")
-    default = palu_attention.Tile(block=fields[0])
-    given = {k: (bool(v) if isinstance(getattr(default, k), bool) else v) for k, v in zip(names, fields) if v}
-    return default._replace(**given)
+    """``--palu-tiles``' form (:func:`palu_attention.parse_tile`) as a Tile."""
+    try:
+        return palu_attention.parse_tile(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--palu-tiles {e}") from None
 
 
 def main() -> None:

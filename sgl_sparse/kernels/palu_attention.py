@@ -226,6 +226,39 @@ class Tile(NamedTuple):
     key_rows: bool = False
 
 
+def check_tile(tile: Tile, head_dim: int | None = None) -> None:
+    """ValueError unless the kernel runs ``tile`` (for heads of ``head_dim`` dimensions, a power of two, if given)."""
+    if tile.angles not in (BY_POSITION, BY_TILE, BY_INDEX):
+        raise ValueError(f"angles {tile.angles}: {BY_POSITION}, {BY_TILE} or {BY_INDEX}")
+    if tile.block < 16 or tile.block & (tile.block - 1) or tile.warps & (tile.warps - 1):
+        raise ValueError(f"block {tile.block}, warps {tile.warps}: powers of two, a block of 16 or more")
+    if head_dim is None:
+        return
+    half = head_dim // 2
+    jc = tile.freq_chunk or half
+    if not (jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0):
+        raise ValueError(f"freq_chunk {jc}: a power of two >= 16 dividing {half}")
+    if tile.key_rows and jc not in (half, half // 2):
+        raise ValueError(f"freq_chunk {jc}: key_rows reconstructs the frequencies in one or two chunks")
+
+
+def parse_tile(spec: str) -> Tile:
+    """``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (0: the field's default) as a Tile, the
+    form ``quant_decode.py --palu-tiles`` and Palu's ``decode_tile`` take; ValueError naming the fields."""
+    names = Tile._fields
+    try:
+        fields = [int(x) for x in spec.split("x")]
+    except ValueError:
+        fields = []
+    if not 3 <= len(fields) <= len(names) or fields[0] <= 0 or min(fields) < 0:
+        raise ValueError(f"{spec!r}: 3 to {len(names)} non-negative integers joined by 'x', {'x'.join(names)}")
+    default = Tile(block=fields[0])
+    tile = default._replace(**{k: (bool(v) if isinstance(getattr(default, k), bool) else v)
+                               for k, v in zip(names, fields) if v})
+    check_tile(tile)
+    return tile
+
+
 # The GPU's tile by the rank padded to a power of two (cuda_tile); benchmarks/quant_decode.py's sweeps chose them.
 CUDA_TILES: dict[int, Tile] = {64: Tile(64, stages=5, query_rows=8, key_rows=True),
                                128: Tile(128, warps=8, stages=4, query_rows=8, key_rows=True)}
@@ -269,9 +302,8 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     rkp = triton.next_power_of_2(rk)
     if tile is None:
         tile = cuda_tile(rkp) if q.is_cuda else CPU_TILE
+    check_tile(tile, d)
     jc = tile.freq_chunk or half
-    assert jc >= 16 and half % jc == 0 and jc & (jc - 1) == 0, f"freq_chunk {jc}: a power of two >= 16 dividing {half}"
-    assert not tile.key_rows or jc in (half, half // 2), "key_rows reconstructs the frequencies in one or two chunks"
     assert tile.angles != BY_INDEX or cos_sin.storage_offset() >= (cos_sin.shape[0] - 1) * cos_sin.stride(0), \
         "BY_INDEX reads the rows before position 0: pass mirrored(table)"
     g = hq // hkv

@@ -83,9 +83,12 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
     q = torch.randn(len(lens), HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
     rot = store.rotary
     assert rot is not None
+    table = store.kernel_cos_sin
+    if tile is not None and tile.angles == palu_attention.BY_INDEX:
+        table = palu_attention.mirrored(table)
     with sync_debug("error"):
         got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
-                                              store.v_basis[0], store.kernel_cos_sin, True, r2t, rpi, seq,
+                                              store.v_basis[0], table, True, r2t, rpi, seq,
                                               D**-0.5, tile=tile)
     want = KVStore.decode(store, 0, q, r2t, rpi, seq, D**-0.5)  # the contract's torch default: read, attend
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

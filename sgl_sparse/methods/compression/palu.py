@@ -44,13 +44,16 @@ class PaluConfig(QuantConfig):
     plain SVD of the weights), or the text Palu's whitened SVD is calibrated on (``synthetic``: the quality suite's
     generator; or a ``.txt``/``.jsonl`` file), ``calibration_tokens`` of it; ``prefix_attention`` as the
     quantized stores' (an extend reads its cached prefix reconstructed, through the base's dense prefill, or
-    through the store's own read)."""
+    through the store's own read); ``decode_tile``: the GPU decode kernel's tile, ``BLOCKxWARPSxSTAGES[xMAXNREG[x
+    CHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (``kernels/palu_attention.py``'s ``Tile``, 0 a field's default; empty: the
+    served tile for the rank, ``CUDA_TILES``), for tuning on a GPU other than the one it was chosen on."""
 
     method_name = "palu"
     rank_ratio: float = 0.5
     group_size: int = 1
     calibration: str = "none"
     calibration_tokens: int = 32_768
+    decode_tile: str = ""
 
     def validate(self) -> None:
         super().validate()
@@ -59,6 +62,13 @@ class PaluConfig(QuantConfig):
         self.require(self.calibration in ("none", "synthetic") or os.path.isfile(self.calibration), "calibration",
                      "must be 'none' (plain SVD), 'synthetic' or a text/JSONL file of calibration prompts")
         self.require(self.calibration_tokens >= 1, "calibration_tokens", "must be >= 1")
+        if self.decode_tile:
+            from sgl_sparse.kernels.palu_attention import parse_tile
+
+            try:
+                parse_tile(self.decode_tile)
+            except ValueError as e:
+                self.require(False, "decode_tile", f"must be empty or BLOCKxWARPSxSTAGES[x...]: {e}")
 
 
 def group_rank(group_dim: int, ratio: float) -> int:
@@ -93,8 +103,11 @@ class PaluStore(KVStore):
     gpu_kernels = True  # decode: kernels/palu_attention.py; the extend reads the prefix reconstructed (dequantize)
 
     def __init__(self, rank_ratio: float, group_size: int, prefix_attention: str = "auto",
-                 calibration: str = "none", calibration_tokens: int = 32_768) -> None:
+                 calibration: str = "none", calibration_tokens: int = 32_768, decode_tile: str = "") -> None:
+        from sgl_sparse.kernels import palu_attention
+
         self.choose_prefix_attention(prefix_attention)
+        self.tile = palu_attention.parse_tile(decode_tile) if decode_tile else None
         self.rank_ratio, self.group_size = rank_ratio, group_size
         self.calibration, self.calibration_tokens = calibration, calibration_tokens
         self.calibrated_tokens = 0
@@ -130,6 +143,13 @@ class PaluStore(KVStore):
         if model.v_head_dim != model.head_dim:
             raise ValueError(f"palu: K and V head dims differ ({model.head_dim}, {model.v_head_dim})")
         rk, rv = self.ranks(model.head_dim, model.v_head_dim)
+        if self.tile is not None:
+            from sgl_sparse.kernels import palu_attention
+
+            try:
+                palu_attention.check_tile(self.tile, model.head_dim)
+            except ValueError as e:
+                raise ValueError(f"palu: decode_tile for {model.head_dim}-dim heads: {e}") from None
         self.num_kv_heads, self.head_dim, self.v_head_dim = model.num_kv_heads, model.head_dim, model.v_head_dim
         self.rotary = model.rotary
         if self.calibration == "none":
@@ -161,13 +181,16 @@ class PaluStore(KVStore):
             r = self.rotary
             self.rotary = RotaryTable(r.cos_sin.to(g.device, torch.float32), r.rotary_dim, r.neox)
             # the decode kernel's copy: fp16 halves what it gathers a position, and rounds below a bf16 key; with
-            # negative positions before it, which a tile that turns its keys by their offset from its first row
-            # index reads (palu_attention.BY_INDEX)
+            # negative positions before it where the tile turns its keys by their offset from its first row index
+            # (palu_attention.BY_INDEX), which reads those
             self.kernel_cos_sin = None
             if g.device.type == "cuda":
                 from sgl_sparse.kernels import palu_attention
 
-                self.kernel_cos_sin = palu_attention.mirrored(r.cos_sin.to(g.device, torch.float16))
+                half = r.cos_sin.to(g.device, torch.float16)
+                tile = self.tile or palu_attention.cuda_tile(1 << (rk - 1).bit_length())
+                by_index = tile.angles == palu_attention.BY_INDEX
+                self.kernel_cos_sin = palu_attention.mirrored(half) if by_index else half
         self.dtype, self.geometry = g.dtype, g
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
@@ -246,7 +269,7 @@ class PaluStore(KVStore):
 
         return palu_attention.decode_attention(q, self.zk[layer_id], self.zv[layer_id], self.pos[layer_id],
                                                self.k_basis[layer_id], self.v_basis[layer_id], table, r.neox,
-                                               req_to_token, req_pool_indices, seq_lens, scale)
+                                               req_to_token, req_pool_indices, seq_lens, scale, tile=self.tile)
 
     def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +289,7 @@ class Palu(SparseMethod[PaluConfig]):
     def __init__(self, config: PaluConfig) -> None:
         super().__init__(config)
         self._store = PaluStore(config.rank_ratio, config.group_size, config.prefix_attention, config.calibration,
-                                config.calibration_tokens)
+                                config.calibration_tokens, config.decode_tile)
 
     @property
     def store(self) -> PaluStore:
