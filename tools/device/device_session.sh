@@ -36,7 +36,8 @@
 #                                                through `queue` (its servers then start one after another).
 #   bash tools/device/device_session.sh palu130k | palu130k6   Palu (rank ratio PALU_RATIO, default 0.5) at 130K x PALU_BATCH
 #                                                (default 2 x vanilla's batch: its 1.996x pool) and x 6, ours only (table130k
-#                                                adds them); PALU_SERVER_ARGS: more flags for ours.
+#                                                adds them); PALU_SERVER_ARGS: more flags for ours; PALU_TILE: the decode
+#                                                kernel's tile (Palu's decode_tile). paludiag: its decode steps profiled.
 #   bash tools/device/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
 #                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
 #                                                at the same batch (each ~6 min of prefill).
@@ -144,6 +145,9 @@ launch() {
 }
 # Profiler traces stay on the machine (their summaries come back in the logs).
 pack_logs() { (cd /root && tar cJf "$OUT/bench.tar.xz" --exclude='*.trace.json.gz' bench train/*.txt); }
+palu_config() {  # Palu's --sparse-config from PALU_RATIO and PALU_TILE
+  echo "{\"rank_ratio\": ${PALU_RATIO:-0.5}${PALU_TILE:+, \"decode_tile\": \"$PALU_TILE\"}}"
+}
 
 case "${1:-}" in
 headline)
@@ -219,9 +223,20 @@ palu130k|palu130k6)  # Palu at rank ratio PALU_RATIO (default 0.5) at 130K: at i
   b=$([ "$1" = palu130k ] && echo "${PALU_BATCH:-$(scaled 12)}" || echo "$VB")
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$b" --output-len 256 --only sgl_sparse \
-      --sparse-method palu --sparse-config "{\"rank_ratio\": ${PALU_RATIO:-0.5}}" \
+      --sparse-method palu --sparse-config "$(palu_config)" \
       --sparse-server-args "${PALU_SERVER_ARGS:-}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
+  ;;
+paludiag)  # profiled decode steps of palu130k's server at PALU_BATCH (default 12; 5 on an H100), ~4 min: where a step's
+  install  # time goes beside the decode kernel (profile_summary.py's kernels by total time); throughput not for tables
+  export CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}"
+  rm -rf /root/bench/paludiag
+  python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch "$VB" \
+      --sparse-batch "${PALU_BATCH:-$(scaled 12)}" --output-len 128 --only sgl_sparse --sparse-method palu \
+      --sparse-config "$(palu_config)" --sparse-server-args "${PALU_SERVER_ARGS:-}" --profile-dir /root/bench/paludiag/prof \
+      --log-dir /root/bench/paludiag --json /root/bench/paludiag/ours.json > /root/bench/paludiag.txt 2>&1 || true
+  python3 benchmarks/profile_summary.py $(find /root/bench/paludiag/prof -name '*.trace.json.gz' | sort) \
+      > /root/bench/paludiag-profile.txt 2>&1 || true
   ;;
 snapkvfp8130k)  # SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH (default 24; SnapKV alone:
   install        # snapkv130k at SPARSE_BATCH=24 beside it), ours only
@@ -469,6 +484,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|palu130k|palu130k6|quantdecode|plan1|plan2|plan3|plan4|plan5|rows|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|palu130k|palu130k6|paludiag|quantdecode|plan1|plan2|plan3|plan4|plan5|rows|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
