@@ -29,7 +29,13 @@ import requests
 from sgl_sparse.quality.models import large_model_path
 from sgl_sparse.server_process import GPU_SERVER_FLAGS, ServerProcess
 
-MODEL = str(large_model_path())  # 11M trained Llama, bf16, 16K context, vocabulary 2,048
+
+def model() -> str:
+    """The 11M trained Llama (bf16, 16K context, vocabulary 2,048) the servers load; resolved when a test starts a
+    server, so the kernel-level tests run from a tree without the model."""
+    return str(large_model_path())
+
+
 CONTEXT = 16384
 FLAGS = [
     *GPU_SERVER_FLAGS,
@@ -68,14 +74,14 @@ def log_dir() -> Path:
 def ours(name: str, method: str = "dense", config: dict[str, Any] | None = None,
          extra: Sequence[str] = (), env: dict[str, str] | None = None) -> ServerProcess:
     args = [*FLAGS, "--sparse-method", method, "--sparse-config", json.dumps(config or {}), *extra]
-    return ServerProcess(MODEL, args, module="sgl_sparse.launch_server", env={**ENV, **(env or {})},
+    return ServerProcess(model(), args, module="sgl_sparse.launch_server", env={**ENV, **(env or {})},
                          startup_timeout=600,
                          log_path=str(log_dir() / f"{name}.log"))
 
 
 def vanilla(name: str, backend: str = "flashinfer", extra: Sequence[str] = ()) -> ServerProcess:
     args = [*FLAGS, "--attention-backend", backend, *extra]
-    return ServerProcess(MODEL, args, module="sglang.launch_server", env=ENV, startup_timeout=600,
+    return ServerProcess(model(), args, module="sglang.launch_server", env=ENV, startup_timeout=600,
                          log_path=str(log_dir() / f"{name}.log"))
 
 
@@ -84,7 +90,7 @@ def vanilla(name: str, backend: str = "flashinfer", extra: Sequence[str] = ()) -
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return AutoTokenizer.from_pretrained(model())
 
 
 def encode(text: str) -> list[int]:
