@@ -35,17 +35,28 @@ BY_POSITION, BY_TILE, BY_INDEX = 0, 1, 2
 
 
 @triton.jit
-def _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK: tl.constexpr, I32: tl.constexpr,
-          ANGLES: tl.constexpr):
+def _masked_rank(ptrs, in_rank, R: tl.constexpr, RP: tl.constexpr):
+    """Latents at ``ptrs``, the rank's padding to ``RP`` (``in_rank`` false there) read as 0: masked only if any."""
+    if R == RP:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=in_rank, other=0.0)
+
+
+@triton.jit
+def _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK: tl.constexpr, RKP: tl.constexpr,
+          I32: tl.constexpr, ANGLES: tl.constexpr):
     """A tile's positions ``start + o`` of the split ending at ``hi``: which are in it, their slots (int32 offsets
     when every offset into the pool fits), key latents ``[BLOCK, RKP]``, stored positions, and the position p0
     :func:`_angles` turns the queries back by: the smallest of the tile's positions (``BY_TILE``; every tile holds
     at least one), the tile's first row index ``start`` (``BY_INDEX``), else 0."""
     p = start + o
     ok = p < hi
+    # A position past the split reads slot 0 (a pool slot like any, finite) and scores -inf: only the slot's own
+    # load, which may pass the row's end, and a rank padded to a power of two need masks.
     slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int32 if I32 else tl.int64)
-    z = tl.load(zk_g + slot[:, None] * stride_zks + rk[None, :], mask=ok[:, None] & (rk < RK)[None, :], other=0.0)
-    tp = tl.load(pos_buf + slot, mask=ok, other=0).to(slot.dtype)
+    z = _masked_rank(zk_g + slot[:, None] * stride_zks + rk[None, :], (rk < RK)[None, :], RK, RKP)
+    tp = tl.load(pos_buf + slot).to(slot.dtype)
     if ANGLES == 1:
         tp0 = tl.min(tl.where(ok, tp, 2**30), 0)
     elif ANGLES == 2:
@@ -102,7 +113,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
     acc = tl.zeros([GP, RVP], tl.float32)
     o = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
-        ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, I32, ANGLES)
+        ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, RKP, I32, ANGLES)
         logits = tl.zeros([GP, BLOCK], tl.float32)
         # the head's frequencies JC at a time: fewer live [BLOCK, JC] tiles (registers) for the same work
         for c in tl.static_range(HALF // JC):
@@ -123,8 +134,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
                 q1, q2 = q1 * c0[None, :] + q2 * s0[None, :], q2 * c0[None, :] - q1 * s0[None, :]
             logits += tl.dot(q1.to(dt), tl.trans(r1)) + tl.dot(q2.to(dt), tl.trans(r2))
         logits = tl.where(ok[None, :], logits * scale, float("-inf"))
-        zvt = tl.load(zv_g + slot[:, None] * stride_zvs + rv[None, :], mask=ok[:, None] & (rv < RV)[None, :],
-                      other=0.0)
+        zvt = _masked_rank(zv_g + slot[:, None] * stride_zvs + rv[None, :], (rv < RV)[None, :], RV, RVP)
         m, den, p, alpha = softmax_step(m, den, logits)
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), zvt.to(dt))
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, acc, NSPLIT, G, GP, RVP)
@@ -194,13 +204,12 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
     acc = tl.zeros([RVP, GP], tl.float32)
     o = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
-        ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, I32, ANGLES)
+        ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, RKP, I32, ANGLES)
         logits = _key_scores(z, b1a, b2a, q1a, q2a, cos_sin, tp, tp0, ok, 0, stride_cs, HALF, ANGLES, JC, dt)
         if JC < HALF:
             logits += _key_scores(z, b1b, b2b, q1b, q2b, cos_sin, tp, tp0, ok, JC, stride_cs, HALF, ANGLES, JC, dt)
         logits = tl.where(ok[:, None], logits * scale, float("-inf"))
-        zvt = tl.load(zv_g + slot[None, :] * stride_zvs + rv[:, None], mask=ok[None, :] & (rv < RV)[:, None],
-                      other=0.0)  # [RVP, BLOCK]
+        zvt = _masked_rank(zv_g + slot[None, :] * stride_zvs + rv[:, None], (rv < RV)[:, None], RV, RVP)  # [RVP, BLOCK]
         m, den, pr, alpha = softmax_step(m, den, logits, 0)
         acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, tl.trans(acc), NSPLIT, G, GP, RVP)
