@@ -50,6 +50,8 @@ def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: 
         pos = torch.arange(n) + 3000 * r  # positions far into the rotary table
         pos[n // 2:] += gap
         store.write(1, table[r, :n], k, v, torch.full((n,), r), decode=False, positions=pos)
+    # slot 0, which no row holds, as the padding slot of a served pool: written (by padded decode rows), finite
+    store.zk[1][0], store.zv[1][0], store.pos[1][0] = 50.0, -50.0, 7
     q = torch.randn(len(lens), hq, d, generator=gen)
     return store, table, torch.arange(1, len(lens) + 1), q
 
@@ -60,8 +62,10 @@ def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: 
     (4, 4, 0.75, 2, True, [64, 1], 3),  # group of 2 heads: rank 48, not a power of two
     (2, 8, 0.5, 1, False, [50, 20], 16),  # interleaved pairs; splits past a short row's end read nothing
 ])
+@pytest.mark.parametrize("key_rows", [False, True])
 def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, group_size: int, neox: bool,
-                                              lens: list[int], splits: int) -> None:
+                                              lens: list[int], splits: int, key_rows: bool) -> None:
+    """Both loops; the rank 48 one reads latents padded to 64 (masked) and a slot past a row's end reads slot 0."""
     from sgl_sparse.kernels import palu_attention
 
     store, table, rows, q = _filled(hkv, hq, ratio, group_size, neox, lens, seed=hkv + hq)
@@ -71,7 +75,7 @@ def test_decode_kernel_matches_the_torch_path(hkv: int, hq: int, ratio: float, g
     assert rot is not None
     got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
                                           store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, D ** -0.5,
-                                          splits=splits)
+                                          splits=splits, tile=Tile(16, key_rows=key_rows))
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
