@@ -36,7 +36,8 @@
 #                                                through `queue` (its servers then start one after another).
 #   bash tools/device/device_session.sh palu130k | palu130k6   Palu (rank ratio PALU_RATIO, default 0.5) at 130K x PALU_BATCH
 #                                                (default 2 x vanilla's batch: its 1.996x pool) and x 6, ours only (table130k
-#                                                adds them); PALU_SERVER_ARGS: more flags for ours; PALU_TILE: the decode
+#                                                adds them); PALU_SERVER_ARGS: flags for ours (default --mem-fraction-static
+#                                                0.81: at 0.80 six 130K requests miss 440 slots); PALU_TILE: the decode
 #                                                kernel's tile (Palu's decode_tile). paludiag: its decode steps profiled.
 #   bash tools/device/device_session.sh snapkvfp8130k  SnapKV 8192 over the FP8 pool (snapkv+fp8_kv) at 130K x COMPOSE_BATCH
 #                                                (default 24), ours only; SPARSE_BATCH=24 snapkv130k is SnapKV alone
@@ -224,7 +225,7 @@ palu130k|palu130k6)  # Palu at rank ratio PALU_RATIO (default 0.5) at 130K: at i
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch "/root/bench/$1.txt" python3 benchmarks/decode_throughput.py \
       --model-path $MODEL --input-len 130000 --batch "$VB" --sparse-batch "$b" --output-len 256 --only sgl_sparse \
       --sparse-method palu --sparse-config "$(palu_config)" \
-      --sparse-server-args "${PALU_SERVER_ARGS:-}" \
+      --sparse-server-args "${PALU_SERVER_ARGS:---mem-fraction-static 0.81}" \
       --log-dir "/root/bench/$1" --json "/root/bench/$1.json"
   ;;
 paludiag)  # profiled decode steps of palu130k's server at PALU_BATCH (default 12; 5 on an H100), ~4 min: where a step's
@@ -233,7 +234,7 @@ paludiag)  # profiled decode steps of palu130k's server at PALU_BATCH (default 1
   rm -rf /root/bench/paludiag
   python3 benchmarks/decode_throughput.py --model-path $MODEL --input-len 130000 --batch "$VB" \
       --sparse-batch "${PALU_BATCH:-$(scaled 12)}" --output-len 128 --only sgl_sparse --sparse-method palu \
-      --sparse-config "$(palu_config)" --sparse-server-args "${PALU_SERVER_ARGS:-}" --profile-dir /root/bench/paludiag/prof \
+      --sparse-config "$(palu_config)" --sparse-server-args "${PALU_SERVER_ARGS:---mem-fraction-static 0.81}" --profile-dir /root/bench/paludiag/prof \
       --log-dir /root/bench/paludiag --json /root/bench/paludiag/ours.json > /root/bench/paludiag.txt 2>&1 || true
   python3 benchmarks/profile_summary.py $(find /root/bench/paludiag/prof -name '*.trace.json.gz' | sort) \
       > /root/bench/paludiag-profile.txt 2>&1 || true
