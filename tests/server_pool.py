@@ -223,6 +223,10 @@ def assert_idle_and_sound(server: ServerProcess, timeout: float = 60.0) -> dict:
 
 
 def fresh(server: ServerProcess) -> dict:
-    """Empty ``server``'s prefix cache, for a test that needs a clean tree; its state once idle and leak-free."""
-    assert requests.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    """Empty ``server``'s prefix cache, for a test that needs a clean tree; its state once idle and leak-free.
+    Idle first: SGLang refuses a flush (400) while any request runs, such as one a previous test's client gave up
+    on and the scheduler still finishes."""
+    wait_idle_checked(server)
+    r = requests.post(f"{server.base_url}/flush_cache", timeout=30)
+    assert r.status_code == 200, (r.status_code, r.text)
     return assert_idle_and_sound(server)
