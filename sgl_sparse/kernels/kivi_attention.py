@@ -95,6 +95,9 @@ from sgl_sparse.kernels.splits import (
 # (benchmarks/quant_decode.py --kivi-pages times the others). Other page sizes keep the 128 positions: 64- and
 # 128-slot pages as 2 and 1 (4 of them would spill to the stack, benchmarks/sass_counts.py --page).
 BLOCK_POSITIONS = 128
+# The GPU's loop by bits: (keys as rows, pipeline stages). 4 bits: keys as rows at 5 stages took 921 us a layer at
+# 6 x 130K on an H100 against 1,029 for queries as rows at 2 (BENCHMARKS.md); 2 bits not timed in that form.
+SERVED_LOOP: dict[int, tuple[bool, int]] = {4: (True, 5)}
 WS_TOKENS = 1 << 18  # prefix tokens dequantized per pass (K and V: 1 GB at 8 KV heads x 128 in bf16)
 DEQUANT_BLOCK = 64
 
@@ -514,7 +517,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
                      res_v: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, bits: int, group: int,
                      splits: int | None = None, warps: int | None = None, pages: int | None = None,
-                     stages: int | None = None, maxnreg: int | None = None, key_rows: bool = False) -> torch.Tensor:
+                     stages: int | None = None, maxnreg: int | None = None,
+                     key_rows: bool | None = None) -> torch.Tensor:
     """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
     ``seq_lens`` on the device; grid and ``splits`` from static shapes, :func:`decode_splits` by default).
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
@@ -522,7 +526,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     default from the block, see below); ``pages``: pages an iteration (a power of two; by default
     :data:`BLOCK_POSITIONS` worth for pages of 16 slots or more, else enough for 16 positions); ``stages`` (2),
     ``maxnreg`` (registers a thread at most: more blocks an SM): all for timing other choices; ``key_rows``: the
-    keys-as-rows form of the loop (:func:`_decode_kernel_key_rows`), the same arithmetic and defaults."""
+    keys-as-rows form of the loop (:func:`_decode_kernel_key_rows`), the same arithmetic. ``None`` (``key_rows``,
+    ``stages``): the served choice, :data:`SERVED_LOOP` by bits on the GPU, else queries as rows at 2 stages."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -535,6 +540,9 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     assert v_zero.stride() == v_scale.stride() and v_scale.stride(2) == 1
     assert res_v.stride() == res_k.stride() and res_k.stride(3) == 1 and res_k.shape[1] == group
     g = hq // hkv
+    served_rows, served_stages = SERVED_LOOP.get(bits, (False, 2)) if q.is_cuda else (False, 2)
+    if key_rows is None:
+        key_rows, stages = served_rows, stages or served_stages
     if splits is None:
         splits = decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, d, q.device)

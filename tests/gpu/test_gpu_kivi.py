@@ -223,11 +223,11 @@ def test_greedy_text_follows_vanilla_bf16(servers: dict[str, ServerProcess]) -> 
 
 
 def _long_rows(bits: int, seed: int, v_std: float = 1.0, k_gain: float = 1.0,
-               key_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               key_rows: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows as long as the 130K benchmark's (one ending mid-page, one on a page, one inside its first page) at the
     full width's splits (64): (the kernel replayed in a CUDA graph, checked equal to its eager run; the store's
-    torch path). ``key_rows``: the kernel's keys-as-rows loop (``decode_attention(..., key_rows=True)``) instead of
-    the store's served one."""
+    torch path). ``key_rows``: None, the store's served loop; else that loop (``decode_attention(...,
+    key_rows=...)``) at 2 stages."""
     from sgl_sparse.kernels import kivi_attention
 
     lens = [130017, 131040, 31]
@@ -253,9 +253,10 @@ def _long_rows(bits: int, seed: int, v_std: float = 1.0, k_gain: float = 1.0,
     scale = 1 / math.sqrt(D)
 
     def decode() -> torch.Tensor:
-        if not key_rows:
+        if key_rows is None:
             return store.decode(0, q, r2t, rpi, seq, scale)
-        return kivi_attention.decode_attention(q, *store._buffers(0), r2t, rpi, seq, scale, bits, GS, key_rows=True)
+        return kivi_attention.decode_attention(q, *store._buffers(0), r2t, rpi, seq, scale, bits, GS,
+                                               key_rows=key_rows, stages=2)
 
     eager = decode()
     graph = torch.cuda.CUDAGraph()
@@ -268,16 +269,16 @@ def _long_rows(bits: int, seed: int, v_std: float = 1.0, k_gain: float = 1.0,
     return out, store.decode(0, q, r2t, rpi, seq, scale)
 
 
-@pytest.mark.parametrize("key_rows", [False, True])
+@pytest.mark.parametrize("key_rows", [None, False, True])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_decode_kernel_at_130k_rows_in_a_cuda_graph_matches_the_torch_path(bits: int, key_rows: bool) -> None:
+def test_decode_kernel_at_130k_rows_in_a_cuda_graph_matches_the_torch_path(bits: int, key_rows: bool | None) -> None:
     out, want = _long_rows(bits, 20 + bits, key_rows=key_rows)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("key_rows", [False, True])
+@pytest.mark.parametrize("key_rows", [None, False, True])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_decode_keeps_the_small_weights_of_a_long_context(bits: int, key_rows: bool) -> None:
+def test_decode_keeps_the_small_weights_of_a_long_context(bits: int, key_rows: bool | None) -> None:
     """Values of std 0.01 and keys twice as large (peaked logits) over 130K positions: most ``p * vs`` are tiny.
     The kernel stays within 2.5% of the output's largest value from the torch path (fp32 weights): its value dot in
     fp16 lost 5e-2 here in a CPU emulation (tiny weights fell under fp16's normal range); with bf16 weights, as
