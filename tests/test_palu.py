@@ -190,7 +190,7 @@ def test_bad_configs_and_models_are_refused() -> None:
         create_method("palu", {"rank_ratio": 0})
     with pytest.raises(SparseConfigError, match="group_size"):
         create_method("palu", {"group_size": 0})
-    for tile in ("64x4", "64x4x5x0x0x8x7", "0x4x5", "64xfourx5"):
+    for tile in ("64x4", "64x4x5x0x0x8x7", "0x4x5", "64xfourx5", "64x4x5x0x0x8x3x1"):
         with pytest.raises(SparseConfigError, match="decode_tile"):
             create_method("palu", {"decode_tile": tile})
     store = PaluStore(0.5, 1, decode_tile="64x4x5x0x32x8x0x1")  # D 32: 16 frequencies, not chunks of 32

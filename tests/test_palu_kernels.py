@@ -13,7 +13,7 @@ import torch
 from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
-from sgl_sparse.kernels.palu_attention import BY_INDEX, BY_TILE, Tile
+from sgl_sparse.kernels.palu_attention import BY_INDEX, BY_ROW, BY_TILE, Tile
 from sgl_sparse.methods.compression.palu import PaluStore
 
 D, HIDDEN = 32, 128
@@ -26,9 +26,11 @@ def _table(max_pos: int, d: int = D, base: float = 10_000.0) -> torch.Tensor:
 
 
 def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: list[int],
-            seed: int, d: int = D, gap: int = 0) -> tuple[PaluStore, torch.Tensor, torch.Tensor, torch.Tensor]:
+            seed: int, d: int = D, gap: int = 0,
+            at_index: bool = False) -> tuple[PaluStore, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A store with rows of ``lens`` tokens at consecutive positions (from ``gap`` on past its middle, as after an
-    eviction) and one query a row."""
+    eviction; ``at_index``: each row's positions its row indices, as an uncompacted request's) and one query a
+    row."""
     gen = torch.Generator().manual_seed(seed)
     layers = tuple(AttentionProjections(torch.randn(hkv * d, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
                                         torch.randn(hkv * d, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
@@ -47,7 +49,7 @@ def _filled(hkv: int, hq: int, ratio: float, group_size: int, neox: bool, lens: 
         x = torch.randn(n, HIDDEN, generator=gen)
         k = (x @ layers[1].k_weight.T).view(n, hkv, d)
         v = (x @ layers[1].v_weight.T).view(n, hkv, d)
-        pos = torch.arange(n) + 3000 * r  # positions far into the rotary table
+        pos = torch.arange(n) + (0 if at_index else 3000 * r)  # positions far into the rotary table, or the rows
         pos[n // 2:] += gap
         store.write(1, table[r, :n], k, v, torch.full((n,), r), decode=False, positions=pos)
     # slot 0, which no row holds, as the padding slot of a served pool: written (by padded decode rows), finite
@@ -157,3 +159,27 @@ def test_each_rank_gets_the_served_tile_of_the_smallest_rank_covering_it() -> No
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")
 def test_palu_kernel_under_the_interpreter() -> None:
     assert_interpreted_passed(__file__)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the kernel runs in the interpreted run")
+@pytest.mark.parametrize("key_rows", [False, True])
+def test_angles_by_row_index_equal_the_gathered_ones_where_positions_are_indices(key_rows: bool) -> None:
+    """``BY_ROW`` (the row index taken as the position, no position gather) against the torch path on rows whose
+    positions are their indices, and away from it where they are not (a compacted row's): what it assumes."""
+    from sgl_sparse.kernels import palu_attention
+
+    d = 64
+    for at_index in (True, False):
+        store, table, rows, q = _filled(2, 8, 0.5, 1, True, [40, 7, 70], seed=12, d=d, gap=0 if at_index else 5,
+                                         at_index=at_index)
+        seq = torch.tensor([40, 7, 70])
+        want = store.decode(1, q, table, rows, seq, d ** -0.5)
+        rot = store.rotary
+        assert rot is not None
+        got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+                                              store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
+                                              splits=3, tile=Tile(16, angles=BY_ROW, key_rows=key_rows))
+        if at_index:
+            torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+        else:
+            assert (got - want).abs().max() > 1e-2

@@ -30,8 +30,11 @@ from sgl_sparse.kernels.splits import (
 )
 
 # How a tile's keys get their rotation (Tile.angles): each by its position (a table row a position, gathered from
-# all over the table); by its offset from the tile's smallest position; by its offset from the tile's first row index.
-BY_POSITION, BY_TILE, BY_INDEX = 0, 1, 2
+# all over the table); by its offset from the tile's smallest position; by its offset from the tile's first row index;
+# by its row index taken as its position (BY_ROW: no position gather, the table's rows read in order; exact only for
+# rows whose positions are their indices, as a request's that no eviction, prune or Chain Cache turn compacted:
+# a measurement of what the position gather costs, not served).
+BY_POSITION, BY_TILE, BY_INDEX, BY_ROW = 0, 1, 2, 3
 
 
 @triton.jit
@@ -56,7 +59,10 @@ def _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK: tl.constexpr
     # load, which may pass the row's end, and a rank padded to a power of two need masks.
     slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int32 if I32 else tl.int64)
     z = _masked_rank(zk_g + slot[:, None] * stride_zks + rk[None, :], (rk < RK)[None, :], RK, RKP)
-    tp = tl.load(pos_buf + slot).to(slot.dtype)
+    if ANGLES == 3:
+        tp = p.to(slot.dtype)
+    else:
+        tp = tl.load(pos_buf + slot).to(slot.dtype)
     if ANGLES == 1:
         tp0 = tl.min(tl.where(ok, tp, 2**30), 0)
     elif ANGLES == 2:
@@ -77,8 +83,8 @@ def _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF: tl.constexpr, ANGLES: tl.c
     before its row index (none that SGLang or a method writes: eviction and pruning only drop tokens) reads the
     table's rows before position 0 (:func:`mirrored`). Exact for any positions: rows with gaps just read farther
     rows."""
-    if ANGLES == 0:
-        row = tp  # a masked position's slot, and so its position, is 0: a row of the table
+    if ANGLES == 0 or ANGLES == 3:
+        row = tl.where(ok, tp, 0) if ANGLES == 3 else tp  # a stored position: a row of the table
         c0 = tl.full(j.shape, 1.0, tl.float32)
         s0 = tl.zeros(j.shape, tl.float32)
     else:
@@ -130,7 +136,7 @@ def _decode_kernel(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indic
             r2 = (k2 * cos + k1 * sin).to(dt)
             q1 = tl.load(qrow + d1[None, :], mask=(gi < G)[:, None], other=0.0).to(tl.float32)
             q2 = tl.load(qrow + d2[None, :], mask=(gi < G)[:, None], other=0.0).to(tl.float32)
-            if ANGLES != 0:
+            if ANGLES == 1 or ANGLES == 2:
                 q1, q2 = q1 * c0[None, :] + q2 * s0[None, :], q2 * c0[None, :] - q1 * s0[None, :]
             logits += tl.dot(q1.to(dt), tl.trans(r1)) + tl.dot(q2.to(dt), tl.trans(r2))
         logits = tl.where(ok[None, :], logits * scale, float("-inf"))
@@ -165,7 +171,7 @@ def _key_scores(z, b1, b2, q1, q2, cos_sin, tp, tp0, ok, j0, stride_cs, HALF: tl
     cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j0 + tl.arange(0, JC), stride_cs, HALF, ANGLES)
     r1 = (k1 * cos - k2 * sin).to(dt)
     r2 = (k2 * cos + k1 * sin).to(dt)
-    if ANGLES != 0:
+    if ANGLES == 1 or ANGLES == 2:
         qr1 = (q1 * c0[:, None] + q2 * s0[:, None]).to(dt)
         qr2 = (q2 * c0[:, None] - q1 * s0[:, None]).to(dt)
     else:
@@ -222,8 +228,9 @@ class Tile(NamedTuple):
     """A decode tile: ``block`` positions an iteration, ``warps``, pipeline ``stages``, ``maxnreg`` registers a thread
     at most (more blocks an SM; 0: no cap), ``freq_chunk`` rotary frequencies reconstructed at a time (a power of
     two >= 16 dividing ``D / 2``: fewer live registers for the same work; 0: all), ``query_rows`` (the group's
-    query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE`` or ``BY_INDEX``: how a key
-    gets its rotation, :func:`_angles`), ``key_rows`` (:func:`_decode_kernel_key_rows`; all frequencies at once)."""
+    query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE``, ``BY_INDEX`` or
+    ``BY_ROW``: how a key gets its rotation, :func:`_angles`), ``key_rows`` (:func:`_decode_kernel_key_rows`; the
+    frequencies in one chunk or two)."""
 
     block: int
     warps: int = 4
@@ -237,8 +244,8 @@ class Tile(NamedTuple):
 
 def check_tile(tile: Tile, head_dim: int | None = None) -> None:
     """ValueError unless the kernel runs ``tile`` (for heads of ``head_dim`` dimensions, a power of two, if given)."""
-    if tile.angles not in (BY_POSITION, BY_TILE, BY_INDEX):
-        raise ValueError(f"angles {tile.angles}: {BY_POSITION}, {BY_TILE} or {BY_INDEX}")
+    if tile.angles not in (BY_POSITION, BY_TILE, BY_INDEX, BY_ROW):
+        raise ValueError(f"angles {tile.angles}: {BY_POSITION}, {BY_TILE}, {BY_INDEX} or {BY_ROW}")
     if tile.block < 16 or tile.block & (tile.block - 1) or tile.warps & (tile.warps - 1):
         raise ValueError(f"block {tile.block}, warps {tile.warps}: powers of two, a block of 16 or more")
     if head_dim is None:

@@ -63,12 +63,14 @@ class PaluConfig(QuantConfig):
                      "must be 'none' (plain SVD), 'synthetic' or a text/JSONL file of calibration prompts")
         self.require(self.calibration_tokens >= 1, "calibration_tokens", "must be >= 1")
         if self.decode_tile:
-            from sgl_sparse.kernels.palu_attention import parse_tile
+            from sgl_sparse.kernels.palu_attention import BY_ROW, parse_tile
 
             try:
-                parse_tile(self.decode_tile)
+                tile = parse_tile(self.decode_tile)
             except ValueError as e:
                 self.require(False, "decode_tile", f"must be empty or BLOCKxWARPSxSTAGES[x...]: {e}")
+            self.require(tile.angles != BY_ROW, "decode_tile",
+                         f"angles {BY_ROW} (row index as position) is exact only for uncompacted rows: not served")
 
 
 def group_rank(group_dim: int, ratio: float) -> int:
