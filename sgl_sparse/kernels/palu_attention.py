@@ -269,8 +269,9 @@ def parse_tile(spec: str) -> Tile:
     if not 3 <= len(fields) <= len(names) or fields[0] <= 0 or min(fields) < 0:
         raise ValueError(f"{spec!r}: 3 to {len(names)} non-negative integers joined by 'x', {'x'.join(names)}")
     default = Tile(block=fields[0])
-    tile = default._replace(**{k: (bool(v) if isinstance(getattr(default, k), bool) else v)
-                               for k, v in zip(names, fields) if v})
+    given: dict[str, int | bool] = {k: (bool(v) if isinstance(getattr(default, k), bool) else v)
+                                    for k, v in zip(names, fields) if v}
+    tile = default._replace(**given)  # type: ignore[arg-type]  # each field's own type, as given
     check_tile(tile)
     return tile
 
