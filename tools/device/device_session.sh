@@ -45,6 +45,8 @@
 #   bash tools/device/device_session.sh quantdecode  benchmarks/quant_decode.py: KIVI 4/2-bit, FP8, TurboQuant decode
 #                                                kernels per layer at 6 x 130K and 16 x 32K against their HBM floor
 #                                                (QUANT_WARPS, QUANT_ARGS: tile sweeps, e.g. --kivi-pages 2 4).
+#   bash tools/device/device_session.sh ncudecode  ncu (stall reasons, scheduler, memory, occupancy) of the first
+#                                                decode kernel launch matching NCU_KERNEL under quant_decode.py QUANT_ARGS.
 #   bash tools/device/device_session.sh quantprefill  benchmarks/quant_prefill.py: one layer of a 16K chunk's attention over a
 #                                                quantized 114K prefix (FP8's kernel at several tiles, KIVI-4,
 #                                                TurboQuant-4, FP8 dequantized + FlashInfer) beside FlashInfer bf16
@@ -251,6 +253,14 @@ quantdecode)  # decode attention over the quantized pools, one layer in a CUDA g
   install
   CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/quantdecode.txt python3 benchmarks/quant_decode.py \
       --warps ${QUANT_WARPS:-2 4 8} ${QUANT_ARGS:-}  # QUANT_ARGS: e.g. --shapes 6x130000 --kivi-pages 2 4
+  ;;
+ncudecode)  # ncu of one decode kernel launch (the first matching NCU_KERNEL, default _decode_kernel) under
+  install    # quant_decode.py's QUANT_ARGS (e.g. --shapes 6x130000 --methods palu --palu-tiles T --palu-tiles-only):
+             # stall reasons, scheduler, memory and occupancy sections; ~2 min
+  CUDA_VISIBLE_DEVICES="${HEADLINE_GPU:-$DEFAULT_GPU}" launch /root/bench/ncudecode.txt ncu --clock-control none -c 1 \
+      -k "regex:${NCU_KERNEL:-_decode_kernel}" --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      python3 benchmarks/quant_decode.py ${QUANT_ARGS:---shapes 6x130000 --methods palu}
   ;;
 quantprefill)  # extend attention over a quantized prefix (benchmarks/quant_prefill.py) beside FlashInfer bf16, no server
   install
@@ -485,6 +495,6 @@ collect)
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|palu130k|palu130k6|paludiag|quantdecode|plan1|plan2|plan3|plan4|plan5|rows|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
+  echo "usage: $0 headline|vanilla130k|dense130k|snapkv130k|snapkv130k6|quest130k|quest130k6|retroinfer130k6|omnikv130k|fp8kv130k|fp8kv130k6|kivi130k|kivi130k6|turboquant130k|turboquant130k6|snapkvfp8130k|palu130k|palu130k6|paludiag|quantdecode|ncudecode|plan1|plan2|plan3|plan4|plan5|rows|selection|questdiag|quality16ksel|quality16kquant|table130k|streamingllm|floorref|layout|diag|agent|gputests|gpukernels|quality16k|queue STEP...|train|quality DIR TOKENS...|status|wait [S]|collect" >&2
   exit 2 ;;
 esac
