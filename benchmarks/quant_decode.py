@@ -217,6 +217,9 @@ def main() -> None:
     p.add_argument("--kivi-tiles", nargs="*", default=[],
                    help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS]] (0: the default; "
                         "KEYROWS 1: the keys-as-rows kernel, 0x0x0x0x1 at the default tile)")
+    p.add_argument("--splits", nargs="*", type=int, default=[],
+                   help="also time each method's served kernel at these split-KV counts (by default "
+                        "kernels/splits.py's decode_splits from the shapes: 64 at 6 x 130K)")
     p.add_argument("--palu-fp32", action="store_true", help="also time Palu's kernel with fp32 dots and table")
     p.add_argument("--palu-tiles-only", action="store_true",
                    help="Palu's --palu-tiles rows only (its first launch then is the first tile's: for ncu -c 1)")
@@ -237,6 +240,8 @@ def main() -> None:
                 continue
             if not (args.palu_tiles_only and label.startswith("palu")):
                 print(_row(label, bs, n, None, ev), flush=True)
+                for sp in args.splits:
+                    print(_row(label, bs, n, {"splits": sp}, ev), flush=True)
             if label.startswith("palu"):
                 if args.palu_fp32:
                     print(_row(label, bs, n, {"native": False}, ev), flush=True)
