@@ -13,7 +13,7 @@ import torch
 from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
-from sgl_sparse.kernels.palu_attention import BY_INDEX, BY_ROW, BY_TILE, Tile
+from sgl_sparse.kernels.palu_attention import BY_INDEX, BY_ROW, BY_TILE, ROW_CHECKED, Tile
 from sgl_sparse.methods.compression.palu import PaluStore
 
 D, HIDDEN = 32, 128
@@ -165,13 +165,13 @@ def test_palu_kernel_under_the_interpreter() -> None:
 @pytest.mark.parametrize("key_rows", [False, True])
 def test_angles_by_row_index_equal_the_gathered_ones_where_positions_are_indices(key_rows: bool) -> None:
     """``BY_ROW`` (the row index taken as the position, no position gather) against the torch path on rows whose
-    positions are their indices, and away from it where they are not (a compacted row's): what it assumes."""
+    positions are their indices, and away from it where they are not (a compacted row's): what it assumes.
+    ``ROW_CHECKED`` equals the torch path on both: a tile whose positions are not its indices gathers again."""
     from sgl_sparse.kernels import palu_attention
 
     d = 64
-    for at_index in (True, False):
-        store, table, rows, q = _filled(2, 8, 0.5, 1, True, [40, 7, 70], seed=12, d=d, gap=0 if at_index else 5,
-                                         at_index=at_index)
+    for at_index, gap in ((True, 0), (True, 5), (False, 5)):  # (True, 5): a row's first half at its indices
+        store, table, rows, q = _filled(2, 8, 0.5, 1, True, [40, 7, 70], seed=12, d=d, gap=gap, at_index=at_index)
         seq = torch.tensor([40, 7, 70])
         want = store.decode(1, q, table, rows, seq, d ** -0.5)
         rot = store.rotary
@@ -179,7 +179,12 @@ def test_angles_by_row_index_equal_the_gathered_ones_where_positions_are_indices
         got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
                                               store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq, d ** -0.5,
                                               splits=3, tile=Tile(16, angles=BY_ROW, key_rows=key_rows))
-        if at_index:
+        if at_index and not gap:
             torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
         else:
             assert (got - want).abs().max() > 1e-2
+        checked = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+                                                  store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq,
+                                                  d ** -0.5, splits=3, tile=Tile(16, angles=ROW_CHECKED,
+                                                                                 key_rows=key_rows))
+        torch.testing.assert_close(checked, want, rtol=2e-4, atol=2e-4)

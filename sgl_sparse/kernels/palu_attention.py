@@ -33,8 +33,10 @@ from sgl_sparse.kernels.splits import (
 # all over the table); by its offset from the tile's smallest position; by its offset from the tile's first row index;
 # by its row index taken as its position (BY_ROW: no position gather, the table's rows read in order; exact only for
 # rows whose positions are their indices, as a request's that no eviction, prune or Chain Cache turn compacted:
-# a measurement of what the position gather costs, not served).
-BY_POSITION, BY_TILE, BY_INDEX, BY_ROW = 0, 1, 2, 3
+# a measurement of what the position gather costs, not served); by its row index where every position of the tile
+# is its row index, else by position (ROW_CHECKED: the table's rows in order, issued with the slots; a tile whose
+# positions are not its row indices gathers again; exact for any positions).
+BY_POSITION, BY_TILE, BY_INDEX, BY_ROW, ROW_CHECKED = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -52,7 +54,8 @@ def _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK: tl.constexpr
     """A tile's positions ``start + o`` of the split ending at ``hi``: which are in it, their slots (int32 offsets
     when every offset into the pool fits), key latents ``[BLOCK, RKP]``, stored positions, and the position p0
     :func:`_angles` turns the queries back by: the smallest of the tile's positions (``BY_TILE``; every tile holds
-    at least one), the tile's first row index ``start`` (``BY_INDEX``), else 0."""
+    at least one), the tile's first row index ``start`` (``BY_INDEX``), else 0; for ``ROW_CHECKED`` in its place
+    the tile's row indices ``[BLOCK]``; ``BY_ROW`` takes the row indices as the positions."""
     p = start + o
     ok = p < hi
     # A position past the split reads slot 0 (a pool slot like any, finite) and scores -inf: only the slot's own
@@ -67,6 +70,8 @@ def _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK: tl.constexpr
         tp0 = tl.min(tl.where(ok, tp, 2**30), 0)
     elif ANGLES == 2:
         tp0 = start
+    elif ANGLES == 4:
+        tp0 = p.to(slot.dtype)
     else:
         tp0 = 0
     return ok, slot, z, tp, tp0
@@ -83,6 +88,19 @@ def _angles(cos_sin, tp, tp0, ok, j, stride_cs, HALF: tl.constexpr, ANGLES: tl.c
     before its row index (none that SGLang or a method writes: eviction and pruning only drop tokens) reads the
     table's rows before position 0 (:func:`mirrored`). Exact for any positions: rows with gaps just read farther
     rows."""
+    if ANGLES == 4:
+        # tp0: the tile's row indices; their rows of the table depend on no load, so the pipeline issues them with
+        # the slots, a level before the positions arrive
+        c0 = tl.full(j.shape, 1.0, tl.float32)
+        s0 = tl.zeros(j.shape, tl.float32)
+        cs = cos_sin + tl.where(ok, tp0, 0)[:, None] * stride_cs + j[None, :]
+        cos = tl.load(cs)
+        sin = tl.load(cs + HALF)
+        if tl.max(tl.where(ok & (tp != tp0), 1, 0), 0) != 0:
+            cs = cos_sin + tp[:, None] * stride_cs + j[None, :]
+            cos = tl.load(cs)
+            sin = tl.load(cs + HALF)
+        return cos.to(tl.float32), sin.to(tl.float32), c0, s0
     if ANGLES == 0 or ANGLES == 3:
         row = tl.where(ok, tp, 0) if ANGLES == 3 else tp  # a stored position: a row of the table
         c0 = tl.full(j.shape, 1.0, tl.float32)
@@ -228,9 +246,9 @@ class Tile(NamedTuple):
     """A decode tile: ``block`` positions an iteration, ``warps``, pipeline ``stages``, ``maxnreg`` registers a thread
     at most (more blocks an SM; 0: no cap), ``freq_chunk`` rotary frequencies reconstructed at a time (a power of
     two >= 16 dividing ``D / 2``: fewer live registers for the same work; 0: all), ``query_rows`` (the group's
-    query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE``, ``BY_INDEX`` or
-    ``BY_ROW``: how a key gets its rotation, :func:`_angles`), ``key_rows`` (:func:`_decode_kernel_key_rows`; the
-    frequencies in one chunk or two)."""
+    query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE``, ``BY_INDEX``, ``BY_ROW``
+    or ``ROW_CHECKED``: how a key gets its rotation, :func:`_angles`), ``key_rows``
+    (:func:`_decode_kernel_key_rows`; the frequencies in one chunk or two)."""
 
     block: int
     warps: int = 4
@@ -244,8 +262,8 @@ class Tile(NamedTuple):
 
 def check_tile(tile: Tile, head_dim: int | None = None) -> None:
     """ValueError unless the kernel runs ``tile`` (for heads of ``head_dim`` dimensions, a power of two, if given)."""
-    if tile.angles not in (BY_POSITION, BY_TILE, BY_INDEX, BY_ROW):
-        raise ValueError(f"angles {tile.angles}: {BY_POSITION}, {BY_TILE}, {BY_INDEX} or {BY_ROW}")
+    if tile.angles not in (BY_POSITION, BY_TILE, BY_INDEX, BY_ROW, ROW_CHECKED):
+        raise ValueError(f"angles {tile.angles}: {BY_POSITION} to {ROW_CHECKED}")
     if tile.block < 16 or tile.block & (tile.block - 1) or tile.warps & (tile.warps - 1):
         raise ValueError(f"block {tile.block}, warps {tile.warps}: powers of two, a block of 16 or more")
     if head_dim is None:

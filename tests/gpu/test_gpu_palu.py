@@ -53,6 +53,7 @@ def _table(max_pos: int) -> torch.Tensor:
     (0.5, palu_attention.Tile(64)), (0.5, palu_attention.Tile(64, angles=palu_attention.BY_TILE)),
     (0.5, palu_attention.Tile(64, stages=5, query_rows=8, key_rows=True, angles=palu_attention.BY_INDEX)),
     (0.5, palu_attention.Tile(64, stages=5, query_rows=8, key_rows=True, freq_chunk=32)),
+    (0.5, palu_attention.Tile(64, stages=5, query_rows=8, key_rows=True, angles=palu_attention.ROW_CHECKED)),
     (0.75, palu_attention.Tile(32)),
 ])
 def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(ratio: float,
