@@ -22,12 +22,14 @@ def _table(n: int) -> torch.Tensor:
     return torch.cat([f.cos(), f.sin()], dim=-1).float()
 
 
-def _store(dtype: torch.dtype = torch.float32, latent_bits: int = 16) -> tuple[DeltaKVStore, RotaryTable]:
-    """latent 6 in the model dtype, or 32 (one group) at 4 bits."""
+def _store(dtype: torch.dtype = torch.float32, latent_bits: int = 16, keep: int = 0, sink: int = 0,
+           recent: int = 0, sparse: tuple[int, ...] = SPARSE) -> tuple[DeltaKVStore, RotaryTable]:
+    """latent 6 in the model dtype, or 32 (one group) at 4 bits; ``keep``/``sink``/``recent``: decode's selection."""
     torch.manual_seed(0)
     comp = Compressor(CompressorConfig(kv_dim=2 * HKV * D, latent_dim=6 if latent_bits == 16 else 32,
-                                       intermediate=16, layers=SPARSE, stride=STRIDE, neighbors=K))
-    store = DeltaKVStore(comp.config, lambda: comp, latent_bits=latent_bits)
+                                       intermediate=16, layers=sparse, stride=STRIDE, neighbors=K))
+    store = DeltaKVStore(comp.config, lambda: comp, latent_bits=latent_bits, keep_tokens=keep, sink_tokens=sink,
+                         recent_tokens=recent)
     rot = RotaryTable(_table(256), D, True)
     proj = AttentionProjections(torch.zeros(HKV * D, 4), torch.zeros(HKV * D, 4))
     store.load_model(ModelKV((proj,) * LAYERS, HKV, D, D, rot))
@@ -144,3 +146,69 @@ def test_bytes_per_token_and_launch_time_errors() -> None:
         DeltaKVStore(store.config, lambda: store.compressor, latent_bits=4)  # type: ignore[arg-type,return-value]
     with pytest.raises(ValueError, match="latent_bits 8"):
         DeltaKVStore(store4.config, lambda: store4.compressor, latent_bits=8)  # type: ignore[arg-type,return-value]
+
+
+def _attend_at(store: DeltaKVStore, layer: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Plain softmax attention of ``q`` ``[Hq, D]`` over the tokens at ``slots`` as the pool reads them back."""
+    k, v = store.read(layer, slots)
+    k = k.float().repeat_interleave(q.shape[0] // HKV, dim=1)  # [n, Hq, D]
+    v = v.float().repeat_interleave(q.shape[0] // HKV, dim=1)
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * D ** -0.5, dim=1)
+    return torch.einsum("hn,nhd->hd", p, v)
+
+
+def _filled(keep: int, sink: int, recent: int, sparse: tuple[int, ...] = SPARSE, lens: tuple[int, ...] = (43, 61),
+            ) -> tuple[DeltaKVStore, torch.Tensor, torch.Tensor]:
+    store, _ = _store(keep=keep, sink=sink, recent=recent, sparse=sparse)
+    g = torch.Generator().manual_seed(3)
+    store.attach_rows(r2t := torch.zeros(len(lens) + 1, 64, dtype=torch.int32))
+    for row, n in enumerate(lens, start=1):
+        r2t[row, :n] = torch.arange(row * 10 * STRIDE, row * 10 * STRIDE + n, dtype=torch.int32)
+        k, v = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+        for layer in range(LAYERS):
+            _write(store, layer, r2t, row, k, v, 0, n)
+    return store, r2t, torch.randn(len(lens), 2 * HKV, D, generator=g)
+
+
+@pytest.mark.parametrize(("keep", "sink", "recent"), [(10, 2, 5), (1, 3, 4), (20, 0, 0)])
+def test_decode_reads_on_sparse_layers_what_the_full_layer_before_them_selected(keep: int, sink: int,
+                                                                                recent: int) -> None:
+    """The original's decode: the full layer 0 scores every token with this step's queries (the largest q . k over
+    the query heads, its raw keys), its ``keep`` best beside the first ``sink`` and last ``recent`` positions are
+    what sparse layers 1 and 2 read (here against that selection made in plain torch); a row no longer than the
+    selection reads every token, as a store without one does."""
+    lens = (43, 61)
+    store, r2t, q = _filled(keep, sink, recent, lens=lens)
+    rows, seq = torch.tensor([1, 2]), torch.tensor(lens)
+    everything, _, _ = _filled(0, 0, 0, lens=lens)
+    full = everything.decode(0, q, r2t, rows, seq, D ** -0.5)
+    torch.testing.assert_close(store.decode(0, q, r2t, rows, seq, D ** -0.5), full)  # a full layer reads everything
+    for layer in SPARSE:
+        got = store.decode(layer, q, r2t, rows, seq, D ** -0.5)
+        for i, n in enumerate(lens):
+            slots = r2t[i + 1, :n].long()
+            keys = store.k[0][slots].float()  # [n, Hkv, D]
+            score = torch.einsum("hgd,nhd->nhg", q[i].view(HKV, 2, D), keys).amax(dim=(1, 2))
+            score[:sink] = float("inf")
+            score[n - recent:] = float("inf")
+            chosen = torch.topk(score, min(n, sink + keep + recent)).indices.sort().values
+            assert len(chosen) < n  # every row here is longer than its selection
+            torch.testing.assert_close(got[i], _attend_at(store, layer, q[i], slots[chosen]), atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(got[i], _attend_at(store, layer, q[i], slots), atol=1e-3)
+
+
+def test_decode_reads_every_token_where_the_selection_covers_the_row_or_no_full_layer_precedes() -> None:
+    lens = (43, 61)
+    rows, seq = torch.tensor([1, 2]), torch.tensor(lens)
+    everything, r2t, q = _filled(0, 0, 0, lens=lens)
+    covering, _, _ = _filled(50, 8, 8, lens=lens)  # 66 >= 61
+    for layer in range(LAYERS):
+        torch.testing.assert_close(covering.decode(layer, q, r2t, rows, seq, D ** -0.5),
+                                   everything.decode(layer, q, r2t, rows, seq, D ** -0.5))
+    # layer 0 sparse, layer 1 full: layer 0 reads every token, layer 2 the selection
+    first_sparse, _, _ = _filled(5, 1, 1, sparse=(0, 2), lens=lens)
+    every, _, _ = _filled(0, 0, 0, sparse=(0, 2), lens=lens)
+    outs = [first_sparse.decode(layer, q, r2t, rows, seq, D ** -0.5) for layer in range(LAYERS)]
+    torch.testing.assert_close(outs[0], every.decode(0, q, r2t, rows, seq, D ** -0.5))
+    assert not torch.allclose(outs[2], every.decode(2, q, r2t, rows, seq, D ** -0.5), atol=1e-3)
+

@@ -4,9 +4,10 @@ the model's trained compressor; the other layers (full) keep everything. The lay
 :class:`~sgl_sparse.methods.compression.deltakv_store.DeltaKVStore`; the compressor and its trainer
 ``methods/compression/deltakv_compressor.py`` and ``training/deltakv.py``.
 
-Served on the CPU server (the store's plain-torch path): every token is kept and read back reconstructed. Not yet:
-the original's raw sink and recent tokens, its decode-time selection of ``decode_keep_tokens`` tokens on the full
-layers, GPU kernels (docs/methods/deltakv.md).
+Served on the CPU server (the store's plain-torch path): every token is kept; prefill reads every token back
+reconstructed, decode on a sparse layer only the ``decode_keep_tokens`` the full layer before it chose (the
+original's selection, :meth:`DeltaKVStore.decode`). Not yet: the original's raw sink and recent tokens (read always,
+stored compressed), GPU kernels (docs/methods/deltakv.md).
 
 The compressor: ``compressor`` names a folder holding ``deltakv/`` (or that folder itself); empty (the default)
 means the model folder's, resolved at launch (:meth:`DeltaKV.for_model`), so a missing or mismatched file is a launch
@@ -48,13 +49,18 @@ class DeltaKVConfig(QuantConfig):
     """``compressor``: a folder with ``deltakv/`` (or ``deltakv/`` itself), ``""``: the model folder's, ``random``:
     untrained (speed runs only); ``center_ratio``: the share of tokens kept raw as centres; ``neighbors``: centres a
     token's residual is taken against (both must be what the compressor was trained with); ``latent_bits``: 16 (the
-    latent in the model dtype) or 4 (codes with a scale and zero point per 32 values)."""
+    latent in the model dtype) or 4 (codes with a scale and zero point per 32 values); ``decode_keep_tokens``: the
+    tokens a decode step reads on a sparse layer beside the first ``sink_tokens`` and the last ``recent_tokens``,
+    chosen by the full layer before it (0: every token; the original's 2,048, 8 and 128)."""
 
     method_name = "deltakv"
     compressor: str = ""
     center_ratio: float = 0.1
     neighbors: int = 4
     latent_bits: int = 16
+    decode_keep_tokens: int = 2048
+    sink_tokens: int = 8
+    recent_tokens: int = 128
 
     @property
     def stride(self) -> int:
@@ -66,6 +72,8 @@ class DeltaKVConfig(QuantConfig):
                      "center_ratio", "must be 1 / N for an integer N >= 2")
         self.require(self.neighbors >= 1, "neighbors", "must be >= 1")
         self.require(self.latent_bits in LATENT_BITS, "latent_bits", f"must be one of {LATENT_BITS}")
+        for name in ("decode_keep_tokens", "sink_tokens", "recent_tokens"):
+            self.require(getattr(self, name) >= 0, name, "must be >= 0")
 
 
 def _model_shapes(model_path: str) -> tuple[int, int]:
@@ -127,7 +135,8 @@ class DeltaKV(SparseMethod[DeltaKVConfig]):
             path = config.compressor
             try:
                 self._store = DeltaKVStore(c, lambda: load_compressor(path), config.prefix_attention,
-                                           config.latent_bits)
+                                           config.latent_bits, config.decode_keep_tokens, config.sink_tokens,
+                                           config.recent_tokens)
             except ValueError as e:
                 raise SparseConfigError(f"deltakv: field 'latent_bits': {str(e).removeprefix('deltakv: ')}") from None
 

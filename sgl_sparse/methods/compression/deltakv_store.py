@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from sgl_sparse.contract import KVGeometry, KVStore, ModelKV, RotaryTable
+from sgl_sparse.kernels.omnikv import score_tokens_torch
+from sgl_sparse.kernels.pages import select_pages
 from sgl_sparse.kernels.quant import asym_dequantize, asym_quantize, pack_chunks, unpack_chunks
 from sgl_sparse.kernels.rope import rotate
 from sgl_sparse.methods.compression.deltakv_compressor import (
@@ -43,6 +45,7 @@ from sgl_sparse.methods.compression.deltakv_compressor import (
     nearest_centres,
 )
 from sgl_sparse.slots import SENTINEL_SLOT
+from sgl_sparse.store_reads import attend
 
 INT32 = 4
 LATENT_GROUP = 32  # latent values a 4-bit scale and zero point cover (the original's group)
@@ -66,15 +69,20 @@ class DeltaKVStore(KVStore):
         return 1  # every token is encoded alone when written; a page only keeps one request's tokens together
 
     def __init__(self, config: CompressorConfig, load: Callable[[], Compressor],
-                 prefix_attention: str = "auto", latent_bits: int = 16) -> None:
+                 prefix_attention: str = "auto", latent_bits: int = 16, keep_tokens: int = 0, sink_tokens: int = 0,
+                 recent_tokens: int = 0) -> None:
         """``config``: the compressor's shapes (the pool is sized from them); ``load``: its weights, called in
         :meth:`load_model` (the server's scheduler: torch work in a launcher that forks its children afterwards
-        can hang them); ``latent_bits``: 16 (the model dtype) or 4."""
+        can hang them); ``latent_bits``: 16 (the model dtype) or 4; ``keep_tokens``: what a decode step reads on a
+        sparse layer (:meth:`decode`; 0: every token)."""
         if latent_bits not in LATENT_BITS or (latent_bits == 4 and config.latent_dim % LATENT_GROUP):
             raise ValueError(f"deltakv: latent_bits {latent_bits} over a latent of {config.latent_dim}: 16, or 4 "
                              f"where the latent is whole groups of {LATENT_GROUP}")
         self.latent_bits = latent_bits
-        self.choose_prefix_attention(prefix_attention)
+        self.keep_tokens, self.sink_tokens, self.recent_tokens = keep_tokens, sink_tokens, recent_tokens
+        # The decode step's selection, row positions [bs, sink + keep + recent] ascending (past a row's length:
+        # unused), made by each full layer and read by the sparse layers after it in the same step.
+        self._selected: torch.Tensor | None = None
         self._load = load
         self.compressor: Compressor | None = None
         self.config = config
@@ -273,6 +281,37 @@ class DeltaKVStore(KVStore):
         centre = slots % self.stride == 0
         kv[centre] = self.centre[layer_id][slots[centre] // self.stride].float()
         return self._split(kv, self.pos[layer_id][slots])
+
+    def decode(self, layer_id: int, q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention. With ``keep_tokens``, the original's selection (OmniKV's): each full layer reads every
+        token and scores them with this step's queries (the largest ``q . k`` over the query heads), and the sparse
+        layers after it, up to the next full one, read only its ``keep_tokens`` best beside the first
+        ``sink_tokens`` and last ``recent_tokens`` positions, reconstructed. Sparse layers before the first full
+        layer read every token; so does a row no longer than the selection."""
+        if not self.keep_tokens:
+            return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
+        if layer_id not in self.sparse_layers:
+            scores = torch.empty(q.shape[0], req_to_token.shape[1], dtype=torch.float32, device=q.device)
+            score_tokens_torch(q, self.k[layer_id], req_to_token, req_pool_indices, seq_lens, scores,
+                               self.sink_tokens, self.recent_tokens)
+            self._selected = select_pages(scores, self.sink_tokens + self.keep_tokens + self.recent_tokens)
+            return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
+        if self._selected is None or not any(layer < layer_id for layer in self.full_layers):
+            return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
+        out = torch.zeros_like(q)
+        rows, lens = req_pool_indices.tolist(), seq_lens.tolist()
+        for i, (r, n) in enumerate(zip(rows, lens, strict=True)):
+            if n > 0:
+                at = self._selected[i]
+                k, v = self.read(layer_id, req_to_token[r, at[at < n]].long())
+                out[i] = attend(q[i:i + 1], k, v, scale)[0][0]
+        return out
+
+    @property
+    def full_layers(self) -> list[int]:
+        """The layers that keep every token raw (the compressor has no ``down``/``up`` for them)."""
+        return [layer for layer in self.k if layer not in self.sparse_layers]
 
     def round_trip(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
