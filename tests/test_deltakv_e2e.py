@@ -36,6 +36,18 @@ def deltakv_server(server_pool: ServerPool, small_suite: tuple[str, list]) -> It
         yield srv
 
 
+def test_decode_selection_in_a_server_answers_a_shared_prefix_as_cold(server_pool: ServerPool,
+                                                                      small_suite: tuple[str, list]) -> None:
+    """The original's decode selection (a sparse layer reads 64 + 8 + 32 of a 400-token prompt's tokens, chosen by
+    layer 0): a second conversation reading the shared system prompt from the tree chooses and answers as it does
+    cold, and aborts leave no slot behind. (Its quality on this model: docs/methods/deltakv.md.)"""
+    config = json.dumps({"decode_keep_tokens": 64, "sink_tokens": 8, "recent_tokens": 32})
+    with server_pool.use(spec(small_suite[0], [*FLAGS, "--sparse-method", "deltakv", "--sparse-config", config]),
+                         once=True) as (srv,):
+        shared_prefix_answers_as_cold(srv, random.Random(13), 400, cached=400)
+        abort_mid_prefill_and_mid_decode(srv, random.Random(8), "deltakv")
+
+
 def test_server_reports_the_layout_of_the_shipped_compressor(deltakv_server: ServerProcess) -> None:
     st = _state(deltakv_server)
     store = st["kv_store"]

@@ -4,10 +4,10 @@ the model's trained compressor; the other layers (full) keep everything. The lay
 :class:`~sgl_sparse.methods.compression.deltakv_store.DeltaKVStore`; the compressor and its trainer
 ``methods/compression/deltakv_compressor.py`` and ``training/deltakv.py``.
 
-Served on the CPU server (the store's plain-torch path): every token is kept; prefill reads every token back
-reconstructed, decode on a sparse layer only the ``decode_keep_tokens`` the full layer before it chose (the
-original's selection, :meth:`DeltaKVStore.decode`). Not yet: the original's raw sink and recent tokens (read always,
-stored compressed), GPU kernels (docs/methods/deltakv.md).
+Served on the CPU server (the store's plain-torch path): every token is kept and read back reconstructed; with
+``decode_keep_tokens``, decode on a sparse layer reads only those the full layer before it chose (the original's
+selection, :meth:`DeltaKVStore.decode`). Not yet: the original's raw sink and recent tokens, GPU kernels
+(docs/methods/deltakv.md).
 
 The compressor: ``compressor`` names a folder holding ``deltakv/`` (or that folder itself); empty (the default)
 means the model folder's, resolved at launch (:meth:`DeltaKV.for_model`), so a missing or mismatched file is a launch
@@ -51,14 +51,16 @@ class DeltaKVConfig(QuantConfig):
     token's residual is taken against (both must be what the compressor was trained with); ``latent_bits``: 16 (the
     latent in the model dtype) or 4 (codes with a scale and zero point per 32 values); ``decode_keep_tokens``: the
     tokens a decode step reads on a sparse layer beside the first ``sink_tokens`` and the last ``recent_tokens``,
-    chosen by the full layer before it (0: every token; the original's 2,048, 8 and 128)."""
+    chosen by the full layer before it (0, the default: every token; the original's 2,048, with 8 and 128: with
+    our compressors only layer 0 is full, and its choice lost most answers on quality-small:
+    docs/methods/deltakv.md)."""
 
     method_name = "deltakv"
     compressor: str = ""
     center_ratio: float = 0.1
     neighbors: int = 4
     latent_bits: int = 16
-    decode_keep_tokens: int = 2048
+    decode_keep_tokens: int = 0
     sink_tokens: int = 8
     recent_tokens: int = 128
 
