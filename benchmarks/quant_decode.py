@@ -259,9 +259,10 @@ def main() -> None:
             for tile in args.kivi_tiles if label.startswith("kivi") else []:
                 pages, warps, stages, *more = (int(x) for x in tile.split("x"))
                 maxnreg, key_rows = (more + [0, 0])[:2]
-                knobs = {"pages": pages, "warps": warps, "stages": stages, "maxnreg": maxnreg,
-                         "key_rows": bool(key_rows)}
-                print(_row(label, bs, n, {k: v for k, v in knobs.items() if v}, ev), flush=True)
+                knobs = {"pages": pages, "warps": warps, "stages": stages, "maxnreg": maxnreg}
+                # the loop always explicit: left out, 4 bits on the GPU would take the served one (SERVED_LOOP)
+                print(_row(label, bs, n, {**{k: v for k, v in knobs.items() if v}, "key_rows": bool(key_rows)}, ev),
+                      flush=True)
             for st in args.fp8_stages if label == "fp8_kv" else []:
                 print(_row(label, bs, n, {"stages": st}, ev), flush=True)
 

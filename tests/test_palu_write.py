@@ -80,7 +80,7 @@ def test_write_matches_the_definition(neox: bool, dtype: torch.dtype, hkv: int, 
     kv = torch.randn(n, 2 * hkv + 1, d, generator=gen).to(dtype)
     k, v = kv[:, :hkv], kv[:, hkv + 1:]
     positions = torch.randint(0, MAX_POS, (n,), generator=gen)
-    loc = torch.randperm(SLOTS, generator=gen)[:n]
+    loc = torch.randperm(SLOTS - 1, generator=gen)[:n] + 1
     # pools filled with what the write must leave alone
     zk0 = torch.randn(SLOTS, groups, rk, generator=gen).to(dtype)
     zv0 = torch.randn(SLOTS, groups, rv, generator=gen).to(dtype)
@@ -103,6 +103,11 @@ def test_write_matches_the_definition(neox: bool, dtype: torch.dtype, hkv: int, 
     # no tokens: nothing written, nothing launched
     write_latents(k[:0], v[:0], positions[:0], loc[:0], zk, zv, pos, kb, vb, table, neox)
     assert torch.equal(zk[untouched], zk0[untouched])
+    # slot 0, SGLang's padding slot (a CUDA graph's padded rows write there): never written
+    pad = loc.clone()
+    pad[::2] = 0
+    write_latents(k, v, positions, pad.to(loc.dtype), zk, zv, pos, kb, vb, table, neox, chunk=chunk)
+    assert torch.equal(zk[0], zk0[0]) and torch.equal(zv[0], zv0[0]) and int(pos[0]) == int(pos0[0])
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreted run")

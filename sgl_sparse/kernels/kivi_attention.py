@@ -35,8 +35,9 @@ the thin query tiles (shared-memory layout conversions, index arithmetic, the so
 which dominates over unpacking (~1 instruction an element, ``benchmarks/sass_counts.py``). Its speed against bf16
 is in BENCHMARKS.md.
 
-A second form of the loop, :func:`_decode_kernel_key_rows` (``decode_attention(..., key_rows=True)``; not served
-until timed, ``benchmarks/quant_decode.py --kivi-tiles``): the block's keys as the rows of every dot, as Palu's
+A second form of the loop, :func:`_decode_kernel_key_rows` (``decode_attention(..., key_rows=True)``; served at 4
+bits on the GPU, :data:`SERVED_LOOP`; ``benchmarks/quant_decode.py --kivi-tiles`` times both): the block's keys as
+the rows of every dot, as Palu's
 served kernel has them (``palu_attention._decode_kernel_key_rows``). The query-rows form above puts the thin query
 tile (``G`` rows, padded to the tensor cores' 16) on the left and the keys transposed on the right, through shared
 memory every page; here logits ``[BLOCK, GP] = dot(k_c [BLOCK, W], q'_c [W, GP])`` (stacked pages: their folded

@@ -266,6 +266,8 @@ def check_tile(tile: Tile, head_dim: int | None = None) -> None:
         raise ValueError(f"angles {tile.angles}: {BY_POSITION} to {ROW_CHECKED}")
     if tile.block < 16 or tile.block & (tile.block - 1) or tile.warps & (tile.warps - 1):
         raise ValueError(f"block {tile.block}, warps {tile.warps}: powers of two, a block of 16 or more")
+    if tile.query_rows & (tile.query_rows - 1):
+        raise ValueError(f"query_rows {tile.query_rows}: a power of two")
     if head_dim is None:
         return
     half = head_dim // 2

@@ -17,7 +17,8 @@ fp32 latents agree to rounding and model-dtype ones to at most one unit in the l
 straddle a rounding boundary).
 
 Every dimension is rotated (``rotary_dim == head_dim``, as the store's decode kernel assumes) and the head dim
-is a power of two of at least 32 (:func:`fits`); the store writes through its torch path otherwise.
+is a power of two of at least 32 (:func:`fits`); the store writes through its torch path otherwise. Slot 0, SGLang's
+padding slot, is never written (the decode kernel reads it for positions past a split: it stays zero and finite).
 """
 
 from __future__ import annotations
@@ -91,11 +92,14 @@ def _write_kernel(k, v, positions, loc, zk, zv, pos_buf, bk, bv, cos_sin, n,
             x = tl.load(v_row + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             b = tl.load(bv_g + (h * D + d)[:, None] * stride_bvd + rv[None, :], mask=(rv < RV)[None, :], other=0.0)
             acc_v = tl.dot(x, b, acc_v, input_precision="ieee")
+    # slot 0 (SGLang's padding slot, where a CUDA graph's padded rows write) is never written: it stays zero latents
+    # at position 0, which the decode kernel reads, unmasked, for positions past a split
+    wr = ok & (slot != 0)
     tl.store(zk + slot[:, None] * stride_zks + grp * stride_zkg + rk[None, :], _round_to(acc_k, zk.dtype.element_ty),
-             mask=ok[:, None] & (rk < RK)[None, :])
+             mask=wr[:, None] & (rk < RK)[None, :])
     tl.store(zv + slot[:, None] * stride_zvs + grp * stride_zvg + rv[None, :], _round_to(acc_v, zv.dtype.element_ty),
-             mask=ok[:, None] & (rv < RV)[None, :])
-    tl.store(pos_buf + slot, p.to(tl.int32), mask=ok & (grp == 0))
+             mask=wr[:, None] & (rv < RV)[None, :])
+    tl.store(pos_buf + slot, p.to(tl.int32), mask=wr & (grp == 0))
 
 
 def write_latents(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, zk: torch.Tensor,

@@ -83,6 +83,7 @@ class DeltaKVStore(KVStore):
         # The decode step's selection, row positions [bs, sink + keep + recent] ascending (past a row's length:
         # unused), made by each full layer and read by the sparse layers after it in the same step.
         self._selected: torch.Tensor | None = None
+        self._selected_rows = torch.empty(0, dtype=torch.int64)
         self._load = load
         self.compressor: Compressor | None = None
         self.config = config
@@ -292,13 +293,19 @@ class DeltaKVStore(KVStore):
         if not self.keep_tokens:
             return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
         if layer_id not in self.sparse_layers:
-            scores = torch.empty(q.shape[0], req_to_token.shape[1], dtype=torch.float32, device=q.device)
+            # scored up to the longest row, not the table's width (every score is a [bs, width, Hkv, D] gather)
+            width = max(1, int(seq_lens.max())) if seq_lens.numel() else 1
+            scores = torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
             score_tokens_torch(q, self.k[layer_id], req_to_token, req_pool_indices, seq_lens, scores,
                                self.sink_tokens, self.recent_tokens)
             self._selected = select_pages(scores, self.sink_tokens + self.keep_tokens + self.recent_tokens)
+            self._selected_rows = req_pool_indices.clone()
             return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
         if self._selected is None or not any(layer < layer_id for layer in self.full_layers):
             return super().decode(layer_id, q, req_to_token, req_pool_indices, seq_lens, scale)
+        if not torch.equal(self._selected_rows, req_pool_indices):
+            raise RuntimeError("deltakv: a sparse layer's decode batch is not the one its full layer chose for "
+                               "(batches interleaved by layer are not supported)")
         out = torch.zeros_like(q)
         rows, lens = req_pool_indices.tolist(), seq_lens.tolist()
         for i, (r, n) in enumerate(zip(rows, lens, strict=True)):
