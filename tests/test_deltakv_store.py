@@ -128,6 +128,11 @@ def test_chunked_writes_by_two_requests_sharing_a_prefix_read_back_as_the_whole_
 
 def test_bytes_per_token_and_launch_time_errors() -> None:
     store, _ = _store(torch.bfloat16)
+    comp = store.compressor
+    assert comp is not None
+    for mode, dequantize in (("dequantize", True), ("kernel", False)):  # the config's prefix read, not a default
+        chosen = DeltaKVStore(comp.config, lambda: comp, prefix_attention=mode)
+        assert (chosen.prefix_attention, chosen.dequantize_prefix) == (mode, dequantize)
     g = KVGeometry(LAYERS, 2 * HKV, HKV, D, STRIDE, 10, torch.bfloat16, torch.device("cpu"))
     full = 2 * HKV * D * 2
     sparse = 6 * 2 + (K + 1) * 4 + -(-(2 * HKV * D * 2) // STRIDE)

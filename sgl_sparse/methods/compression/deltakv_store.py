@@ -79,6 +79,7 @@ class DeltaKVStore(KVStore):
             raise ValueError(f"deltakv: latent_bits {latent_bits} over a latent of {config.latent_dim}: 16, or 4 "
                              f"where the latent is whole groups of {LATENT_GROUP}")
         self.latent_bits = latent_bits
+        self.choose_prefix_attention(prefix_attention)
         self.keep_tokens, self.sink_tokens, self.recent_tokens = keep_tokens, sink_tokens, recent_tokens
         # The decode step's selection, row positions [bs, sink + keep + recent] ascending (past a row's length:
         # unused), made by each full layer and read by the sparse layers after it in the same step.
