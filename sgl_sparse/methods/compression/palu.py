@@ -190,7 +190,7 @@ class PaluStore(KVStore):
                 from sgl_sparse.kernels import palu_attention
 
                 half = r.cos_sin.to(g.device, torch.float16)
-                tile = self.tile or palu_attention.cuda_tile(1 << (rk - 1).bit_length())
+                tile = self.tile or palu_attention.cuda_tile(rk)
                 by_index = tile.angles == palu_attention.BY_INDEX
                 self.kernel_cos_sin = palu_attention.mirrored(half) if by_index else half
         self.dtype, self.geometry = g.dtype, g
