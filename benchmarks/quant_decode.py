@@ -91,9 +91,8 @@ def _decode(label: str, store: Any, knobs: dict[str, Any]) -> Callable[..., torc
     if label.startswith("palu"):
         rot = store.rotary
         table = store.kernel_cos_sin if knobs.get("native", True) else rot.cos_sin
-        tile = knobs.get("tile")
-        if tile is not None and tile.angles == palu_attention.BY_INDEX:
-            table = palu_attention.mirrored(table)
+        if "tile" in knobs:
+            table = palu_attention.table_for(knobs["tile"], table)
         return lambda layer, q, *rest: palu_attention.decode_attention(
             q, store.zk[layer], store.zv[layer], store.pos[layer], store.k_basis[layer], store.v_basis[layer], table,
             rot.neox, *rest, **knobs)

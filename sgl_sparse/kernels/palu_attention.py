@@ -317,6 +317,12 @@ def mirrored(cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([neg, cos_sin])[cos_sin.shape[0] - 1:]
 
 
+def table_for(tile: Tile, cos_sin: torch.Tensor) -> torch.Tensor:
+    """The rotary table ``tile`` reads: :func:`mirrored` where its angles go by row index (``BY_INDEX``), else
+    ``cos_sin`` itself."""
+    return mirrored(cos_sin) if tile.angles == BY_INDEX else cos_sin
+
+
 def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
                      k_basis: torch.Tensor, v_basis: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,

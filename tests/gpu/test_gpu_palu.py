@@ -84,9 +84,7 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
     q = torch.randn(len(lens), HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
     rot = store.rotary
     assert rot is not None
-    table = store.kernel_cos_sin
-    if tile is not None and tile.angles == palu_attention.BY_INDEX:
-        table = palu_attention.mirrored(table)
+    table = store.kernel_cos_sin if tile is None else palu_attention.table_for(tile, store.kernel_cos_sin)
     with sync_debug("error"):
         got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
                                               store.v_basis[0], table, True, r2t, rpi, seq,

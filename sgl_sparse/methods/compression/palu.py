@@ -189,10 +189,8 @@ class PaluStore(KVStore):
             if g.device.type == "cuda":
                 from sgl_sparse.kernels import palu_attention
 
-                half = r.cos_sin.to(g.device, torch.float16)
-                tile = self.tile or palu_attention.cuda_tile(rk)
-                by_index = tile.angles == palu_attention.BY_INDEX
-                self.kernel_cos_sin = palu_attention.mirrored(half) if by_index else half
+                self.kernel_cos_sin = palu_attention.table_for(self.tile or palu_attention.cuda_tile(rk),
+                                                               r.cos_sin.to(g.device, torch.float16))
         self.dtype, self.geometry = g.dtype, g
 
     def slot_tensors(self, layer_id: int) -> list[torch.Tensor]:
