@@ -177,7 +177,7 @@ def _palu(d: int, g: int, specs: list[str]) -> None:
     for tile in [palu_attention.cuda_tile(r), *(palu_tile(s) for s in specs)]:
         consts = dict(HKV=8, GS=1, G=g, GP=max(tile.query_rows, g), D=d, HALF=d // 2, NEOX=True, RK=r, RKP=r, RV=r,
                       RVP=r, BLOCK=tile.block, NSPLIT=64, NATIVE=True, I32=True, ANGLES=tile.angles,
-                      JC=tile.freq_chunk or d // 2)
+                      JC=tile.freq_chunk or d // 2, GSTAGES=palu_attention.gather_stages(tile))
         fn = palu_attention._decode_kernel_key_rows if tile.key_rows else palu_attention._decode_kernel
         count(f"palu {tile}", fn, PALU_ARGS, consts, tile.warps, tile.block * d * 2, tile.stages)
 

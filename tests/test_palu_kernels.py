@@ -13,7 +13,7 @@ import torch
 from interpreted import INTERPRETED, assert_interpreted_passed
 
 from sgl_sparse.contract import AttentionProjections, KVGeometry, ModelKV, RotaryTable
-from sgl_sparse.kernels.palu_attention import BY_INDEX, BY_ROW, BY_TILE, ROW_CHECKED, Tile
+from sgl_sparse.kernels.palu_attention import BY_INDEX, BY_ROW, BY_TILE, ROW_CHECKED, SPLIT_CHECKED, Tile
 from sgl_sparse.methods.compression.palu import PaluStore
 
 D, HIDDEN = 32, 128
@@ -166,7 +166,8 @@ def test_palu_kernel_under_the_interpreter() -> None:
 def test_angles_by_row_index_equal_the_gathered_ones_where_positions_are_indices(key_rows: bool) -> None:
     """``BY_ROW`` (the row index taken as the position, no position gather) against the torch path on rows whose
     positions are their indices, and away from it where they are not (a compacted row's): what it assumes.
-    ``ROW_CHECKED`` equals the torch path on both: a tile whose positions are not its indices gathers again."""
+    ``ROW_CHECKED`` equals the torch path on both: a tile whose positions are not its indices gathers again; so
+    does ``SPLIT_CHECKED`` (keys-as-rows only), whose splits of rows at their indices turn keys by tile offset."""
     from sgl_sparse.kernels import palu_attention
 
     d = 64
@@ -183,8 +184,23 @@ def test_angles_by_row_index_equal_the_gathered_ones_where_positions_are_indices
             torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
         else:
             assert (got - want).abs().max() > 1e-2
-        checked = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
+        checked = [Tile(16, angles=ROW_CHECKED, key_rows=key_rows)]
+        if key_rows:  # the split check: two frequency chunks or one
+            checked += [Tile(16, angles=SPLIT_CHECKED, key_rows=True, freq_chunk=16),
+                        Tile(16, angles=SPLIT_CHECKED, key_rows=True, stages=7)]
+        for tile in checked:
+            got = palu_attention.decode_attention(q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1],
                                                   store.v_basis[1], rot.cos_sin, rot.neox, table, rows, seq,
-                                                  d ** -0.5, splits=3, tile=Tile(16, angles=ROW_CHECKED,
-                                                                                 key_rows=key_rows))
-        torch.testing.assert_close(checked, want, rtol=2e-4, atol=2e-4)
+                                                  d ** -0.5, splits=3, tile=tile)
+            torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4, msg=lambda m, t=tile: f"{t}: {m}")
+        if key_rows and at_index and not gap:
+            # every split at its indices: the split check's loop reads the table's first rows and the tiles' first
+            # rows only, so a row neither of those (17) changes nothing there and the gathered loop's scores
+            bad = rot.cos_sin.clone()
+            bad[17] = 0.0
+            args = (q, store.zk[1], store.zv[1], store.pos[1], store.k_basis[1], store.v_basis[1], bad, rot.neox,
+                    table, rows, seq, d ** -0.5)
+            split = palu_attention.decode_attention(*args, splits=3, tile=Tile(16, angles=SPLIT_CHECKED, key_rows=True))
+            torch.testing.assert_close(split, want, rtol=2e-4, atol=2e-4)
+            gathered = palu_attention.decode_attention(*args, splits=3, tile=Tile(16, key_rows=True))
+            assert (gathered - want).abs().max() > 1e-2

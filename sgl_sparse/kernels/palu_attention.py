@@ -35,8 +35,14 @@ from sgl_sparse.kernels.splits import (
 # rows whose positions are their indices, as a request's that no eviction, prune or Chain Cache turn compacted:
 # a measurement of what the position gather costs, not served); by its row index where every position of the tile
 # is its row index, else by position (ROW_CHECKED: the table's rows in order, issued with the slots; a tile whose
-# positions are not its row indices gathers again; exact for any positions).
-BY_POSITION, BY_TILE, BY_INDEX, BY_ROW, ROW_CHECKED = 0, 1, 2, 3, 4
+# positions are not its row indices gathers again; exact for any positions); by a split check (SPLIT_CHECKED, the
+# keys-as-rows loop only: a split whose positions are its row indices turns each key by its offset in the tile from a
+# table held in registers and the queries back by the tile's first index, so a tile's only loads are its slots and
+# latents; any other split takes BY_POSITION's loop).
+BY_POSITION, BY_TILE, BY_INDEX, BY_ROW, ROW_CHECKED, SPLIT_CHECKED = 0, 1, 2, 3, 4, 5
+# SPLIT_CHECKED's loop for splits whose positions are not their indices: at most this many stages (its tiles also
+# stage rotary rows, twice the shared memory a stage of the split-checked loop takes)
+GATHER_STAGES = 5
 
 
 @triton.jit
@@ -187,14 +193,37 @@ def _key_scores(z, b1, b2, q1, q2, cos_sin, tp, tp0, ok, j0, stride_cs, HALF: tl
     k1 = tl.dot(z.to(b1.dtype), b1)  # [BLOCK, JC] fp32: each pair's first dimension, before RoPE
     k2 = tl.dot(z.to(b2.dtype), b2)
     cos, sin, c0, s0 = _angles(cos_sin, tp, tp0, ok, j0 + tl.arange(0, JC), stride_cs, HALF, ANGLES)
-    r1 = (k1 * cos - k2 * sin).to(dt)
-    r2 = (k2 * cos + k1 * sin).to(dt)
     if ANGLES == 1 or ANGLES == 2:
-        qr1 = (q1 * c0[:, None] + q2 * s0[:, None]).to(dt)
-        qr2 = (q2 * c0[:, None] - q1 * s0[:, None]).to(dt)
+        qr1, qr2 = _queries_back(q1, q2, c0, s0, dt)
     else:
         qr1, qr2 = q1.to(dt), q2.to(dt)
+    return _rotated_scores(k1, k2, qr1, qr2, cos, sin, dt)
+
+
+@triton.jit
+def _queries_back(q1, q2, c0, s0, dt: tl.constexpr):
+    """Queries ``[JC, GP]`` at a pair's two dimensions turned back by the angles ``c0``, ``s0`` ``[JC]``, in ``dt``."""
+    return (q1 * c0[:, None] + q2 * s0[:, None]).to(dt), (q2 * c0[:, None] - q1 * s0[:, None]).to(dt)
+
+
+@triton.jit
+def _rotated_scores(k1, k2, qr1, qr2, cos, sin, dt: tl.constexpr):
+    """Scores ``[BLOCK, GP]``: keys ``k1``/``k2`` (each pair's two dimensions, ``[BLOCK, JC]``) turned by
+    ``cos``/``sin``, dotted with the queries ``qr1``/``qr2``."""
+    r1 = (k1 * cos - k2 * sin).to(dt)
+    r2 = (k2 * cos + k1 * sin).to(dt)
     return tl.dot(r1, qr1) + tl.dot(r2, qr2)
+
+
+@triton.jit
+def _split_at_indices(row_ptr, pos_buf, lo, hi, I32: tl.constexpr):
+    """Whether every position of the split ``[lo, hi)`` is its row index (an empty split counts): its first and
+    last are, and a row's positions strictly increase (a row is its sequence with tokens dropped, never reordered:
+    eviction keeps its positions sorted, pruning drops ranges), so every one between is too."""
+    has = lo < hi
+    first = tl.load(pos_buf + tl.load(row_ptr + lo, mask=has, other=0).to(tl.int32 if I32 else tl.int64))
+    last = tl.load(pos_buf + tl.load(row_ptr + hi - 1, mask=has, other=0).to(tl.int32 if I32 else tl.int64))
+    return (lo >= hi) | ((first == lo) & (last == hi - 1))
 
 
 @triton.jit
@@ -204,7 +233,7 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                             NEOX: tl.constexpr, RK: tl.constexpr, RKP: tl.constexpr, RV: tl.constexpr,
                             RVP: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NATIVE: tl.constexpr,
-                            I32: tl.constexpr, ANGLES: tl.constexpr, JC: tl.constexpr):
+                            I32: tl.constexpr, ANGLES: tl.constexpr, JC: tl.constexpr, GSTAGES: tl.constexpr):
     """:func:`_decode_kernel` with the tile's keys as the rows of every dot: the rotated keys, an accumulator
     ``[BLOCK, HALF]``, feed the score dot as its left operand (``[BLOCK, HALF] @ [HALF, GP]``), which the tensor
     cores read from registers, instead of its right one, which passes through shared memory transposed; the value
@@ -227,15 +256,48 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([RVP, GP], tl.float32)
     o = tl.arange(0, BLOCK)
-    for start in range(lo, hi, BLOCK):
-        ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, RKP, I32, ANGLES)
-        logits = _key_scores(z, b1a, b2a, q1a, q2a, cos_sin, tp, tp0, ok, 0, stride_cs, HALF, ANGLES, JC, dt)
-        if JC < HALF:
-            logits += _key_scores(z, b1b, b2b, q1b, q2b, cos_sin, tp, tp0, ok, JC, stride_cs, HALF, ANGLES, JC, dt)
-        logits = tl.where(ok[:, None], logits * scale, float("-inf"))
-        zvt = _masked_rank(zv_g + slot[None, :] * stride_zvs + rv[:, None], (rv < RV)[:, None], RV, RVP)  # [RVP, BLOCK]
-        m, den, pr, alpha = softmax_step(m, den, logits, 0)
-        acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
+    at_indices = False
+    if ANGLES == 5:
+        at_indices = _split_at_indices(row_ptr, pos_buf, lo, hi, I32)
+    if at_indices:
+        # R(start + o) = R(start) R(o): the keys turn by their offset o in the tile, from rows 0 .. BLOCK - 1 of the
+        # table held in registers, the queries back by the tile's first index, a row read with no gather
+        ja = tl.arange(0, JC)
+        jb = JC % HALF + ja
+        cta = tl.load(cos_sin + o[:, None] * stride_cs + ja[None, :]).to(tl.float32)
+        sta = tl.load(cos_sin + o[:, None] * stride_cs + HALF + ja[None, :]).to(tl.float32)
+        ctb = tl.load(cos_sin + o[:, None] * stride_cs + jb[None, :]).to(tl.float32)
+        stb = tl.load(cos_sin + o[:, None] * stride_cs + HALF + jb[None, :]).to(tl.float32)
+        for start in range(lo, hi, BLOCK):
+            p = start + o
+            ok = p < hi
+            slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int32 if I32 else tl.int64)
+            z = _masked_rank(zk_g + slot[:, None] * stride_zks + rk[None, :], (rk < RK)[None, :], RK, RKP)
+            row0 = cos_sin + start * stride_cs
+            qr1, qr2 = _queries_back(q1a, q2a, tl.load(row0 + ja).to(tl.float32),
+                                     tl.load(row0 + HALF + ja).to(tl.float32), dt)
+            logits = _rotated_scores(tl.dot(z.to(b1a.dtype), b1a), tl.dot(z.to(b2a.dtype), b2a), qr1, qr2, cta, sta, dt)
+            if JC < HALF:
+                qr1, qr2 = _queries_back(q1b, q2b, tl.load(row0 + jb).to(tl.float32),
+                                         tl.load(row0 + HALF + jb).to(tl.float32), dt)
+                logits += _rotated_scores(tl.dot(z.to(b1b.dtype), b1b), tl.dot(z.to(b2b.dtype), b2b), qr1, qr2, ctb,
+                                          stb, dt)
+            logits = tl.where(ok[:, None], logits * scale, float("-inf"))
+            zvt = _masked_rank(zv_g + slot[None, :] * stride_zvs + rv[:, None], (rv < RV)[:, None], RV, RVP)
+            m, den, pr, alpha = softmax_step(m, den, logits, 0)
+            acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
+    else:
+        # SPLIT_CHECKED's other splits take BY_POSITION's loop, at fewer stages (GSTAGES)
+        A: tl.constexpr = 0 if ANGLES == 5 else ANGLES
+        for start in tl.range(lo, hi, BLOCK, num_stages=GSTAGES):
+            ok, slot, z, tp, tp0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, RKP, I32, A)
+            logits = _key_scores(z, b1a, b2a, q1a, q2a, cos_sin, tp, tp0, ok, 0, stride_cs, HALF, A, JC, dt)
+            if JC < HALF:
+                logits += _key_scores(z, b1b, b2b, q1b, q2b, cos_sin, tp, tp0, ok, JC, stride_cs, HALF, A, JC, dt)
+            logits = tl.where(ok[:, None], logits * scale, float("-inf"))
+            zvt = _masked_rank(zv_g + slot[None, :] * stride_zvs + rv[:, None], (rv < RV)[:, None], RV, RVP)
+            m, den, pr, alpha = softmax_step(m, den, logits, 0)
+            acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, tl.trans(acc), NSPLIT, G, GP, RVP)
 
 
@@ -246,8 +308,8 @@ class Tile(NamedTuple):
     """A decode tile: ``block`` positions an iteration, ``warps``, pipeline ``stages``, ``maxnreg`` registers a thread
     at most (more blocks an SM; 0: no cap), ``freq_chunk`` rotary frequencies reconstructed at a time (a power of
     two >= 16 dividing ``D / 2``: fewer live registers for the same work; 0: all), ``query_rows`` (the group's
-    query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE``, ``BY_INDEX``, ``BY_ROW``
-    or ``ROW_CHECKED``: how a key gets its rotation, :func:`_angles`), ``key_rows``
+    query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE``, ``BY_INDEX``, ``BY_ROW``,
+    ``ROW_CHECKED`` or ``SPLIT_CHECKED``: how a key gets its rotation, :func:`_angles`), ``key_rows``
     (:func:`_decode_kernel_key_rows`; the frequencies in one chunk or two)."""
 
     block: int
@@ -262,8 +324,10 @@ class Tile(NamedTuple):
 
 def check_tile(tile: Tile, head_dim: int | None = None) -> None:
     """ValueError unless the kernel runs ``tile`` (for heads of ``head_dim`` dimensions, a power of two, if given)."""
-    if tile.angles not in (BY_POSITION, BY_TILE, BY_INDEX, BY_ROW, ROW_CHECKED):
-        raise ValueError(f"angles {tile.angles}: {BY_POSITION} to {ROW_CHECKED}")
+    if tile.angles not in (BY_POSITION, BY_TILE, BY_INDEX, BY_ROW, ROW_CHECKED, SPLIT_CHECKED):
+        raise ValueError(f"angles {tile.angles}: {BY_POSITION} to {SPLIT_CHECKED}")
+    if tile.angles == SPLIT_CHECKED and not tile.key_rows:
+        raise ValueError(f"angles {SPLIT_CHECKED} (a split check): the keys-as-rows loop only (key_rows)")
     if tile.block < 16 or tile.block & (tile.block - 1) or tile.warps & (tile.warps - 1):
         raise ValueError(f"block {tile.block}, warps {tile.warps}: powers of two, a block of 16 or more")
     if tile.query_rows & (tile.query_rows - 1):
@@ -307,6 +371,12 @@ def cuda_tile(rank: int) -> Tile:
     return next((t for r, t in sorted(CUDA_TILES.items()) if r >= rank), CUDA_TILES[max(CUDA_TILES)])
 
 
+def gather_stages(tile: Tile) -> int:
+    """The stages of the keys-as-rows loop that gathers rotary rows by position: the tile's, at most
+    ``GATHER_STAGES`` where it is ``SPLIT_CHECKED``'s loop for splits not at their indices."""
+    return min(tile.stages, GATHER_STAGES) if tile.angles == SPLIT_CHECKED else tile.stages
+
+
 def mirrored(cos_sin: torch.Tensor) -> torch.Tensor:
     """A rotary table ``[M, D]`` (cosines, then sines) as a view from its position 0 into ``[2M - 1, D]`` whose
     rows before it hold positions ``-1 .. -(M - 1)`` (cosines even, sines odd): the table ``BY_INDEX`` reads, where
@@ -347,6 +417,7 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         tile = cuda_tile(rkp) if q.is_cuda else CPU_TILE
     check_tile(tile, d)
     jc = tile.freq_chunk or half
+    assert tile.angles != SPLIT_CHECKED or cos_sin.shape[0] >= tile.block, "a rotary row for each offset in a tile"
     assert tile.angles != BY_INDEX or cos_sin.storage_offset() >= (cos_sin.shape[0] - 1) * cos_sin.stride(0), \
         "BY_INDEX reads the rows before position 0: pass mirrored(table)"
     g = hq // hkv
@@ -364,5 +435,6 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
         k_basis.stride(1), cos_sin.stride(0), req_to_token.stride(0), scale, HKV=hkv, GS=gs, G=g, GP=gp, D=d,
         HALF=half, NEOX=neox, RK=rk, RKP=rkp, RV=rv, RVP=rvp, BLOCK=tile.block, NSPLIT=splits,
         NATIVE=q.is_cuda if native is None else native, I32=i32, ANGLES=tile.angles, JC=jc, num_warps=tile.warps,
-        num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}))
+        num_stages=tile.stages, **({"GSTAGES": gather_stages(tile)} if tile.key_rows else {}),
+        **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}))
     return merge_splits(ws_m, ws_l, ws_acc, bs, q.dtype, basis=v_basis, basis_heads=gs)
