@@ -214,7 +214,8 @@ def main() -> None:
                         "frequencies a step, ROWS: query rows, ANGLES 1: keys turned by their offset from the "
                         "tile's smallest position, 2: from its first row index, 3: by their row index (exact here, "
                         "not for compacted rows), 4: by row index where the tile's positions are its indices, else "
-                        "gathered; KEYROWS 1: the keys-as-rows kernel)")
+                        "gathered, 5: by tile offset where the split's positions are its indices, else gathered "
+                        "(keys-as-rows only); KEYROWS 1: the keys-as-rows kernel)")
     p.add_argument("--kivi-tiles", nargs="*", default=[],
                    help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS]] (0: the default; "
                         "KEYROWS 1: the keys-as-rows kernel, 0x0x0x0x1 at the default tile)")

@@ -54,12 +54,13 @@ def _table(max_pos: int) -> torch.Tensor:
     (0.5, palu_attention.Tile(64, stages=5, query_rows=8, key_rows=True, angles=palu_attention.BY_INDEX)),
     (0.5, palu_attention.Tile(64, stages=5, query_rows=8, key_rows=True, freq_chunk=32)),
     (0.5, palu_attention.Tile(64, stages=5, query_rows=8, key_rows=True, angles=palu_attention.ROW_CHECKED)),
+    (0.5, palu_attention.Tile(64, stages=9, query_rows=8, key_rows=True, angles=palu_attention.SPLIT_CHECKED)),
     (0.75, palu_attention.Tile(32)),
 ])
 def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(ratio: float,
                                                                              tile: palu_attention.Tile | None) -> None:
-    """6 requests of up to 9K tokens in rows 131,072 wide, plus 2 CUDA-graph padding rows (length 1); the served
-    tile (None: the keys-as-rows kernel) and the queries-as-rows one."""
+    """6 requests of up to 9K tokens in rows 131,072 wide, plus 2 CUDA-graph padding rows (length 1), the even rows'
+    positions their indices, the odd rows' not; the served tile (None: the keys-as-rows kernel) and others."""
     gen = torch.Generator().manual_seed(0)
     layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
                                  torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
@@ -76,7 +77,7 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
         k = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
         v = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
         store.write(0, r2t[row, :n].to(DEV).long(), k, v, torch.full((n,), row, device=DEV), decode=False,
-                    positions=torch.arange(n, device=DEV) + 1000 * row)
+                    positions=torch.arange(n, device=DEV) + 1000 * (row % 2) * row)
         at += n
     r2t = r2t.to(DEV)
     rpi = torch.tensor([1, 2, 3, 4, 5, 6, 0, 0], device=DEV)
