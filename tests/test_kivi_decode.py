@@ -98,11 +98,11 @@ def test_page_aligned_decode_over_ragged_rows(bits: int, gs: int, d: int, key_ro
     tiles = ((None, None), (3, None), (1, None), (3, 2), (None, 4), (1, 4))
     if key_rows:  # fewer: the splits' bounds are the other form's (shared code), the pages' paths are not
         tiles = ((None, None), (1, None), (3, 1), (3, 2))
-    for splits, pages in tiles:
+    for (splits, pages), paired in zip(tiles, (True, False) * len(tiles)):  # value scales a load, or a group
         if pages and gs < 16:
             continue
         got = kivi_attention.decode_attention(q, *store._buffers(0), r2t, rpi, seq, scale, bits, gs, splits=splits,
-                                              pages=pages, key_rows=key_rows)
+                                              pages=pages, key_rows=key_rows, paired_scales=paired)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[3], torch.zeros_like(got[3]))  # the empty row
 

@@ -239,8 +239,39 @@ def _logits_stacked(qs, k_codes, k_scale, k_zero, slot, first, h, ok, pok, strid
 
 
 @triton.jit
+def _scales_zeros(v_scale, v_zero, slot, h, ok, stride_vss, stride_vsh, NG: tl.constexpr, PAIRED: tl.constexpr):
+    """With ``PAIRED``, the value scales and zero points of the tokens at ``slot``, every group's, as one
+    ``[BLOCK, 2 * NG]`` fp32 load (scales, then zeros): one load, so that Triton's pipeliner, which follows only
+    what feeds a dot's operands, issues the zeros (which only shift the dot's result) ahead with the scales instead
+    of waiting on them each iteration, and a token's ``NG`` fp16 a copy (one fp16 a load is too narrow to
+    pipeline). Without, nothing (:func:`_scale_zero` loads each group apart)."""
+    if PAIRED:
+        c = tl.arange(0, 2 * NG)
+        base = (slot * stride_vss + h * stride_vsh)[:, None]
+        ptr = tl.where(c[None, :] < NG, v_scale + base + c[None, :], v_zero + base + (c[None, :] - NG))
+        return tl.load(ptr, mask=ok[:, None], other=0.0).to(tl.float32)
+    else:
+        return None
+
+
+@triton.jit
+def _scale_zero(sz, v_scale, v_zero, slot, h, ok, stride_vss, stride_vsh, gk, NG: tl.constexpr,
+                PAIRED: tl.constexpr):
+    """Group ``gk``'s value scale and zero point ``[BLOCK]`` fp32 of the tokens at ``slot``: columns of
+    :func:`_scales_zeros`' tile (a token's columns in one thread: no exchange), else loaded."""
+    if PAIRED:
+        c = tl.arange(0, 2 * NG)[None, :]
+        return tl.sum(tl.where(c == gk, sz, 0.0), 1), tl.sum(tl.where(c == NG + gk, sz, 0.0), 1)
+    else:
+        vso = slot * stride_vss + h * stride_vsh + gk
+        return (tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32),
+                tl.load(v_zero + vso, mask=ok, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss, stride_vsh,
-            BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, NATIVE: tl.constexpr):
+            BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, NATIVE: tl.constexpr,
+            PAIRED: tl.constexpr):
     """The output pieces ``acc`` (``D / U`` pieces ``[GP, U]``, ``U = min(W, GS)``: each piece one chunk's channels
     in one value group) rescaled by ``alpha`` plus ``p`` times the values at ``slot``. A piece's scale and zero are
     ``[BLOCK]`` vectors (one group a token): the scale folds into the probabilities (``p' = p * vs`` in bf16, against
@@ -256,11 +287,12 @@ def _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, str
         for ci in tl.static_range(8 // BITS):
             vc = vc + (t[ci],)  # flat: sub-tile sub's chunk ci at sub * P + ci
     out = ()
+    NG: tl.constexpr = D // GS
+    sz = _scales_zeros(v_scale, v_zero, slot, h, ok, stride_vss, stride_vsh, NG, PAIRED)
     for k in tl.static_range(D // U):
         c = k // NS
-        vso = slot * stride_vss + h * stride_vsh + (k * U) // GS
-        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * chunk_unit(c, BITS, False)
-        vz = tl.load(v_zero + vso, mask=ok, other=0.0).to(tl.float32)
+        vs, vz = _scale_zero(sz, v_scale, v_zero, slot, h, ok, stride_vss, stride_vsh, (k * U) // GS, NG, PAIRED)
+        vs = vs * chunk_unit(c, BITS, False)
         vk = vc[(k % NS) * (8 // BITS) + k // NS]
         pb = (p * vs[None, :]).to(vk.dtype)
         off = tl.sum(p * vz[None, :], 1) - chunk_offset(False) * tl.sum(pb.to(tl.float32), 1)
@@ -340,7 +372,7 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                    stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
                    scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr, NSPLIT: tl.constexpr,
-                   NATIVE: tl.constexpr, STACK: tl.constexpr):
+                   NATIVE: tl.constexpr, STACK: tl.constexpr, PAIRED: tl.constexpr = True):
     """Program (request x KV head, split): its share of the row's whole pages, ``PPI`` pages an iteration (stacked
     with ``STACK``), then, in the last split, the row's open page (the residual).
     The server's page size is ``GS`` (``KIVIStore._check``), so a row's page ``p`` is the ``GS`` contiguous
@@ -366,7 +398,7 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                         stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE)
         m, den, p, alpha = softmax_step(m, den, tl.where(ok[None, :], s, float("-inf")))
         acc = _values(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
-                      stride_vsh, BLOCK, D, GS, BITS, NATIVE)
+                      stride_vsh, BLOCK, D, GS, BITS, NATIVE, PAIRED)
     whole = npages * GS
     if (pid == NSPLIT - 1) & (n > whole):  # the open page, once per row (positions whole..n-1 < whole + GS)
         acc, m, den = _residual(qs, acc, m, den, res_k, res_v, row, h, n - whole, stride_rr, stride_rt, stride_rh,
@@ -428,7 +460,7 @@ def _logits_rows(qt, k_codes, k_scale, k_zero, slot, first, page, h, ok, pok, st
 @triton.jit
 def _values_rows(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
                  stride_vsh, BLOCK: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
-                 NATIVE: tl.constexpr):
+                 NATIVE: tl.constexpr, PAIRED: tl.constexpr):
     """:func:`_values` with the keys as rows: pieces ``[U, GP]`` += the piece's codes ``[U, BLOCK]`` (loaded so,
     :func:`code_tile` ``T``) times ``p'`` ``[BLOCK, GP]`` (``p * vs`` in bf16), plus ``p . vz - OFFSET * sum(p')``
     a column."""
@@ -442,11 +474,12 @@ def _values_rows(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs
         for ci in tl.static_range(8 // BITS):
             vc = vc + (t[ci],)  # flat: sub-tile sub's chunk ci at sub * P + ci
     out = ()
+    NG: tl.constexpr = D // GS
+    sz = _scales_zeros(v_scale, v_zero, slot, h, ok, stride_vss, stride_vsh, NG, PAIRED)
     for k in tl.static_range(D // U):
         c = k // NS
-        vso = slot * stride_vss + h * stride_vsh + (k * U) // GS
-        vs = tl.load(v_scale + vso, mask=ok, other=0.0).to(tl.float32) * chunk_unit(c, BITS, False)
-        vz = tl.load(v_zero + vso, mask=ok, other=0.0).to(tl.float32)
+        vs, vz = _scale_zero(sz, v_scale, v_zero, slot, h, ok, stride_vss, stride_vsh, (k * U) // GS, NG, PAIRED)
+        vs = vs * chunk_unit(c, BITS, False)
         vk = vc[(k % NS) * (8 // BITS) + k // NS]
         pb = (p * vs[:, None]).to(vk.dtype)
         off = tl.sum(p * vz[:, None], 0) - chunk_offset(False) * tl.sum(pb.to(tl.float32), 0)
@@ -482,7 +515,8 @@ def _decode_kernel_key_rows(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zer
                             stride_ch, stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt,
                             stride_rh, stride_r2t, scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                             D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr,
-                            NSPLIT: tl.constexpr, NATIVE: tl.constexpr, STACK: tl.constexpr):
+                            NSPLIT: tl.constexpr, NATIVE: tl.constexpr, STACK: tl.constexpr,
+                            PAIRED: tl.constexpr = True):
     """:func:`_decode_kernel` with the block's keys as the rows of every dot: logits ``[BLOCK, GP]`` =
     ``dot(k_c, q'_c)``, the key tile ``[BLOCK, W]`` the left operand (which the tensor cores take from registers)
     and the thin folded queries ``[W, GP]`` the right one, instead of the queries ``[GP, W]`` padded to 16 rows
@@ -505,7 +539,7 @@ def _decode_kernel_key_rows(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zer
                          stride_ksp, stride_ksh, GP, BLOCK, D, GS, BITS, PPI, NATIVE, STACK)
         m, den, p, alpha = softmax_step(m, den, tl.where(ok[:, None], s, float("-inf")), 0)
         acc = _values_rows(acc, p, alpha, v_codes, v_scale, v_zero, slot, h, ok, stride_cs, stride_ch, stride_vss,
-                           stride_vsh, BLOCK, D, GS, BITS, NATIVE)
+                           stride_vsh, BLOCK, D, GS, BITS, NATIVE, PAIRED)
     whole = npages * GS
     if (pid == NSPLIT - 1) & (n > whole):  # the open page, once per row (positions whole..n-1 < whole + GS)
         acc, m, den = _residual_rows(qt, acc, m, den, res_k, res_v, row, h, n - whole, stride_rr, stride_rt,
@@ -519,7 +553,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
                      seq_lens: torch.Tensor, scale: float, bits: int, group: int,
                      splits: int | None = None, warps: int | None = None, pages: int | None = None,
                      stages: int | None = None, maxnreg: int | None = None,
-                     key_rows: bool | None = None) -> torch.Tensor:
+                     key_rows: bool | None = None, paired_scales: bool = True) -> torch.Tensor:
     """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
     ``seq_lens`` on the device; grid and ``splits`` from static shapes, :func:`decode_splits` by default).
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
@@ -528,7 +562,9 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     :data:`BLOCK_POSITIONS` worth for pages of 16 slots or more, else enough for 16 positions); ``stages`` (2),
     ``maxnreg`` (registers a thread at most: more blocks an SM): all for timing other choices; ``key_rows``: the
     keys-as-rows form of the loop (:func:`_decode_kernel_key_rows`), the same arithmetic. ``None`` (``key_rows``,
-    ``stages``): the served choice, :data:`SERVED_LOOP` by bits on the GPU, else queries as rows at 2 stages."""
+    ``stages``): the served choice, :data:`SERVED_LOOP` by bits on the GPU, else queries as rows at 2 stages.
+    ``paired_scales``: a token's value scales and zeros in one load (:func:`_scales_zeros`; False: a load a group,
+    for timing)."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:
@@ -565,7 +601,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
         # pads a dot's rows to the tensor cores' 16 itself): every per-page op on the query side (the key scale's
         # fold, the softmax, the rescale) scales with these rows.
         GP=triton.next_power_of_2(g), D=d, GS=group, BITS=bits, PPI=ppi, NSPLIT=splits, NATIVE=q.is_cuda,
-        STACK=stack,
+        STACK=stack, PAIRED=paired_scales,
         # Warps by block: for 16- and 32-slot blocks, 2 warps (4 split the tiles so thin that warps repeat each
         # other's decode: twice the instructions per element in the compiled code for sm_90); stacked pages 2 too
         # (see BLOCK_POSITIONS: 4 warps are slower at 2 and 4 pages); 8 for a single 128-slot page. Two
