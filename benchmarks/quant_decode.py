@@ -16,7 +16,7 @@ Pool contents are random codes with small scales: timing does not depend on them
 the kernels at these warp counts (their ``decode_attention(..., warps=)``; the default rows use the kernels' own
 choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
 these positions an iteration, KIVI's at these pages (x each of ``--warps``); ``--palu-tiles``: Palu's at these
-``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (``palu_attention.Tile``'s fields);
+``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS[xSPLITS]]]]]]`` (``palu_attention.Tile``'s fields);
 ``--kivi-tiles``: KIVI's at these ``PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS[xAPART]]]`` (0: the default; KEYROWS 1:
 its keys-as-rows loop, ``decode_attention(..., key_rows=True)``: ``0x0x0x0x1`` is that loop at the default tile;
 APART 1: a load a value group, ``paired_scales=False``);
@@ -211,12 +211,13 @@ def main() -> None:
                    help="also time FP8's kernel at these pipeline stages (its default tile and warps)")
     p.add_argument("--palu-tiles", nargs="*", default=[],
                    help="also time Palu's kernel at these "
-                        "BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]] (0: the default; CHUNK: rotary "
-                        "frequencies a step, ROWS: query rows, ANGLES 1: keys turned by their offset from the "
-                        "tile's smallest position, 2: from its first row index, 3: by their row index (exact here, "
-                        "not for compacted rows), 4: by row index where the tile's positions are its indices, else "
-                        "gathered, 5: by tile offset where the split's positions are its indices, else gathered "
-                        "(keys-as-rows only); KEYROWS 1: the keys-as-rows kernel)")
+                        "BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS[xSPLITS]]]]]] (0: the default; "
+                        "CHUNK: rotary frequencies a step, ROWS: query rows, ANGLES 1: keys turned by their "
+                        "offset from the tile's smallest position, 2: from its first row index, 3: by their row "
+                        "index (exact here, not for compacted rows), 4: by row index where the tile's positions "
+                        "are its indices, else gathered, 5: by tile offset where the split's positions are its "
+                        "indices, else gathered (keys-as-rows only); KEYROWS 1: the keys-as-rows kernel; SPLITS: "
+                        "split-KV programs a row)")
     p.add_argument("--kivi-tiles", nargs="*", default=[],
                    help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS[xAPART]]] (0: the "
                         "default; KEYROWS 1: the keys-as-rows kernel, 0x0x0x0x1 at the default tile; APART 1: a "

@@ -310,7 +310,8 @@ class Tile(NamedTuple):
     two >= 16 dividing ``D / 2``: fewer live registers for the same work; 0: all), ``query_rows`` (the group's
     query heads padded to this power of two), ``angles`` (``BY_POSITION``, ``BY_TILE``, ``BY_INDEX``, ``BY_ROW``,
     ``ROW_CHECKED`` or ``SPLIT_CHECKED``: how a key gets its rotation, :func:`_angles`), ``key_rows``
-    (:func:`_decode_kernel_key_rows`; the frequencies in one chunk or two)."""
+    (:func:`_decode_kernel_key_rows`; the frequencies in one chunk or two), ``splits`` (split-KV programs a row;
+    0: ``decode_splits`` of the shapes)."""
 
     block: int
     warps: int = 4
@@ -320,6 +321,7 @@ class Tile(NamedTuple):
     query_rows: int = 16
     angles: int = BY_POSITION
     key_rows: bool = False
+    splits: int = 0
 
 
 def check_tile(tile: Tile, head_dim: int | None = None) -> None:
@@ -343,8 +345,8 @@ def check_tile(tile: Tile, head_dim: int | None = None) -> None:
 
 
 def parse_tile(spec: str) -> Tile:
-    """``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (0: the field's default) as a Tile, the
-    form ``quant_decode.py --palu-tiles`` and Palu's ``decode_tile`` take; ValueError naming the fields."""
+    """``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS[xSPLITS]]]]]]`` (0: the field's default) as a
+    Tile, the form ``quant_decode.py --palu-tiles`` and Palu's ``decode_tile`` take; ValueError naming the fields."""
     names = Tile._fields
     try:
         fields = [int(x) for x in spec.split("x")]
@@ -424,7 +426,7 @@ def decode_attention(q: torch.Tensor, zk: torch.Tensor, zv: torch.Tensor, positi
     rvp = triton.next_power_of_2(rv)
     gp = max(tile.query_rows, triton.next_power_of_2(g))
     if splits is None:
-        splits = decode_splits(bs * hkv, req_to_token.shape[1])
+        splits = tile.splits or decode_splits(bs * hkv, req_to_token.shape[1])
     ws_m, ws_l, ws_acc = split_workspace(bs * hkv, splits, g, rvp, q.device)
     # every offset a program computes from a slot or a position lies inside one of these tensors
     i32 = max(zk.numel(), zv.numel(), cos_sin.numel(), positions.numel()) < INT32_LIMIT

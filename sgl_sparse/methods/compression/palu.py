@@ -44,9 +44,10 @@ class PaluConfig(QuantConfig):
     plain SVD of the weights), or the text Palu's whitened SVD is calibrated on (``synthetic``: the quality suite's
     generator; or a ``.txt``/``.jsonl`` file), ``calibration_tokens`` of it; ``prefix_attention`` as the
     quantized stores' (an extend reads its cached prefix reconstructed, through the base's dense prefill, or
-    through the store's own read); ``decode_tile``: the GPU decode kernel's tile, ``BLOCKxWARPSxSTAGES[xMAXNREG[x
-    CHUNK[xROWS[xANGLES[xKEYROWS]]]]]`` (``kernels/palu_attention.py``'s ``Tile``, 0 a field's default; empty: the
-    served tile for the rank, ``CUDA_TILES``), for tuning on a GPU other than the one it was chosen on."""
+    through the store's own read); ``decode_tile``: the GPU decode kernel's tile,
+    ``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS[xSPLITS]]]]]]`` (``kernels/palu_attention.py``'s
+    ``Tile``, 0 a field's default; empty: the served tile for the rank, ``CUDA_TILES``), for tuning on a GPU other
+    than the one it was chosen on."""
 
     method_name = "palu"
     rank_ratio: float = 0.5
