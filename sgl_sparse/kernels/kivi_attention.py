@@ -244,14 +244,14 @@ def _scales_zeros(v_scale, v_zero, slot, h, ok, stride_vss, stride_vsh, NG: tl.c
     ``[BLOCK, 2 * NG]`` fp32 load (scales, then zeros): one load, so that Triton's pipeliner, which follows only
     what feeds a dot's operands, issues the zeros (which only shift the dot's result) ahead with the scales instead
     of waiting on them each iteration, and a token's ``NG`` fp16 a copy (one fp16 a load is too narrow to
-    pipeline). Without, nothing (:func:`_scale_zero` loads each group apart)."""
+    pipeline). Without, a placeholder (:func:`_scale_zero` loads each group apart)."""
     if PAIRED:
         c = tl.arange(0, 2 * NG)
         base = (slot * stride_vss + h * stride_vsh)[:, None]
         ptr = tl.where(c[None, :] < NG, v_scale + base + c[None, :], v_zero + base + (c[None, :] - NG))
         return tl.load(ptr, mask=ok[:, None], other=0.0).to(tl.float32)
     else:
-        return None
+        return 0.0  # unused: _scale_zero loads each group
 
 
 @triton.jit
