@@ -103,11 +103,11 @@ def main() -> None:
     ppi = kivi_attention.BLOCK_POSITIONS // 32
     for bits in (4, 2):
         key_rows, stages = kivi_attention.SERVED_LOOP.get(bits, (False, 2))
-        for paired in (True, False):
+        for paired in (False, True):
             consts = dict(HKV=8, G=g, GP=g, D=d, GS=32, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True, STACK=True,
                           PAIRED=paired)
             fn = kivi_attention._decode_kernel_key_rows if key_rows else kivi_attention._decode_kernel
-            report(f"kivi{bits}, page 32{', scales apart' if not paired else ''}", fn, KIVI_ARGS, consts, 2, stages)
+            report(f"kivi{bits}, page 32{', scales paired' if paired else ''}", fn, KIVI_ARGS, consts, 2, stages)
     report("fp8_kv", fp8_attention._decode_kernel, FP8_ARGS,
            dict(HKV=8, G=g, GP=16, D=d, BLOCK=128, NSPLIT=64, NATIVE=True), 2, 2)
     report("turboquant 4-bit", turboquant_attention._decode_kernel, TQ_ARGS,

@@ -17,9 +17,9 @@ the kernels at these warp counts (their ``decode_attention(..., warps=)``; the d
 choice), one row each; ``--fp8-blocks`` / ``--tq-blocks`` / ``--kivi-pages``: FP8's and TurboQuant's kernels at
 these positions an iteration, KIVI's at these pages (x each of ``--warps``); ``--palu-tiles``: Palu's at these
 ``BLOCKxWARPSxSTAGES[xMAXNREG[xCHUNK[xROWS[xANGLES[xKEYROWS[xSPLITS]]]]]]`` (``palu_attention.Tile``'s fields);
-``--kivi-tiles``: KIVI's at these ``PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS[xAPART]]]`` (0: the default; KEYROWS 1:
+``--kivi-tiles``: KIVI's at these ``PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS[xPAIRED]]]`` (0: the default; KEYROWS 1:
 its keys-as-rows loop, ``decode_attention(..., key_rows=True)``: ``0x0x0x0x1`` is that loop at the default tile;
-APART 1: a load a value group, ``paired_scales=False``);
+PAIRED 1: a token's value scales and zeros in one load, ``paired_scales=True``);
 ``--palu-fp32``: also Palu's kernel with fp32 dots and rotary table (its interpreter form).
 The last column: the kernel's largest deviation from the store's
 torch path (the CPU server's decode, the tests' reference) on the same pool, relative to that output's largest
@@ -219,9 +219,9 @@ def main() -> None:
                         "indices, else gathered (keys-as-rows only); KEYROWS 1: the keys-as-rows kernel; SPLITS: "
                         "split-KV programs a row)")
     p.add_argument("--kivi-tiles", nargs="*", default=[],
-                   help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS[xAPART]]] (0: the "
-                        "default; KEYROWS 1: the keys-as-rows kernel, 0x0x0x0x1 at the default tile; APART 1: a "
-                        "load a value group)")
+                   help="also time KIVI's kernel at these PAGESxWARPSxSTAGES[xMAXNREG[xKEYROWS[xPAIRED]]] (0: the "
+                        "default; KEYROWS 1: the keys-as-rows kernel, 0x0x0x0x1 at the default tile; PAIRED 1: a "
+                        "token's value scales and zeros in one load)")
     p.add_argument("--splits", nargs="*", type=int, default=[],
                    help="also time each method's served kernel at these split-KV counts (by default "
                         "kernels/splits.py's decode_splits from the shapes: 64 at 6 x 130K)")
@@ -261,11 +261,11 @@ def main() -> None:
                         print(_row(label, bs, n, {size: b, "warps": w}, ev), flush=True)
             for tile in args.kivi_tiles if label.startswith("kivi") else []:
                 pages, warps, stages, *more = (int(x) for x in tile.split("x"))
-                maxnreg, key_rows, apart = (more + [0, 0, 0])[:3]
+                maxnreg, key_rows, paired = (more + [0, 0, 0])[:3]
                 knobs = {"pages": pages, "warps": warps, "stages": stages, "maxnreg": maxnreg}
                 # the loop always explicit: left out, 4 bits on the GPU would take the served one (SERVED_LOOP)
                 print(_row(label, bs, n, {**{k: v for k, v in knobs.items() if v}, "key_rows": bool(key_rows),
-                                          "paired_scales": not apart}, ev), flush=True)
+                                          "paired_scales": bool(paired)}, ev), flush=True)
             for st in args.fp8_stages if label == "fp8_kv" else []:
                 print(_row(label, bs, n, {"stages": st}, ev), flush=True)
 

@@ -137,7 +137,7 @@ def main() -> None:
     stack = ppi > 1 and a.page >= 16  # as kivi_attention.decode_attention decides, warps too
     for bits in (4, 2):
         consts = dict(HKV=8, G=g, GP=gp, D=d, GS=a.page, BITS=bits, PPI=ppi, NSPLIT=64, NATIVE=True, STACK=stack,
-                      PAIRED=True)
+                      PAIRED=False)
         for label, fn in ((f"kivi{bits}", kivi_attention._decode_kernel),
                           (f"kivi{bits} key rows", kivi_attention._decode_kernel_key_rows)):
             count(label, fn, KIVI_ARGS, consts, a.warps or (2 if stack else max(2, ppi * a.page // 16)),

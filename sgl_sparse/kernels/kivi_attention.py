@@ -372,7 +372,7 @@ def _decode_kernel(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, res_k,
                    stride_ksp, stride_ksh, stride_vss, stride_vsh, stride_rr, stride_rt, stride_rh, stride_r2t,
                    scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr, NSPLIT: tl.constexpr,
-                   NATIVE: tl.constexpr, STACK: tl.constexpr, PAIRED: tl.constexpr = True):
+                   NATIVE: tl.constexpr, STACK: tl.constexpr, PAIRED: tl.constexpr = False):
     """Program (request x KV head, split): its share of the row's whole pages, ``PPI`` pages an iteration (stacked
     with ``STACK``), then, in the last split, the row's open page (the residual).
     The server's page size is ``GS`` (``KIVIStore._check``), so a row's page ``p`` is the ``GS`` contiguous
@@ -516,7 +516,7 @@ def _decode_kernel_key_rows(q, k_codes, v_codes, k_scale, k_zero, v_scale, v_zer
                             stride_rh, stride_r2t, scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                             D: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, PPI: tl.constexpr,
                             NSPLIT: tl.constexpr, NATIVE: tl.constexpr, STACK: tl.constexpr,
-                            PAIRED: tl.constexpr = True):
+                            PAIRED: tl.constexpr = False):
     """:func:`_decode_kernel` with the block's keys as the rows of every dot: logits ``[BLOCK, GP]`` =
     ``dot(k_c, q'_c)``, the key tile ``[BLOCK, W]`` the left operand (which the tensor cores take from registers)
     and the thin folded queries ``[W, GP]`` the right one, instead of the queries ``[GP, W]`` padded to 16 rows
@@ -553,7 +553,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
                      seq_lens: torch.Tensor, scale: float, bits: int, group: int,
                      splits: int | None = None, warps: int | None = None, pages: int | None = None,
                      stages: int | None = None, maxnreg: int | None = None,
-                     key_rows: bool | None = None, paired_scales: bool = True) -> torch.Tensor:
+                     key_rows: bool | None = None, paired_scales: bool = False) -> torch.Tensor:
     """KIVI decode, one Triton kernel over the batch then the splits' merge; no host sync (loop bounds from
     ``seq_lens`` on the device; grid and ``splits`` from static shapes, :func:`decode_splits` by default).
     ``q`` ``[bs, Hq, D]`` -> ``[bs, Hq, D]``. The pool's page size must be ``group`` (the store checks it):
@@ -563,8 +563,8 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     ``maxnreg`` (registers a thread at most: more blocks an SM): all for timing other choices; ``key_rows``: the
     keys-as-rows form of the loop (:func:`_decode_kernel_key_rows`), the same arithmetic. ``None`` (``key_rows``,
     ``stages``): the served choice, :data:`SERVED_LOOP` by bits on the GPU, else queries as rows at 2 stages.
-    ``paired_scales``: a token's value scales and zeros in one load (:func:`_scales_zeros`; False: a load a group,
-    for timing)."""
+    ``paired_scales``: a token's value scales and zeros in one load (:func:`_scales_zeros`: every load of the loop
+    issued ahead, at more instructions and spills; not yet timed, so not served), else a load a group."""
     bs, hq, d = q.shape
     hkv = k_codes.shape[1]
     if bs == 0:

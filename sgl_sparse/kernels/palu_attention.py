@@ -217,13 +217,14 @@ def _rotated_scores(k1, k2, qr1, qr2, cos, sin, dt: tl.constexpr):
 
 @triton.jit
 def _split_at_indices(row_ptr, pos_buf, lo, hi, I32: tl.constexpr):
-    """Whether every position of the split ``[lo, hi)`` is its row index (an empty split counts): its first and
-    last are, and a row's positions strictly increase (a row is its sequence with tokens dropped, never reordered:
-    eviction keeps its positions sorted, pruning drops ranges), so every one between is too."""
+    """Whether the split ``[lo, hi)`` holds positions and every one is its row index: its first and last are, and a
+    row's positions strictly increase (a row is its sequence with tokens dropped, never reordered: eviction keeps
+    its positions sorted, pruning drops ranges), so every one between is too. An empty split is not (it then skips
+    loading the register table for a loop that does not run)."""
     has = lo < hi
     first = tl.load(pos_buf + tl.load(row_ptr + lo, mask=has, other=0).to(tl.int32 if I32 else tl.int64))
     last = tl.load(pos_buf + tl.load(row_ptr + hi - 1, mask=has, other=0).to(tl.int32 if I32 else tl.int64))
-    return (lo >= hi) | ((first == lo) & (last == hi - 1))
+    return has & (first == lo) & (last == hi - 1)
 
 
 @triton.jit
@@ -334,6 +335,8 @@ def check_tile(tile: Tile, head_dim: int | None = None) -> None:
         raise ValueError(f"block {tile.block}, warps {tile.warps}: powers of two, a block of 16 or more")
     if tile.query_rows & (tile.query_rows - 1):
         raise ValueError(f"query_rows {tile.query_rows}: a power of two")
+    if tile.splits < 0:
+        raise ValueError(f"splits {tile.splits}: 0 (the shapes' default) or more")
     if head_dim is None:
         return
     half = head_dim // 2

@@ -94,6 +94,50 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def _serving_layer(lens: list[int], q_scale: float) -> tuple[PaluStore, torch.Tensor, torch.Tensor]:
+    """One layer of a rank-0.5 Palu store at Llama-3-8B's attention with rows 1.. of ``lens`` tokens written
+    (``req_to_token`` 131,072 wide), the even rows' positions their indices, the odd rows' shifted; the queries
+    times ``q_scale`` (larger: attention on fewer keys, so a score's error shows in the output)."""
+    gen = torch.Generator().manual_seed(1)
+    layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
+                                 torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
+    store = PaluStore(0.5, 1)
+    store.load_model(ModelKV((layer,), HKV, D, D, RotaryTable(_table(131_072), D, True)))
+    n_slots = sum(lens) + 8
+    store.allocate(KVGeometry(1, HKV * G, HKV, D, 1, n_slots, torch.bfloat16, torch.device(DEV)))
+    r2t = torch.zeros(len(lens) + 1, 131072, dtype=torch.int32)
+    perm = torch.randperm(n_slots - 1, generator=gen) + 1
+    at = 0
+    for row, n in enumerate(lens, start=1):
+        r2t[row, :n] = perm[at:at + n].to(torch.int32)
+        k = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
+        v = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
+        store.write(0, r2t[row, :n].to(DEV).long(), k, v, torch.full((n,), row, device=DEV), decode=False,
+                    positions=torch.arange(n, device=DEV) + 1000 * (row % 2) * row)
+        at += n
+    return store, r2t.to(DEV), (torch.randn(len(lens), HKV * G, D, generator=gen) * q_scale).to(DEV, torch.bfloat16)
+
+
+def test_split_checked_kernel_at_peaky_attention_matches_torch() -> None:
+    """The split check (``SPLIT_CHECKED``) against the store's torch path where a score's error shows: queries 4x
+    (attention on a few keys), a short row and long ones at their indices beside shifted ones; within 2% of the
+    output's largest value (the bf16 rounding of the rotated keys and queries; the served tile's error here is
+    ~0.7%)."""
+    lens = [9000, 4097, 300, 200, 8191, 3000]
+    store, r2t, q = _serving_layer(lens, q_scale=4.0)
+    rpi = torch.arange(1, len(lens) + 1, device=DEV)
+    seq = torch.tensor(lens, device=DEV)
+    want = KVStore.decode(store, 0, q, r2t, rpi, seq, D**-0.5).float()
+    for tile in (None, palu_attention.Tile(64, stages=9, query_rows=8, key_rows=True,
+                                           angles=palu_attention.SPLIT_CHECKED)):
+        table = store.kernel_cos_sin if tile is None else palu_attention.table_for(tile, store.kernel_cos_sin)
+        with sync_debug("error"):
+            got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
+                                                  store.v_basis[0], table, True, r2t, rpi, seq, D**-0.5, tile=tile)
+        err = float((got.float() - want).abs().max() / want.abs().max())
+        assert err < 2e-2, f"{tile}: {err:.2e}"
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerProcess]]:
     cfg, sync = {"rank_ratio": 0.75}, {"SGLSPARSE_SYNC_DEBUG": "error"}
