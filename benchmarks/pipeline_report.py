@@ -24,9 +24,21 @@ from typing import Any
 
 from sass_counts import FP8_ARGS, KIVI_ARGS, OMNIKV_ARGS, PALU_ARGS, QUEST_ARGS, TQ_ARGS, _compile
 
-from sgl_sparse.kernels import fp8_attention, kivi_attention, omnikv, palu_attention, quest, turboquant_attention
+from sgl_sparse.kernels import (
+    fp8_attention,
+    kivi_attention,
+    layer_sets,
+    omnikv,
+    palu_attention,
+    quest,
+    turboquant_attention,
+)
 
 STAGE = re.compile(r"loop\.stage = (\d+)")
+LAYER_SETS_ARGS = dict(q="*bf16", k_cache="*bf16", v_cache="*bf16", req_to_token="*i32", req_pool_indices="*i64",
+                       seq_lens="*i64", keep="*i32", count="*i32", tail="*i32", ws_m="*fp32", ws_l="*fp32",
+                       ws_acc="*fp32", stride_qb="i32", stride_qh="i32", stride_ks="i32", stride_kh="i32",
+                       stride_vs="i32", stride_vh="i32", stride_r2t="i32", stride_keep="i32", scale="fp32")
 
 
 def _dump(fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int, stages: int) -> tuple[str, int]:
@@ -112,6 +124,8 @@ def main() -> None:
            dict(HKV=8, G=g, GP=16, D=d, BLOCK=128, NSPLIT=64, NATIVE=True), 2, 2)
     report("turboquant 4-bit", turboquant_attention._decode_kernel, TQ_ARGS,
            dict(HKV=8, G=g, GP=g, D=d, LANE=4, BITS=4, NLEV=16, QJL=False, BLOCK=32, NSPLIT=64), 4, 3)
+    report("pyramidkv layer sets", layer_sets._decode_kernel, LAYER_SETS_ARGS,
+           dict(HKV=8, G=g, GP=16, D=d, BLOCK=64, NSPLIT=64, NATIVE=True), 4, 3)
     report("quest scores (tensor cores)", quest._score_kernel_mma, QUEST_ARGS,
            dict(stride_r2t=131076, HKV=8, GROUP=g, GP=16, D=d, PAGE=16, BLOCK_P=quest.BLOCK_PAGES, NPROG=16,
                 IEEE=False), 4, 3)
