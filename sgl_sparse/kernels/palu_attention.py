@@ -228,6 +228,17 @@ def _split_at_indices(row_ptr, pos_buf, lo, hi, I32: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(logits, ok, slot, zv_g, rv, stride_zvs, scale, m, den, acc, RV: tl.constexpr, RVP: tl.constexpr,
+                dt: tl.constexpr):
+    """A tile's scores ``[BLOCK, GP]`` (``ok`` its positions in the split) into the keys-as-rows loop's online softmax
+    and value-latent accumulator ``[RVP, GP]``: ``(m, den, acc)``."""
+    logits = tl.where(ok[:, None], logits * scale, float("-inf"))
+    zvt = _masked_rank(zv_g + slot[None, :] * stride_zvs + rv[:, None], (rv < RV)[:, None], RV, RVP)  # [RVP, BLOCK]
+    m, den, pr, alpha = softmax_step(m, den, logits, 0)
+    return m, den, acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
+
+
+@triton.jit
 def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_pool_indices, seq_lens, ws_m, ws_l,
                             ws_acc, stride_qb, stride_qh, stride_zks, stride_zkg, stride_zvs, stride_zvg, stride_bkg,
                             stride_bkd, stride_cs, stride_r2t, scale, HKV: tl.constexpr, GS: tl.constexpr,
@@ -270,10 +281,8 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
         ctb = tl.load(cos_sin + o[:, None] * stride_cs + jb[None, :]).to(tl.float32)
         stb = tl.load(cos_sin + o[:, None] * stride_cs + HALF + jb[None, :]).to(tl.float32)
         for start in range(lo, hi, BLOCK):
-            p = start + o
-            ok = p < hi
-            slot = tl.load(row_ptr + p, mask=ok, other=0).to(tl.int32 if I32 else tl.int64)
-            z = _masked_rank(zk_g + slot[:, None] * stride_zks + rk[None, :], (rk < RK)[None, :], RK, RKP)
+            # angles 3 (BY_ROW): slots and latents only, no position load
+            ok, slot, z, at_p, at_p0 = _tile(row_ptr, zk_g, pos_buf, start, o, hi, rk, stride_zks, RK, RKP, I32, 3)
             row0 = cos_sin + start * stride_cs
             qr1, qr2 = _queries_back(q1a, q2a, tl.load(row0 + ja).to(tl.float32),
                                      tl.load(row0 + HALF + ja).to(tl.float32), dt)
@@ -283,10 +292,7 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
                                          tl.load(row0 + HALF + jb).to(tl.float32), dt)
                 logits += _rotated_scores(tl.dot(z.to(b1b.dtype), b1b), tl.dot(z.to(b2b.dtype), b2b), qr1, qr2, ctb,
                                           stb, dt)
-            logits = tl.where(ok[:, None], logits * scale, float("-inf"))
-            zvt = _masked_rank(zv_g + slot[None, :] * stride_zvs + rv[:, None], (rv < RV)[:, None], RV, RVP)
-            m, den, pr, alpha = softmax_step(m, den, logits, 0)
-            acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
+            m, den, acc = _accumulate(logits, ok, slot, zv_g, rv, stride_zvs, scale, m, den, acc, RV, RVP, dt)
     else:
         # SPLIT_CHECKED's other splits take BY_POSITION's loop, at fewer stages (GSTAGES)
         A: tl.constexpr = 0 if ANGLES == 5 else ANGLES
@@ -295,10 +301,7 @@ def _decode_kernel_key_rows(q, zk, zv, pos_buf, bk, cos_sin, req_to_token, req_p
             logits = _key_scores(z, b1a, b2a, q1a, q2a, cos_sin, tp, tp0, ok, 0, stride_cs, HALF, A, JC, dt)
             if JC < HALF:
                 logits += _key_scores(z, b1b, b2b, q1b, q2b, cos_sin, tp, tp0, ok, JC, stride_cs, HALF, A, JC, dt)
-            logits = tl.where(ok[:, None], logits * scale, float("-inf"))
-            zvt = _masked_rank(zv_g + slot[None, :] * stride_zvs + rv[:, None], (rv < RV)[:, None], RV, RVP)
-            m, den, pr, alpha = softmax_step(m, den, logits, 0)
-            acc = acc * alpha[None, :] + tl.dot(zvt.to(dt), pr.to(dt))
+            m, den, acc = _accumulate(logits, ok, slot, zv_g, rv, stride_zvs, scale, m, den, acc, RV, RVP, dt)
     store_split(ws_m, ws_l, ws_acc, rh, pid, m, den, tl.trans(acc), NSPLIT, G, GP, RVP)
 
 
