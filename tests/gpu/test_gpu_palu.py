@@ -61,54 +61,33 @@ def test_decode_kernel_at_a_serving_shape_matches_torch_without_a_host_sync(rati
                                                                              tile: palu_attention.Tile | None) -> None:
     """6 requests of up to 9K tokens in rows 131,072 wide, plus 2 CUDA-graph padding rows (length 1), the even rows'
     positions their indices, the odd rows' not; the served tile (None: the keys-as-rows kernel) and others."""
-    gen = torch.Generator().manual_seed(0)
-    layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
-                                 torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
-    store = PaluStore(ratio, 1)
-    store.load_model(ModelKV((layer,), HKV, D, D, RotaryTable(_table(131_072), D, True)))
     lens = [9000, 4097, 16, 1, 8191, 3000, 1, 1]
-    n_slots = sum(lens) + 8
-    store.allocate(KVGeometry(1, HKV * G, HKV, D, 1, n_slots, torch.bfloat16, torch.device(DEV)))
-    r2t = torch.zeros(7, 131072, dtype=torch.int32)
-    perm = torch.randperm(n_slots - 1, generator=gen) + 1
-    at = 0
-    for row, n in enumerate(lens[:6], start=1):
-        r2t[row, :n] = perm[at:at + n].to(torch.int32)
-        k = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
-        v = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
-        store.write(0, r2t[row, :n].to(DEV).long(), k, v, torch.full((n,), row, device=DEV), decode=False,
-                    positions=torch.arange(n, device=DEV) + 1000 * (row % 2) * row)
-        at += n
-    r2t = r2t.to(DEV)
+    store, r2t, q = _serving_layer(ratio, lens, rows=6, seed=0)
     rpi = torch.tensor([1, 2, 3, 4, 5, 6, 0, 0], device=DEV)
     seq = torch.tensor(lens, device=DEV)
-    q = torch.randn(len(lens), HKV * G, D, generator=gen).to(DEV, torch.bfloat16)
-    rot = store.rotary
-    assert rot is not None
-    table = store.kernel_cos_sin if tile is None else palu_attention.table_for(tile, store.kernel_cos_sin)
-    with sync_debug("error"):
-        got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
-                                              store.v_basis[0], table, True, r2t, rpi, seq,
-                                              D**-0.5, tile=tile)
+    got = _kernel(store, tile, q, r2t, rpi, seq)
     want = KVStore.decode(store, 0, q, r2t, rpi, seq, D**-0.5)  # the contract's torch default: read, attend
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def _serving_layer(lens: list[int], q_scale: float) -> tuple[PaluStore, torch.Tensor, torch.Tensor]:
-    """One layer of a rank-0.5 Palu store at Llama-3-8B's attention with rows 1.. of ``lens`` tokens written
-    (``req_to_token`` 131,072 wide), the even rows' positions their indices, the odd rows' shifted; the queries
-    times ``q_scale`` (larger: attention on fewer keys, so a score's error shows in the output)."""
-    gen = torch.Generator().manual_seed(1)
+def _serving_layer(ratio: float, lens: list[int], rows: int, seed: int,
+                   q_scale: float = 1.0) -> tuple[PaluStore, torch.Tensor, torch.Tensor]:
+    """One layer of a Palu store at Llama-3-8B's attention with rows 1..``rows`` of ``lens`` tokens written
+    (``req_to_token`` 131,072 wide; entries past ``rows``: CUDA-graph padding, read from row 0), the even rows'
+    positions their indices, the odd rows' shifted; queries for every entry of ``lens``, times ``q_scale`` (larger:
+    attention on fewer keys, so a score's error shows in the output)."""
+    gen = torch.Generator().manual_seed(seed)
     layer = AttentionProjections(torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
                                  torch.randn(HKV * D, HIDDEN, generator=gen) / math.sqrt(HIDDEN))
-    store = PaluStore(0.5, 1)
+    store = PaluStore(ratio, 1)
     store.load_model(ModelKV((layer,), HKV, D, D, RotaryTable(_table(131_072), D, True)))
     n_slots = sum(lens) + 8
     store.allocate(KVGeometry(1, HKV * G, HKV, D, 1, n_slots, torch.bfloat16, torch.device(DEV)))
-    r2t = torch.zeros(len(lens) + 1, 131072, dtype=torch.int32)
+    assert store.rotary is not None
+    r2t = torch.zeros(rows + 1, 131072, dtype=torch.int32)
     perm = torch.randperm(n_slots - 1, generator=gen) + 1
     at = 0
-    for row, n in enumerate(lens, start=1):
+    for row, n in enumerate(lens[:rows], start=1):
         r2t[row, :n] = perm[at:at + n].to(torch.int32)
         k = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
         v = torch.randn(n, HKV, D, generator=gen).to(DEV, torch.bfloat16)
@@ -118,22 +97,28 @@ def _serving_layer(lens: list[int], q_scale: float) -> tuple[PaluStore, torch.Te
     return store, r2t.to(DEV), (torch.randn(len(lens), HKV * G, D, generator=gen) * q_scale).to(DEV, torch.bfloat16)
 
 
+def _kernel(store: PaluStore, tile: palu_attention.Tile | None, q: torch.Tensor, r2t: torch.Tensor,
+            rpi: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """Palu's decode kernel over layer 0 at ``tile`` (None: the served one), under the host-sync check."""
+    table = store.kernel_cos_sin if tile is None else palu_attention.table_for(tile, store.kernel_cos_sin)
+    with sync_debug("error"):
+        return palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
+                                               store.v_basis[0], table, True, r2t, rpi, seq, D**-0.5, tile=tile)
+
+
 def test_split_checked_kernel_at_peaky_attention_matches_torch() -> None:
     """The split check (``SPLIT_CHECKED``) against the store's torch path where a score's error shows: queries 4x
     (attention on a few keys), a short row and long ones at their indices beside shifted ones; within 2% of the
     output's largest value (the bf16 rounding of the rotated keys and queries; the served tile's error here is
     ~0.7%)."""
     lens = [9000, 4097, 300, 200, 8191, 3000]
-    store, r2t, q = _serving_layer(lens, q_scale=4.0)
+    store, r2t, q = _serving_layer(0.5, lens, rows=len(lens), seed=1, q_scale=4.0)
     rpi = torch.arange(1, len(lens) + 1, device=DEV)
     seq = torch.tensor(lens, device=DEV)
     want = KVStore.decode(store, 0, q, r2t, rpi, seq, D**-0.5).float()
     for tile in (None, palu_attention.Tile(64, stages=9, query_rows=8, key_rows=True,
                                            angles=palu_attention.SPLIT_CHECKED)):
-        table = store.kernel_cos_sin if tile is None else palu_attention.table_for(tile, store.kernel_cos_sin)
-        with sync_debug("error"):
-            got = palu_attention.decode_attention(q, store.zk[0], store.zv[0], store.pos[0], store.k_basis[0],
-                                                  store.v_basis[0], table, True, r2t, rpi, seq, D**-0.5, tile=tile)
+        got = _kernel(store, tile, q, r2t, rpi, seq)
         err = float((got.float() - want).abs().max() / want.abs().max())
         assert err < 2e-2, f"{tile}: {err:.2e}"
 
