@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from sass_counts import FP8_ARGS, KIVI_ARGS, OMNIKV_ARGS, PALU_ARGS, QUEST_ARGS, TQ_ARGS, _compile
+from sass_counts import FP8_ARGS, KIVI_ARGS, OMNIKV_ARGS, PALU_ARGS, QUEST_ARGS, TQ_ARGS, _compile, palu_kernel
 
 from sgl_sparse.kernels import (
     fp8_attention,
@@ -83,9 +83,7 @@ def _loop_leads(ir: str) -> list[list[int]]:
 
 
 def report(label: str, fn: Any, args: dict[str, str], constants: dict[str, Any], warps: int, stages: int) -> None:
-    # a fresh compile each time: a cached kernel dumps nothing
-    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
-    ir, shared = _dump(fn, args, {k: v for k, v in constants.items() if k in fn.arg_names}, warps, stages)
+    ir, shared = _dump(fn, args, constants, warps, stages)
     leads = _loop_leads(ir)
     shown = "; ".join(" ".join(str(x) for x in loop) for loop in leads)
     waited = sum(x == 0 for loop in leads for x in loop)
@@ -97,18 +95,15 @@ def main() -> None:
     p.add_argument("--palu-tiles", nargs="*", default=[],
                    help="also Palu's kernel at these tiles (quant_decode.py's form)")
     a = p.parse_args()
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a kernel from Triton's cache is not compiled, so dumps nothing
     from quant_decode import palu_tile
 
     d, g = 128, 4
     print("| kernel | num_stages | each load's lead in stages over its loop's dots (loops apart by ;) | loads "
           "waited on every iteration | shared KB |")
     print("| --- | --- | --- | --- | --- |")
-    r = d // 2
-    for tile in [palu_attention.cuda_tile(r), *(palu_tile(s) for s in a.palu_tiles)]:
-        consts = dict(HKV=8, GS=1, G=g, GP=max(tile.query_rows, g), D=d, HALF=d // 2, NEOX=True, RK=r, RKP=r, RV=r,
-                      RVP=r, BLOCK=tile.block, NSPLIT=64, NATIVE=True, I32=True, ANGLES=tile.angles,
-                      JC=tile.freq_chunk or d // 2, GSTAGES=palu_attention.gather_stages(tile))
-        fn = palu_attention._decode_kernel_key_rows if tile.key_rows else palu_attention._decode_kernel
+    for tile in [palu_attention.cuda_tile(d // 2), *(palu_tile(s) for s in a.palu_tiles)]:
+        fn, consts = palu_kernel(tile, d, g)
         kind = "keys as rows" if tile.key_rows else "queries as rows"
         report(f"palu {tile.block} positions, {tile.warps} warps, angles {tile.angles}, {kind}", fn, PALU_ARGS, consts,
                tile.warps, tile.stages)

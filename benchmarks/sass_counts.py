@@ -174,13 +174,19 @@ def _palu(d: int, g: int, specs: list[str]) -> None:
     key's or value's (``block x d x 2`` a tile), as the quantized kernels count theirs."""
     from quant_decode import palu_tile
 
-    r = d // 2
-    for tile in [palu_attention.cuda_tile(r), *(palu_tile(s) for s in specs)]:
-        consts = dict(HKV=8, GS=1, G=g, GP=max(tile.query_rows, g), D=d, HALF=d // 2, NEOX=True, RK=r, RKP=r, RV=r,
-                      RVP=r, BLOCK=tile.block, NSPLIT=64, NATIVE=True, I32=True, ANGLES=tile.angles,
-                      JC=tile.freq_chunk or d // 2, GSTAGES=palu_attention.gather_stages(tile))
-        fn = palu_attention._decode_kernel_key_rows if tile.key_rows else palu_attention._decode_kernel
+    for tile in [palu_attention.cuda_tile(d // 2), *(palu_tile(s) for s in specs)]:
+        fn, consts = palu_kernel(tile, d, g)
         count(f"palu {tile}", fn, PALU_ARGS, consts, tile.warps, tile.block * d * 2, tile.stages)
+
+
+def palu_kernel(tile: palu_attention.Tile, d: int, g: int) -> tuple[Any, dict[str, Any]]:
+    """Palu's decode kernel at ``tile`` and its compile-time constants at rank ratio 0.5 (8 KV heads of ``d``, a group
+    of ``g``; int32 offsets)."""
+    r = d // 2
+    consts = dict(HKV=8, GS=1, G=g, GP=max(tile.query_rows, g), D=d, HALF=d // 2, NEOX=True, RK=r, RKP=r, RV=r,
+                  RVP=r, BLOCK=tile.block, NSPLIT=64, NATIVE=True, I32=True, ANGLES=tile.angles,
+                  JC=tile.freq_chunk or d // 2, GSTAGES=palu_attention.gather_stages(tile))
+    return (palu_attention._decode_kernel_key_rows if tile.key_rows else palu_attention._decode_kernel), consts
 
 
 if __name__ == "__main__":
